@@ -1,0 +1,96 @@
+// Communicator: the collectives the sharded ops need, over one group of W ranks.
+//
+// Implementations: GlooCommunicator (CPU, TCP; buffers in host memory) and, later, an NCCL one
+// (buffers in device memory). The op algorithms only see this interface. Every call takes a
+// timeout; a peer that is gone or too slow yields UNAVAILABLE naming the rank and the collective,
+// never a hang. After a failed collective the communicator is broken: every later call returns
+// UNAVAILABLE (the group must re-form with a new rendezvous epoch).
+//
+// Collectives must be called by every rank of the group in the same order (SPMD). A Communicator
+// is not thread-safe: one executor thread drives it.
+#ifndef SHARDSERVE_CORE_COMMUNICATOR_H_
+#define SHARDSERVE_CORE_COMMUNICATOR_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace shardserve::core {
+
+enum class DataType { kFloat32, kFloat64, kInt64 };
+enum class ReduceOp { kSum, kMax };
+
+inline size_t SizeOf(DataType type) { return type == DataType::kFloat32 ? 4 : 8; }
+
+template <typename T>
+constexpr DataType DataTypeOf();
+template <>
+constexpr DataType DataTypeOf<float>() { return DataType::kFloat32; }
+template <>
+constexpr DataType DataTypeOf<double>() { return DataType::kFloat64; }
+template <>
+constexpr DataType DataTypeOf<int64_t>() { return DataType::kInt64; }
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // Rank r contributes `in` (counts[r] elements); `out` receives every rank's block in rank order
+  // (sum(counts) elements). Counts may differ per rank and may be zero.
+  virtual absl::Status AllGatherV(const void* in, void* out, absl::Span<const int64_t> counts,
+                                  DataType type, absl::Duration timeout) = 0;
+
+  // Sends send_counts[q] elements to rank q (blocks of `in` in rank order) and receives
+  // recv_counts[q] elements from rank q (blocks of `out` in rank order).
+  virtual absl::Status AllToAllV(const void* in, absl::Span<const int64_t> send_counts, void* out,
+                                 absl::Span<const int64_t> recv_counts, DataType type,
+                                 absl::Duration timeout) = 0;
+
+  // In-place element-wise reduction of `data` (count elements) across ranks.
+  virtual absl::Status AllReduce(void* data, int64_t count, DataType type, ReduceOp op,
+                                 absl::Duration timeout) = 0;
+
+  // `in` holds W blocks of counts[q] elements; rank q receives the reduction over ranks of block q
+  // in `out` (counts[rank] elements). Every rank passes the same counts.
+  virtual absl::Status ReduceScatter(const void* in, absl::Span<const int64_t> counts, void* out,
+                                     DataType type, ReduceOp op, absl::Duration timeout) = 0;
+
+  virtual absl::Status Barrier(absl::Duration timeout) = 0;
+
+  // Breaks the group: pending and later collectives fail with UNAVAILABLE. Idempotent.
+  virtual absl::Status Abort() = 0;
+
+  // Typed conveniences.
+  template <typename T>
+  absl::Status AllGatherV(const T* in, T* out, absl::Span<const int64_t> counts,
+                          absl::Duration timeout) {
+    return AllGatherV(static_cast<const void*>(in), static_cast<void*>(out), counts,
+                      DataTypeOf<T>(), timeout);
+  }
+  template <typename T>
+  absl::Status AllToAllV(const T* in, absl::Span<const int64_t> send_counts, T* out,
+                         absl::Span<const int64_t> recv_counts, absl::Duration timeout) {
+    return AllToAllV(static_cast<const void*>(in), send_counts, static_cast<void*>(out),
+                     recv_counts, DataTypeOf<T>(), timeout);
+  }
+  template <typename T>
+  absl::Status AllReduce(T* data, int64_t count, ReduceOp op, absl::Duration timeout) {
+    return AllReduce(static_cast<void*>(data), count, DataTypeOf<T>(), op, timeout);
+  }
+  template <typename T>
+  absl::Status ReduceScatter(const T* in, absl::Span<const int64_t> counts, T* out, ReduceOp op,
+                             absl::Duration timeout) {
+    return ReduceScatter(static_cast<const void*>(in), counts, static_cast<void*>(out),
+                         DataTypeOf<T>(), op, timeout);
+  }
+};
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_COMMUNICATOR_H_

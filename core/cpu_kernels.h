@@ -1,0 +1,45 @@
+// CpuKernels: LocalKernels on the host CPU, over LibTorch's (ATen's) CPU ops.
+//
+// Device memory is host memory (64-byte aligned). Thread-compatible; InitThread() sets the
+// calling thread's ATen intra-op thread count.
+#ifndef SHARDSERVE_CORE_CPU_KERNELS_H_
+#define SHARDSERVE_CORE_CPU_KERNELS_H_
+
+#include "core/local_kernels.h"
+
+namespace shardserve::core {
+
+struct CpuKernelOptions {
+  // ATen intra-op threads for the executor thread. 1 suits one rank per core.
+  int intra_op_threads = 1;
+};
+
+class CpuKernels : public LocalKernels {
+ public:
+  explicit CpuKernels(CpuKernelOptions options = {}) : options_(options) {}
+
+  Device device() const override { return Device(); }
+  void InitThread() override;
+
+  absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes) override;
+  absl::Status CopyFromHost(const void* host, void* device, int64_t bytes) override;
+  absl::Status CopyToHost(const void* device, void* host, int64_t bytes) override;
+
+  absl::Status GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n,
+                          float* out) override;
+  absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
+                        float empty_max, float* out) override;
+  absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n, double p,
+                            double* norms_pow) override;
+  absl::Status ScaleRows(const MatrixView& shard, const int64_t* ids, int64_t n,
+                         const float* scales) override;
+  absl::Status Linear(const float* x, int64_t rows, int64_t x_stride, int64_t col_begin,
+                      const MatrixView& weight, const float* bias, float* out) override;
+
+ private:
+  CpuKernelOptions options_;
+};
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_CPU_KERNELS_H_

@@ -1,0 +1,267 @@
+#include "core/gloo_communicator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "gloo/allgatherv.h"
+#include "gloo/allreduce.h"
+#include "gloo/alltoallv.h"
+#include "gloo/barrier.h"
+#include "gloo/math.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/prefix_store.h"
+#include "gloo/rendezvous/store.h"
+#include "gloo/transport/tcp/device.h"
+
+namespace shardserve::core {
+namespace {
+
+std::chrono::milliseconds ToChrono(absl::Duration d) {
+  return std::chrono::milliseconds(std::max<int64_t>(absl::ToInt64Milliseconds(d), 1));
+}
+
+// Adapts our RendezvousStore to Gloo's store interface (which reports failure by throwing).
+class StoreAdapter : public gloo::rendezvous::Store {
+ public:
+  StoreAdapter(RendezvousStore& store, absl::Duration timeout) : store_(store), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    absl::Status status = store_.Set(key, absl::string_view(data.data(), data.size()));
+    if (!status.ok()) throw std::runtime_error(std::string(status.message()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    absl::StatusOr<std::string> value = store_.Get(key, timeout_);
+    if (!value.ok()) throw std::runtime_error(std::string(value.status().message()));
+    return std::vector<char>(value->begin(), value->end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, ToChrono(timeout_)); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    for (const std::string& key : keys) {
+      absl::StatusOr<std::string> value = store_.Get(key, absl::FromChrono(timeout));
+      if (!value.ok()) throw std::runtime_error(std::string(value.status().message()));
+    }
+  }
+
+ private:
+  RendezvousStore& store_;
+  absl::Duration timeout_;
+};
+
+// A valid address for zero-length buffers (Gloo wants a pointer even when nothing moves).
+char kEmpty[8];
+
+template <typename T>
+void ReduceInto(T* acc, const T* in, size_t n, ReduceOp op) {
+  if (op == ReduceOp::kSum) {
+    for (size_t i = 0; i < n; ++i) acc[i] += in[i];
+  } else {
+    for (size_t i = 0; i < n; ++i) acc[i] = std::max(acc[i], in[i]);
+  }
+}
+
+// Calls fn(T{}) with T the C++ type of `type`.
+template <typename Fn>
+void Dispatch(DataType type, Fn&& fn) {
+  switch (type) {
+    case DataType::kFloat32:
+      fn(float{});
+      return;
+    case DataType::kFloat64:
+      fn(double{});
+      return;
+    case DataType::kInt64:
+      fn(int64_t{});
+      return;
+  }
+}
+
+}  // namespace
+
+GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank,
+                                   int world_size)
+    : context_(std::move(context)), rank_(rank), world_size_(world_size) {}
+
+GlooCommunicator::~GlooCommunicator() = default;
+
+absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
+    RendezvousStore& store, const std::string& key_prefix, int rank, int world_size,
+    const GlooOptions& options) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gloo: rank ", rank, " is out of range [0, ", world_size, ")"));
+  }
+  try {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = options.hostname;
+    std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank, world_size);
+    context->setTimeout(ToChrono(options.connect_timeout));
+    StoreAdapter adapter(store, options.connect_timeout);
+    gloo::rendezvous::PrefixStore prefixed(key_prefix, adapter);
+    context->connectFullMesh(prefixed, device);
+    return std::unique_ptr<GlooCommunicator>(
+        new GlooCommunicator(std::move(context), rank, world_size));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("gloo: rank ", rank, " of ", world_size,
+                                               " could not join group \"", key_prefix,
+                                               "\": ", e.what()));
+  }
+}
+
+template <typename Body>
+absl::Status GlooCommunicator::Guarded(const char* what, Body&& body) {
+  if (broken_) {
+    return absl::UnavailableError(absl::StrCat("gloo: rank ", rank_, ": ", what,
+                                               " refused, group is broken: ", broken_reason_));
+  }
+  try {
+    body();
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    broken_ = true;
+    broken_reason_ = absl::StrCat(what, " failed: ", e.what());
+    return absl::UnavailableError(
+        absl::StrCat("gloo: rank ", rank_, " of ", world_size_, ": ", broken_reason_));
+  }
+}
+
+absl::Status GlooCommunicator::AllGatherV(const void* in, void* out,
+                                          absl::Span<const int64_t> counts, DataType type,
+                                          absl::Duration timeout) {
+  if (static_cast<int>(counts.size()) != world_size_) {
+    return absl::InternalError("gloo: AllGatherV counts must have one entry per rank");
+  }
+  return Guarded("all-gather", [&] {
+    const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+    if (world_size_ == 1) {
+      if (total > 0) std::memcpy(out, in, total * SizeOf(type));
+      return;
+    }
+    gloo::AllgathervOptions opts(context_);
+    std::vector<size_t> elements(counts.begin(), counts.end());
+    void* in_ptr = counts[rank_] > 0 ? const_cast<void*>(in) : kEmpty;
+    void* out_ptr = total > 0 ? out : kEmpty;
+    Dispatch(type, [&](auto t) {
+      using T = decltype(t);
+      opts.setInput(static_cast<T*>(in_ptr), counts[rank_]);
+      opts.setOutput(static_cast<T*>(out_ptr), elements);
+    });
+    opts.setTag(next_tag_++);
+    opts.setTimeout(ToChrono(timeout));
+    gloo::allgatherv(opts);
+  });
+}
+
+absl::Status GlooCommunicator::AllToAllV(const void* in, absl::Span<const int64_t> send_counts,
+                                         void* out, absl::Span<const int64_t> recv_counts,
+                                         DataType type, absl::Duration timeout) {
+  if (static_cast<int>(send_counts.size()) != world_size_ ||
+      static_cast<int>(recv_counts.size()) != world_size_) {
+    return absl::InternalError("gloo: AllToAllV counts must have one entry per rank");
+  }
+  return Guarded("all-to-all", [&] {
+    const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
+    const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+    if (world_size_ == 1) {
+      if (send_total > 0) std::memcpy(out, in, send_total * SizeOf(type));
+      return;
+    }
+    gloo::AlltoallvOptions opts(context_);
+    std::vector<int64_t> send(send_counts.begin(), send_counts.end());
+    std::vector<int64_t> recv(recv_counts.begin(), recv_counts.end());
+    void* in_ptr = send_total > 0 ? const_cast<void*>(in) : kEmpty;
+    void* out_ptr = recv_total > 0 ? out : kEmpty;
+    Dispatch(type, [&](auto t) {
+      using T = decltype(t);
+      opts.setInput(static_cast<T*>(in_ptr), send);
+      opts.setOutput(static_cast<T*>(out_ptr), recv);
+    });
+    opts.setTag(next_tag_++);
+    opts.setTimeout(ToChrono(timeout));
+    gloo::alltoallv(opts);
+  });
+}
+
+absl::Status GlooCommunicator::AllReduce(void* data, int64_t count, DataType type, ReduceOp op,
+                                         absl::Duration timeout) {
+  return Guarded("all-reduce", [&] {
+    if (world_size_ == 1 || count == 0) {
+      // Still a synchronisation point for the group when count is 0.
+      if (world_size_ > 1) {
+        gloo::BarrierOptions barrier(context_);
+        barrier.setTag(next_tag_++);
+        barrier.setTimeout(ToChrono(timeout));
+        gloo::barrier(barrier);
+      }
+      return;
+    }
+    gloo::AllreduceOptions opts(context_);
+    Dispatch(type, [&](auto t) {
+      using T = decltype(t);
+      using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+      opts.setOutput(static_cast<T*>(data), count);
+      opts.setReduceFunction(op == ReduceOp::kSum ? static_cast<ReduceFn>(&gloo::sum<T>)
+                                                  : static_cast<ReduceFn>(&gloo::max<T>));
+    });
+    opts.setTag(next_tag_++);
+    opts.setTimeout(ToChrono(timeout));
+    gloo::allreduce(opts);
+  });
+}
+
+absl::Status GlooCommunicator::ReduceScatter(const void* in, absl::Span<const int64_t> counts,
+                                             void* out, DataType type, ReduceOp op,
+                                             absl::Duration timeout) {
+  if (static_cast<int>(counts.size()) != world_size_) {
+    return absl::InternalError("gloo: ReduceScatter counts must have one entry per rank");
+  }
+  // All-to-all block q to rank q, then reduce the W received blocks locally: bandwidth-optimal for
+  // the small groups we run, and it allows ragged blocks.
+  const int64_t mine = counts[rank_];
+  const size_t elem = SizeOf(type);
+  std::vector<int64_t> recv(world_size_, mine);
+  scratch_.resize(static_cast<size_t>(mine) * world_size_ * elem);
+  absl::Status status = AllToAllV(in, counts, scratch_.data(), recv, type, timeout);
+  if (!status.ok()) return status;
+  if (mine == 0) return absl::OkStatus();
+  std::memcpy(out, scratch_.data(), mine * elem);
+  for (int q = 1; q < world_size_; ++q) {
+    const char* block = scratch_.data() + static_cast<size_t>(q) * mine * elem;
+    Dispatch(type, [&](auto t) {
+      using T = decltype(t);
+      ReduceInto(static_cast<T*>(out), reinterpret_cast<const T*>(block), mine, op);
+    });
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GlooCommunicator::Barrier(absl::Duration timeout) {
+  return Guarded("barrier", [&] {
+    if (world_size_ == 1) return;
+    gloo::BarrierOptions opts(context_);
+    opts.setTag(next_tag_++);
+    opts.setTimeout(ToChrono(timeout));
+    gloo::barrier(opts);
+  });
+}
+
+absl::Status GlooCommunicator::Abort() {
+  if (!broken_) {
+    broken_ = true;
+    broken_reason_ = "aborted";
+  }
+  // Closing the connections makes peers blocked on us fail now instead of at their timeout.
+  context_.reset();
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve::core

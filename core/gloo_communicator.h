@@ -1,0 +1,74 @@
+// GlooCommunicator: Communicator over Gloo's TCP transport (CPU workers; buffers in host memory).
+//
+// Create() connects a full mesh through a RendezvousStore under `key_prefix` (group + epoch), so
+// a re-formed group uses a fresh prefix. Gloo reports failures by throwing; every call here catches
+// them and returns UNAVAILABLE, and marks the communicator broken. Not thread-safe: one executor
+// thread drives it. Destruction closes the sockets, which makes peers' pending calls fail fast.
+#ifndef SHARDSERVE_CORE_GLOO_COMMUNICATOR_H_
+#define SHARDSERVE_CORE_GLOO_COMMUNICATOR_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/communicator.h"
+#include "core/rendezvous.h"
+
+namespace gloo {
+class Context;
+}  // namespace gloo
+
+namespace shardserve::core {
+
+struct GlooOptions {
+  std::string hostname = "127.0.0.1";  // address this rank listens on for its peers
+  absl::Duration connect_timeout = absl::Seconds(30);
+};
+
+class GlooCommunicator : public Communicator {
+ public:
+  static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(RendezvousStore& store,
+                                                                  const std::string& key_prefix,
+                                                                  int rank, int world_size,
+                                                                  const GlooOptions& options = {});
+  ~GlooCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+
+  absl::Status AllGatherV(const void* in, void* out, absl::Span<const int64_t> counts,
+                          DataType type, absl::Duration timeout) override;
+  absl::Status AllToAllV(const void* in, absl::Span<const int64_t> send_counts, void* out,
+                         absl::Span<const int64_t> recv_counts, DataType type,
+                         absl::Duration timeout) override;
+  absl::Status AllReduce(void* data, int64_t count, DataType type, ReduceOp op,
+                         absl::Duration timeout) override;
+  absl::Status ReduceScatter(const void* in, absl::Span<const int64_t> counts, void* out,
+                             DataType type, ReduceOp op, absl::Duration timeout) override;
+  absl::Status Barrier(absl::Duration timeout) override;
+  absl::Status Abort() override;
+
+  using Communicator::AllGatherV;
+  using Communicator::AllReduce;
+  using Communicator::AllToAllV;
+  using Communicator::ReduceScatter;
+
+ private:
+  GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int world_size);
+  // Runs `body` (which may throw), turning any exception into UNAVAILABLE and breaking the group.
+  template <typename Body>
+  absl::Status Guarded(const char* what, Body&& body);
+
+  std::shared_ptr<gloo::Context> context_;
+  const int rank_;
+  const int world_size_;
+  bool broken_ = false;
+  std::string broken_reason_;
+  uint32_t next_tag_ = 1;
+  std::vector<char> scratch_;  // reduce-scatter receive space
+};
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_GLOO_COMMUNICATOR_H_

@@ -1,0 +1,167 @@
+#include "core/gloo_communicator.h"
+
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "core/rendezvous.h"
+
+namespace shardserve::core {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kTimeout = absl::Seconds(10);
+
+// Runs body(rank, communicator) on W threads connected over loopback TCP.
+void RunGroup(int world, const std::function<void(int, GlooCommunicator&)>& body) {
+  static int group_counter = 0;
+  const std::string prefix = absl::StrCat("test-group-", ++group_counter);
+  InProcessRendezvous store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm =
+          GlooCommunicator::Create(store, prefix, r, world);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      body(r, **comm);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+TEST(GlooCommunicator, AllGatherVWithDifferentSizesPerRank) {
+  for (int world : {1, 2, 3, 4}) {
+    RunGroup(world, [world](int rank, GlooCommunicator& comm) {
+      std::vector<int64_t> counts(world);
+      for (int r = 0; r < world; ++r) counts[r] = r % 2 == 0 ? r + 1 : 0;  // some ranks send nothing
+      std::vector<int64_t> mine(counts[rank]);
+      for (int64_t i = 0; i < counts[rank]; ++i) mine[i] = rank * 100 + i;
+      std::vector<int64_t> out(std::accumulate(counts.begin(), counts.end(), int64_t{0}));
+      ASSERT_TRUE(comm.AllGatherV(mine.data(), out.data(), counts, kTimeout).ok());
+      std::vector<int64_t> expected;
+      for (int r = 0; r < world; ++r) {
+        for (int64_t i = 0; i < counts[r]; ++i) expected.push_back(r * 100 + i);
+      }
+      EXPECT_EQ(out, expected) << "world " << world << " rank " << rank;
+    });
+  }
+}
+
+TEST(GlooCommunicator, AllToAllVWithPerRankSplits) {
+  const int world = 3;
+  RunGroup(world, [](int rank, GlooCommunicator& comm) {
+    // Rank r sends (r + q) floats to rank q, each valued 10*r + q.
+    std::vector<int64_t> send(world), recv(world);
+    std::vector<float> in;
+    for (int q = 0; q < world; ++q) {
+      send[q] = rank + q;
+      recv[q] = q + rank;
+      for (int i = 0; i < send[q]; ++i) in.push_back(10.0f * rank + q);
+    }
+    std::vector<float> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}));
+    ASSERT_TRUE(comm.AllToAllV(in.data(), send, out.data(), recv, kTimeout).ok());
+    std::vector<float> expected;
+    for (int q = 0; q < world; ++q) {
+      for (int i = 0; i < recv[q]; ++i) expected.push_back(10.0f * q + rank);
+    }
+    EXPECT_EQ(out, expected);
+  });
+}
+
+TEST(GlooCommunicator, AllReduceSumAndMax) {
+  const int world = 4;
+  RunGroup(world, [](int rank, GlooCommunicator& comm) {
+    std::vector<double> sums = {1.0 * rank, 2.0};
+    ASSERT_TRUE(comm.AllReduce(sums.data(), 2, ReduceOp::kSum, kTimeout).ok());
+    EXPECT_EQ(sums, (std::vector<double>{6.0, 8.0}));
+    std::vector<float> maxes = {static_cast<float>(rank), -static_cast<float>(rank)};
+    ASSERT_TRUE(comm.AllReduce(maxes.data(), 2, ReduceOp::kMax, kTimeout).ok());
+    EXPECT_EQ(maxes, (std::vector<float>{3.0f, 0.0f}));
+    std::vector<int64_t> ids = {rank};
+    ASSERT_TRUE(comm.AllReduce(ids.data(), 1, ReduceOp::kSum, kTimeout).ok());
+    EXPECT_EQ(ids[0], 6);
+  });
+}
+
+TEST(GlooCommunicator, ReduceScatterWithRaggedBlocks) {
+  const int world = 3;
+  RunGroup(world, [](int rank, GlooCommunicator& comm) {
+    const std::vector<int64_t> counts = {2, 0, 3};
+    std::vector<float> in;
+    for (int q = 0; q < world; ++q) {
+      for (int i = 0; i < counts[q]; ++i) in.push_back(rank + 10.0f * q + i);
+    }
+    std::vector<float> sum(counts[rank]), max(counts[rank]);
+    ASSERT_TRUE(comm.ReduceScatter(in.data(), counts, sum.data(), ReduceOp::kSum, kTimeout).ok());
+    ASSERT_TRUE(comm.ReduceScatter(in.data(), counts, max.data(), ReduceOp::kMax, kTimeout).ok());
+    for (int i = 0; i < counts[rank]; ++i) {
+      EXPECT_EQ(sum[i], (0 + 1 + 2) + 3 * (10.0f * rank + i));
+      EXPECT_EQ(max[i], 2 + 10.0f * rank + i);
+    }
+  });
+}
+
+TEST(GlooCommunicator, BarrierCompletes) {
+  RunGroup(3, [](int, GlooCommunicator& comm) { EXPECT_TRUE(comm.Barrier(kTimeout).ok()); });
+}
+
+TEST(GlooCommunicator, SilentPeerMakesCollectiveFailWithinTimeout) {
+  RunGroup(2, [](int rank, GlooCommunicator& comm) {
+    if (rank == 1) {
+      absl::SleepFor(absl::Milliseconds(1500));  // never joins the all-reduce; outlives the timeout
+      return;
+    }
+    float value = 1.0f;
+    const absl::Time start = absl::Now();
+    absl::Status status = comm.AllReduce(&value, 1, ReduceOp::kSum, absl::Milliseconds(300));
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("rank 0 of 2"));
+    EXPECT_LT(took, absl::Seconds(1)) << "collective outlived its timeout";
+    // The group is broken from now on.
+    EXPECT_EQ(comm.Barrier(kTimeout).code(), absl::StatusCode::kUnavailable);
+  });
+}
+
+TEST(GlooCommunicator, DeadPeerMakesCollectiveFailFast) {
+  RunGroup(2, [](int rank, GlooCommunicator& comm) {
+    if (rank == 1) {
+      ASSERT_TRUE(comm.Abort().ok());  // closes its sockets, as a dying process would
+      ASSERT_TRUE(comm.Abort().ok());  // idempotent
+      EXPECT_EQ(comm.Barrier(kTimeout).code(), absl::StatusCode::kUnavailable);
+      return;
+    }
+    std::vector<float> data(1024, 1.0f);
+    const absl::Time start = absl::Now();
+    absl::Status status = comm.AllReduce(data.data(), data.size(), ReduceOp::kSum, absl::Seconds(5));
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(6));
+  });
+}
+
+TEST(GlooCommunicator, MissingPeerAtRendezvousIsUnavailable) {
+  InProcessRendezvous store;
+  GlooOptions options;
+  options.connect_timeout = absl::Milliseconds(200);
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm =
+      GlooCommunicator::Create(store, "lonely", 0, 2, options);
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(comm.status().message()), HasSubstr("could not join group"));
+}
+
+TEST(GlooCommunicator, RejectsRankOutOfRange) {
+  InProcessRendezvous store;
+  EXPECT_EQ(GlooCommunicator::Create(store, "bad", 2, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace shardserve::core

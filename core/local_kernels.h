@@ -1,0 +1,114 @@
+// LocalKernels: the per-device compute the sharded ops run on a rank's own shard.
+//
+// The op algorithms (sharded_ops.h) are written once against this interface and Communicator;
+// a device slots in by implementing both (CpuKernels over LibTorch's CPU ops now, CUDA kernels +
+// cuBLAS later). Memory spaces: "device" pointers (shards, kernel outputs, collective buffers) live
+// in the kernels' memory space; pointers documented as "host" (ids, offsets, weights of samples,
+// linear inputs, norms) are ordinary host memory, since requests arrive on the host.
+//
+// Implementations are thread-compatible: one executor thread per device calls them, after
+// InitThread(). Calls return INTERNAL when the backend fails (they never throw).
+#ifndef SHARDSERVE_CORE_LOCAL_KERNELS_H_
+#define SHARDSERVE_CORE_LOCAL_KERNELS_H_
+
+#include <cstdint>
+#include <functional>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/sharding_spec.h"
+
+namespace shardserve::core {
+
+// Owns `bytes` bytes of device memory; freed by the deleter the kernels attached. Move-only.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(void* data, int64_t bytes, std::function<void(void*)> free)
+      : data_(data), bytes_(bytes), free_(std::move(free)) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+      free_ = std::move(other.free_);
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Reset(); }
+
+  void* data() const { return data_; }
+  float* floats() const { return static_cast<float*>(data_); }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void Reset() {
+    if (data_ != nullptr && free_) free_(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+  void* data_ = nullptr;
+  int64_t bytes_ = 0;
+  std::function<void(void*)> free_;
+};
+
+// A row-major (rows x cols) float matrix in device memory.
+struct MatrixView {
+  float* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+enum class PoolMode { kSum = 0, kMean = 1, kMax = 2 };
+
+// Bags over local row indices, all in host memory: bag b is ids[offsets[b] .. offsets[b+1]).
+struct BagsView {
+  const int64_t* ids = nullptr;
+  const int64_t* offsets = nullptr;  // num_bags + 1 entries, offsets[0] == 0
+  const float* weights = nullptr;    // per_sample_weights (one per id) or null
+  int64_t num_bags = 0;
+};
+
+class LocalKernels {
+ public:
+  virtual ~LocalKernels() = default;
+
+  virtual Device device() const = 0;
+  // Sets the calling thread's guards (intra-op threads, device, stream). Call once per thread.
+  virtual void InitThread() = 0;
+
+  virtual absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes) = 0;
+  virtual absl::Status CopyFromHost(const void* host, void* device, int64_t bytes) = 0;
+  virtual absl::Status CopyToHost(const void* device, void* host, int64_t bytes) = 0;
+
+  // out[i, :] = shard[ids[i], :] for i < n. ids (host) are local rows in range.
+  virtual absl::Status GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n,
+                                  float* out) = 0;
+
+  // out[b, :] = pooled shard rows of bag b: sum (weighted by bags.weights when given), mean or
+  // max. An empty bag gives 0, except in max mode, where it gives `empty_max`.
+  virtual absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
+                                float empty_max, float* out) = 0;
+
+  // norms_pow[i] = sum_j |shard[ids[i], j]|^p (host output).
+  virtual absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n,
+                                    double p, double* norms_pow) = 0;
+
+  // shard[ids[i], :] *= scales[i] (ids and scales on the host).
+  virtual absl::Status ScaleRows(const MatrixView& shard, const int64_t* ids, int64_t n,
+                                 const float* scales) = 0;
+
+  // out (rows x weight.rows) = x[:, col_begin : col_begin + weight.cols] * weight^T (+ bias).
+  // x is host memory, row-major with row stride x_stride; bias (weight.rows entries, host) may be
+  // null. weight.cols may be 0 (then out is bias or zeros).
+  virtual absl::Status Linear(const float* x, int64_t rows, int64_t x_stride, int64_t col_begin,
+                              const MatrixView& weight, const float* bias, float* out) = 0;
+};
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_LOCAL_KERNELS_H_

@@ -1,0 +1,98 @@
+// ChunkShardingSpec and the shard arithmetic of torch.chunk (reference §1).
+//
+// A ShardingSpec says which dimension of a 2-D weight is split and which rank holds each chunk:
+// placement idx holds chunk idx, and placements may be any permutation of ranks. ShardLayout turns
+// a spec plus the sharded dimension's size into per-rank offsets and sizes. Unlike PyTorch 1.13,
+// empty trailing chunks are legal (their rank simply holds zero rows/columns).
+//
+// Value types; thread-compatible. Parse/Create return INVALID_ARGUMENT naming the bad field.
+#ifndef SHARDSERVE_CORE_SHARDING_SPEC_H_
+#define SHARDSERVE_CORE_SHARDING_SPEC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace shardserve::core {
+
+// Where a shard lives: "cpu" or "cuda" with an index.
+struct Device {
+  enum class Kind { kCpu, kCuda };
+  Kind kind = Kind::kCpu;
+  int index = 0;  // only meaningful for kCuda
+
+  static absl::StatusOr<Device> Parse(absl::string_view text);
+  std::string ToString() const;
+  friend bool operator==(const Device& a, const Device& b) {
+    return a.kind == b.kind && (a.kind == Kind::kCpu || a.index == b.index);
+  }
+};
+
+// One entry of ChunkShardingSpec.placements: "rank:<r>/<device>" or "rank:<r>" (device cpu).
+struct Placement {
+  int rank = 0;
+  Device device;
+
+  static absl::StatusOr<Placement> Parse(absl::string_view text);
+  std::string ToString() const;  // "rank:2/cuda:2"
+};
+
+// torch.chunk split size: ceil(n / chunks).
+int64_t SplitSize(int64_t n, int64_t chunks);
+// Size of chunk `idx` of n split into pieces of `split`: max(min(n, split*(idx+1)) - split*idx, 0).
+int64_t ChunkedDimSize(int64_t n, int64_t split, int64_t idx);
+
+// ChunkShardingSpec over a 2-D weight.
+class ShardingSpec {
+ public:
+  // dim must be 0 or 1; placements must name ranks 0..W-1 each exactly once, W = size.
+  static absl::StatusOr<ShardingSpec> Create(int dim, std::vector<Placement> placements);
+  // Parses placement strings, e.g. {"rank:2/cpu", "rank:0/cpu", "rank:1/cpu"}.
+  static absl::StatusOr<ShardingSpec> Create(int dim, const std::vector<std::string>& placements);
+  // The identity placement rank:0..W-1 on `device`.
+  static ShardingSpec Contiguous(int dim, int world_size, Device device = Device());
+
+  int dim() const { return dim_; }
+  int world_size() const { return static_cast<int>(placements_.size()); }
+  const std::vector<Placement>& placements() const { return placements_; }
+  // Index into placements() of the chunk that `rank` holds.
+  int PlacementIndexOfRank(int rank) const { return placement_index_of_rank_[rank]; }
+  bool IsIdentityOrder() const;
+  std::string ToString() const;
+
+ private:
+  ShardingSpec(int dim, std::vector<Placement> placements);
+
+  int dim_;
+  std::vector<Placement> placements_;
+  std::vector<int> placement_index_of_rank_;
+};
+
+// Offsets and sizes of every rank's chunk of a dimension of size n.
+class ShardLayout {
+ public:
+  ShardLayout(const ShardingSpec& spec, int64_t n);
+
+  int64_t n() const { return n_; }
+  int world_size() const { return static_cast<int>(size_of_rank_.size()); }
+  int64_t split() const { return split_; }
+  // First index and number of indices of the chunk held by `rank`.
+  int64_t OffsetOfRank(int rank) const { return offset_of_rank_[rank]; }
+  int64_t SizeOfRank(int rank) const { return size_of_rank_[rank]; }
+  // Rank that holds index i (0 <= i < n).
+  int OwnerOf(int64_t i) const { return owner_of_chunk_[i / split_]; }
+
+ private:
+  int64_t n_;
+  int64_t split_;
+  std::vector<int64_t> offset_of_rank_;
+  std::vector<int64_t> size_of_rank_;
+  std::vector<int> owner_of_chunk_;  // by chunk (= placement) index
+};
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_SHARDING_SPEC_H_
