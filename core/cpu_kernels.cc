@@ -1,5 +1,6 @@
 #include "core/cpu_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -79,6 +80,11 @@ absl::Status CpuKernels::PoolBags(const MatrixView& shard, const BagsView& bags,
                                   float empty_max, float* out) {
   if (bags.num_bags == 0 || shard.cols == 0) return absl::OkStatus();
   const int64_t num_ids = bags.offsets[bags.num_bags];
+  if (num_ids == 0) {  // every bag is empty (this also covers shards with no rows)
+    const float fill = mode == PoolMode::kMax ? empty_max : 0.0f;
+    std::fill(out, out + bags.num_bags * shard.cols, fill);
+    return absl::OkStatus();
+  }
   absl::Status status = TorchGuard("pool bags", [&] {
     at::Tensor weight = FloatView(shard.data, shard.rows, shard.cols);
     c10::optional<at::Tensor> per_sample;

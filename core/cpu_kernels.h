@@ -19,6 +19,7 @@ class CpuKernels : public LocalKernels {
   explicit CpuKernels(CpuKernelOptions options = {}) : options_(options) {}
 
   Device device() const override { return Device(); }
+  bool host_accessible() const override { return true; }
   void InitThread() override;
 
   absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes) override;

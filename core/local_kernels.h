@@ -78,6 +78,9 @@ class LocalKernels {
   virtual ~LocalKernels() = default;
 
   virtual Device device() const = 0;
+  // True when device memory can be read directly by the host (CPU kernels): callers then skip
+  // CopyToHost.
+  virtual bool host_accessible() const = 0;
   // Sets the calling thread's guards (intra-op threads, device, stream). Call once per thread.
   virtual void InitThread() = 0;
 

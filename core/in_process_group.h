@@ -1,0 +1,24 @@
+// RunInProcessGroup: W ranks as threads of this process, connected by real Gloo over loopback.
+//
+// For tests, benchmarks and the in-process demo: each thread gets its own GlooCommunicator and
+// CpuKernels (InitThread() already called) and runs `body`. Returns the first error (group
+// formation, or a non-OK status from a body) after every thread has finished.
+#ifndef SHARDSERVE_CORE_IN_PROCESS_GROUP_H_
+#define SHARDSERVE_CORE_IN_PROCESS_GROUP_H_
+
+#include <functional>
+
+#include "absl/status/status.h"
+#include "core/communicator.h"
+#include "core/cpu_kernels.h"
+
+namespace shardserve::core {
+
+using RankBody = std::function<absl::Status(int rank, Communicator& comm, CpuKernels& kernels)>;
+
+absl::Status RunInProcessGroup(int world_size, const RankBody& body,
+                               CpuKernelOptions kernel_options = {});
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_IN_PROCESS_GROUP_H_

@@ -1,0 +1,71 @@
+// Inputs and results of the sharded ops, and their validation against a table.
+//
+// Inputs borrow the caller's memory (spans); results own theirs. Validation is pure and runs before
+// anything is exchanged or renormed: a request it rejects changes nothing. Errors are
+// INVALID_ARGUMENT (field, offending value, bound) or RESOURCE_EXHAUSTED (size limits).
+#ifndef SHARDSERVE_CORE_OP_INPUTS_H_
+#define SHARDSERVE_CORE_OP_INPUTS_H_
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/local_kernels.h"
+#include "core/sharded_table.h"
+
+namespace shardserve::core {
+
+// F.embedding(input, weight): ids of any shape; result shape + [embedding_dim].
+struct EmbeddingInput {
+  absl::Span<const int64_t> ids;
+  std::vector<int64_t> shape;
+};
+
+// F.embedding_bag: 2-D ids (bags x bag_size) without offsets, or 1-D ids with offsets.
+struct EmbeddingBagInput {
+  absl::Span<const int64_t> ids;
+  std::vector<int64_t> shape;
+  std::optional<absl::Span<const int64_t>> offsets;
+  std::optional<absl::Span<const float>> per_sample_weights;  // same shape as ids; mode sum only
+  PoolMode mode = PoolMode::kMean;                             // F.embedding_bag's default
+  bool include_last_offset = false;
+};
+
+// F.linear(input, weight, bias): input (*, in_features); result (*, out_features).
+struct LinearInput {
+  absl::Span<const float> values;
+  std::vector<int64_t> shape;
+};
+
+struct DenseResult {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+struct InputLimits {
+  int64_t max_elements = int64_t{1} << 26;  // ids or input values per request
+};
+
+// Bags in canonical form: bag b is ids[offsets[b] .. offsets[b+1]), offsets has num_bags + 1
+// entries, the first 0 and the last ids.size().
+struct CanonicalBags {
+  std::vector<int64_t> offsets;
+  int64_t num_bags() const { return static_cast<int64_t>(offsets.size()) - 1; }
+};
+
+absl::Status ValidateEmbeddingInput(const TableConfig& table, const EmbeddingInput& input,
+                                    const InputLimits& limits = {});
+// On success returns the bags in canonical form.
+absl::StatusOr<CanonicalBags> ValidateEmbeddingBagInput(const TableConfig& table,
+                                                        const EmbeddingBagInput& input,
+                                                        const InputLimits& limits = {});
+// On success returns the number of input rows (product of all dims but the last).
+absl::StatusOr<int64_t> ValidateLinearInput(const TableConfig& table, const LinearInput& input,
+                                            const InputLimits& limits = {});
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_OP_INPUTS_H_

@@ -1,0 +1,701 @@
+// Conformance of the sharded ops against the unsharded LibTorch ops on the full weight, for every
+// op x sharding dim x placement order x option, with W ranks over real Gloo on loopback and fresh
+// random inputs (seed printed; set SHARDSERVE_TEST_SEED to replay).
+#include "core/sharded_ops.h"
+
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ATen/core/Tensor.h"
+#include "ATen/ops/allclose.h"
+#include "ATen/ops/arange.h"
+#include "ATen/ops/cat.h"
+#include "ATen/ops/embedding.h"
+#include "ATen/ops/embedding_bag.h"
+#include "ATen/ops/embedding_renorm.h"
+#include "ATen/ops/from_blob.h"
+#include "ATen/ops/linear.h"
+#include "ATen/ops/rand.h"
+#include "ATen/ops/randint.h"
+#include "ATen/ops/randn.h"
+#include "ATen/ops/tensor.h"
+#include "ATen/ops/zeros.h"
+#include "ATen/TensorOperators.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "c10/core/InferenceMode.h"
+#include "core/in_process_group.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardserve::core {
+namespace {
+
+using ::testing::HasSubstr;
+
+uint64_t Seed() {
+  static const uint64_t seed = [] {
+    const char* env = std::getenv("SHARDSERVE_TEST_SEED");
+    const uint64_t s = env != nullptr ? std::strtoull(env, nullptr, 10) : std::random_device{}();
+    std::cout << "SHARDSERVE_TEST_SEED=" << s << std::endl;
+    return s;
+  }();
+  return seed;
+}
+
+at::Generator& Gen() {
+  static at::Generator gen = [] {
+    at::Generator g = at::detail::createCPUGenerator(Seed());
+    return g;
+  }();
+  return gen;
+}
+
+std::vector<int64_t> ToVector(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+std::vector<float> ToFloats(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+}
+at::Tensor FromResult(const DenseResult& r) {
+  return at::from_blob(const_cast<float*>(r.values.data()), r.shape, at::kFloat).clone();
+}
+
+ShardingSpec Spec(int dim, const std::vector<int>& ranks) {
+  std::vector<std::string> placements;
+  for (int r : ranks) placements.push_back(absl::StrCat("rank:", r, "/cpu"));
+  absl::StatusOr<ShardingSpec> spec = ShardingSpec::Create(dim, placements);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return *spec;
+}
+
+// The placement orders the conformance suite runs (reference §8.1 plus W = 1, 2, 3).
+std::vector<std::vector<int>> PlacementOrders() {
+  return {{0, 1, 2, 3}, {2, 3, 0, 1}, {3, 0, 1, 2}, {0}, {1, 0}, {2, 0, 1}};
+}
+
+// One rank's input and the outcome it got.
+struct RankInput {
+  at::Tensor ids;                         // embedding / bag
+  std::optional<at::Tensor> offsets;      // bag, 1-D
+  std::optional<at::Tensor> weights;      // bag, per_sample_weights
+  at::Tensor x;                           // linear
+};
+
+struct Case {
+  std::string label;
+  TableConfig config;
+  enum class Op { kEmbedding, kBag, kLinear } op = Op::kEmbedding;
+  PoolMode mode = PoolMode::kSum;
+  bool include_last_offset = false;
+  std::vector<RankInput> inputs;  // one per rank
+};
+
+// Results of running cases on a group.
+struct Outcome {
+  std::vector<absl::StatusOr<DenseResult>> results;  // per rank
+  std::vector<std::vector<float>> shards;            // per rank, after the op
+};
+
+// Runs every case, in order, on one group of W ranks; each rank loads the full weight's chunk.
+std::vector<Outcome> RunCases(int world, const std::vector<Case>& cases,
+                              const std::vector<at::Tensor>& weights,
+                              const std::vector<at::Tensor>& biases) {
+  std::vector<Outcome> outcomes(cases.size());
+  for (Outcome& o : outcomes) {
+    o.results.resize(world, absl::UnknownError("not run"));
+    o.shards.resize(world);
+  }
+  absl::Status status = RunInProcessGroup(world, [&](int rank, Communicator& comm,
+                                                     CpuKernels& kernels) -> absl::Status {
+    ShardedOps ops(comm, comm, kernels, OpOptions{absl::Seconds(20), {}});
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const Case& kase = cases[c];
+      absl::StatusOr<std::unique_ptr<ShardedTable>> table =
+          ShardedTable::Create(kase.config, rank, kernels);
+      if (!table.ok()) return table.status();
+      const float* bias = biases[c].defined() ? biases[c].data_ptr<float>() : nullptr;
+      absl::Status load = (*table)->LoadFromFull(weights[c].data_ptr<float>(), bias);
+      if (!load.ok()) return load;
+      const RankInput& in = kase.inputs[rank];
+      std::vector<int64_t> ids, offsets;
+      std::vector<float> psw, x;
+      switch (kase.op) {
+        case Case::Op::kEmbedding: {
+          ids = ToVector(in.ids);
+          EmbeddingInput input{ids, in.ids.sizes().vec()};
+          outcomes[c].results[rank] = ops.Embedding(**table, input);
+          break;
+        }
+        case Case::Op::kBag: {
+          ids = ToVector(in.ids);
+          EmbeddingBagInput input;
+          input.ids = ids;
+          input.shape = in.ids.sizes().vec();
+          if (in.offsets) {
+            offsets = ToVector(*in.offsets);
+            input.offsets = absl::MakeConstSpan(offsets);
+          }
+          if (in.weights) {
+            psw = ToFloats(*in.weights);
+            input.per_sample_weights = absl::MakeConstSpan(psw);
+          }
+          input.mode = kase.mode;
+          input.include_last_offset = kase.include_last_offset;
+          outcomes[c].results[rank] = ops.EmbeddingBag(**table, input);
+          break;
+        }
+        case Case::Op::kLinear: {
+          x = ToFloats(in.x);
+          LinearInput input{x, in.x.sizes().vec()};
+          outcomes[c].results[rank] = ops.Linear(**table, input);
+          break;
+        }
+      }
+      absl::StatusOr<std::vector<float>> shard = (*table)->ReadShard();
+      if (!shard.ok()) return shard.status();
+      outcomes[c].shards[rank] = *shard;
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(status.ok()) << status;
+  return outcomes;
+}
+
+// The weight each case starts from (nn.Embedding zeroes the padding row at init).
+at::Tensor InitialWeight(const Case& kase) {
+  at::Tensor w = at::randn({kase.config.num_rows, kase.config.num_cols}, Gen(), at::kFloat);
+  if (kase.config.padding_idx) w[*kase.config.padding_idx].zero_();
+  if (kase.config.max_norm) w.mul_(2.0);  // make renorm bite on most rows
+  return w;
+}
+
+at::Tensor Expected(const Case& kase, const at::Tensor& weight, const at::Tensor& bias,
+                    const RankInput& in) {
+  switch (kase.op) {
+    case Case::Op::kEmbedding:
+      return at::embedding(weight, in.ids);
+    case Case::Op::kBag: {
+      at::Tensor ids = in.ids, offsets;
+      std::optional<at::Tensor> psw = in.weights;
+      if (ids.dim() == 2) {
+        offsets = at::arange(0, ids.numel(), std::max<int64_t>(ids.size(1), 1), at::kLong);
+        if (ids.size(1) == 0) offsets = at::zeros({ids.size(0)}, at::kLong);
+        ids = ids.reshape({-1});
+        if (psw) psw = psw->reshape({-1});
+      } else {
+        offsets = *in.offsets;
+      }
+      c10::optional<int64_t> pad;
+      if (kase.config.padding_idx) pad = *kase.config.padding_idx;
+      c10::optional<at::Tensor> weights;
+      if (psw) weights = *psw;
+      return std::get<0>(at::embedding_bag(weight, ids, offsets, false,
+                                           static_cast<int64_t>(kase.mode), false, weights,
+                                           kase.include_last_offset, pad));
+    }
+    case Case::Op::kLinear:
+      return at::linear(in.x, weight, bias.defined() ? c10::optional<at::Tensor>(bias)
+                                                     : c10::optional<at::Tensor>());
+  }
+  return at::Tensor();
+}
+
+// Runs the cases and checks every rank's result, and the stored shards, against LibTorch.
+void CheckCases(int world, std::vector<Case>& cases) {
+  c10::InferenceMode guard;
+  std::vector<at::Tensor> weights, biases;
+  for (Case& kase : cases) {
+    ASSERT_TRUE(kase.config.Validate().ok()) << kase.label;
+    weights.push_back(InitialWeight(kase));
+    biases.push_back(kase.op == Case::Op::kLinear && kase.config.has_bias
+                         ? at::randn({kase.config.num_rows}, Gen(), at::kFloat)
+                         : at::Tensor());
+  }
+  // Copies: the ranks read `weights` while the oracle renorms its own.
+  std::vector<at::Tensor> originals;
+  for (const at::Tensor& w : weights) originals.push_back(w.clone());
+  std::vector<Outcome> outcomes = RunCases(world, cases, originals, biases);
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const Case& kase = cases[c];
+    SCOPED_TRACE(absl::StrCat(kase.label, " W=", world, " ", kase.config.spec.ToString()));
+    at::Tensor weight = weights[c];
+    if (kase.config.max_norm) {  // the union of every rank's ids is renormed, once
+      std::vector<at::Tensor> all;
+      for (const RankInput& in : kase.inputs) all.push_back(in.ids.reshape({-1}));
+      at::embedding_renorm_(weight, at::cat(all), *kase.config.max_norm, kase.config.norm_type);
+    }
+    for (int r = 0; r < world; ++r) {
+      const absl::StatusOr<DenseResult>& got = outcomes[c].results[r];
+      ASSERT_TRUE(got.ok()) << "rank " << r << ": " << got.status();
+      at::Tensor want = Expected(kase, weight, biases[c], kase.inputs[r]);
+      at::Tensor have = FromResult(*got);
+      ASSERT_EQ(have.sizes(), want.sizes()) << "rank " << r;
+      EXPECT_TRUE(at::allclose(have, want, 1e-5, 1e-5))
+          << "rank " << r << " max abs diff " << (have - want).abs().max().item<float>();
+      // The stored shard equals the (renormed) full weight's chunk.
+      ShardLayout layout(kase.config.spec, kase.config.spec.dim() == 0 ? kase.config.num_rows
+                                                                       : kase.config.num_cols);
+      at::Tensor chunk = weight.narrow(kase.config.spec.dim(), layout.OffsetOfRank(r),
+                                       layout.SizeOfRank(r)).contiguous();
+      at::Tensor stored = at::from_blob(outcomes[c].shards[r].data(), chunk.sizes(), at::kFloat);
+      EXPECT_TRUE(at::allclose(stored, chunk, 1e-5, 1e-6)) << "stored shard of rank " << r;
+    }
+  }
+}
+
+// ---- case builders ----
+
+struct EmbeddingShape {
+  std::vector<int64_t> input;
+  int64_t rows, dim;
+  std::optional<int64_t> padding_idx;
+  std::optional<double> max_norm;
+  double norm_type = 2.0;
+};
+
+at::Tensor RandomIds(const std::vector<int64_t>& shape, int64_t rows,
+                     std::optional<int64_t> padding_idx) {
+  at::Tensor ids = at::randint(0, rows, shape, Gen(), at::kLong);
+  if (padding_idx && ids.numel() > 0) {  // make sure padding shows up
+    at::Tensor flat = ids.view({-1});
+    for (int64_t i = 0; i < flat.numel(); i += 3) flat[i] = *padding_idx;
+  }
+  return ids;
+}
+
+Case EmbeddingCase(const EmbeddingShape& s, const ShardingSpec& spec, bool ragged) {
+  Case kase;
+  kase.label = absl::StrCat("embedding input=[", absl::StrJoin(s.input, ","), "] V=", s.rows,
+                            " D=", s.dim, s.padding_idx ? " padding" : "",
+                            s.max_norm ? absl::StrCat(" max_norm=", *s.max_norm, " p=", s.norm_type)
+                                       : "",
+                            ragged ? " ragged" : "");
+  kase.config.kind = TableKind::kEmbedding;
+  kase.config.num_rows = s.rows;
+  kase.config.num_cols = s.dim;
+  kase.config.spec = spec;
+  kase.config.padding_idx = s.padding_idx;
+  kase.config.max_norm = s.max_norm;
+  kase.config.norm_type = s.norm_type;
+  kase.op = Case::Op::kEmbedding;
+  EXPECT_TRUE(kase.config.Validate().ok()) << kase.label;  // normalises padding_idx
+  for (int r = 0; r < spec.world_size(); ++r) {
+    std::vector<int64_t> shape = s.input;
+    if (ragged) shape[0] = r % 3 == 1 ? 0 : shape[0] + r;  // one rank brings nothing
+    kase.inputs.push_back(RankInput{RandomIds(shape, s.rows, kase.config.padding_idx)});
+  }
+  return kase;
+}
+
+struct BagShape {
+  std::vector<int64_t> input;
+  int64_t rows, dim;
+  PoolMode mode;
+  std::optional<int64_t> offset_size;
+  bool include_last_offset = false;
+  std::optional<double> max_norm;
+  double norm_type = 2.0;
+  std::optional<int64_t> padding_idx;
+  bool weights = false;  // per_sample_weights (sum only)
+};
+
+Case BagCase(const BagShape& s, const ShardingSpec& spec, bool ragged) {
+  Case kase;
+  kase.label = absl::StrCat(
+      "bag input=[", absl::StrJoin(s.input, ","), "] V=", s.rows, " D=", s.dim, " mode=",
+      static_cast<int>(s.mode), s.offset_size ? absl::StrCat(" offsets=", *s.offset_size) : "",
+      s.include_last_offset ? " include_last" : "", s.padding_idx ? " padding" : "",
+      s.max_norm ? absl::StrCat(" max_norm=", *s.max_norm, " p=", s.norm_type) : "",
+      s.weights ? " psw" : "", ragged ? " ragged" : "");
+  kase.config.kind = TableKind::kEmbedding;
+  kase.config.num_rows = s.rows;
+  kase.config.num_cols = s.dim;
+  kase.config.spec = spec;
+  kase.config.padding_idx = s.padding_idx;
+  kase.config.max_norm = s.max_norm;
+  kase.config.norm_type = s.norm_type;
+  kase.op = Case::Op::kBag;
+  kase.mode = s.mode;
+  kase.include_last_offset = s.include_last_offset;
+  EXPECT_TRUE(kase.config.Validate().ok()) << kase.label;  // normalises padding_idx
+  std::mt19937_64 rng(Seed() + spec.world_size());
+  for (int r = 0; r < spec.world_size(); ++r) {
+    RankInput in;
+    std::vector<int64_t> shape = s.input;
+    if (ragged) shape[0] = r % 3 == 1 ? 0 : shape[0] + 2 * r;
+    in.ids = RandomIds(shape, s.rows, kase.config.padding_idx);
+    if (s.offset_size) {
+      // Sorted offsets from 0, with empty bags and repeated offsets when ragged.
+      const int64_t n = shape[0];
+      int64_t bags = ragged ? std::max<int64_t>(*s.offset_size + r - 1, 1) : *s.offset_size;
+      std::vector<int64_t> offsets = {0};
+      for (int64_t b = 1; b < bags; ++b) offsets.push_back(n == 0 ? 0 : rng() % (n + 1));
+      std::sort(offsets.begin(), offsets.end());
+      if (s.include_last_offset) offsets.push_back(n);
+      in.offsets = at::tensor(offsets, at::kLong);
+    }
+    if (s.weights) in.weights = at::rand(shape, Gen(), at::kFloat);
+    kase.inputs.push_back(in);
+  }
+  return kase;
+}
+
+Case LinearCase(const std::vector<int64_t>& input, int64_t in, int64_t out,
+                const ShardingSpec& spec, bool ragged, bool bias = true) {
+  Case kase;
+  kase.label = absl::StrCat("linear input=[", absl::StrJoin(input, ","), "] ", in, "->", out,
+                            bias ? "" : " no-bias", ragged ? " ragged" : "");
+  kase.config.kind = TableKind::kLinear;
+  kase.config.num_rows = out;
+  kase.config.num_cols = in;
+  kase.config.spec = spec;
+  kase.config.has_bias = bias;
+  kase.op = Case::Op::kLinear;
+  for (int r = 0; r < spec.world_size(); ++r) {
+    std::vector<int64_t> shape = input;
+    if (ragged && shape.size() > 1) shape[0] = r % 3 == 1 ? 0 : shape[0] + r;
+    kase.inputs.push_back(RankInput{at::Tensor(), {}, {}, at::rand(shape, Gen(), at::kFloat)});
+  }
+  return kase;
+}
+
+// Reference §8.2 shapes.
+std::vector<EmbeddingShape> ColWiseEmbeddingShapes() {
+  return {{{5, 4}, 17, 12},
+          {{6, 7, 6}, 21, 11},
+          {{8, 6, 5, 4}, 23, 13},
+          {{8, 6, 5, 4, 7}, 23, 16},
+          {{4}, 15, 14},
+          {{34}, 15, 14, 10},
+          {{8, 6, 5, 4}, 23, 13, 12},
+          {{4, 5, 6}, 23, 13, std::nullopt, 2.5},
+          {{12, 7, 16}, 23, 13, std::nullopt, 2.5},
+          {{8, 16, 20}, 12, 12, std::nullopt, 1.25, 1.0},
+          {{30}, 15, 14, std::nullopt, 2.0},
+          {{6, 5}, 15, 14, -3, 1.5, 3.0}};  // negative padding_idx, p = 3
+}
+std::vector<EmbeddingShape> RowWiseEmbeddingShapes() {
+  return {{{5, 12}, 16, 22},
+          {{5, 4}, 32, 12},
+          {{6, 7, 6}, 64, 11},
+          {{5, 12}, 16, 22, std::nullopt, 2.5},
+          {{6, 7, 6}, 64, 11, 30},
+          {{6, 5, 3}, 26, 11, std::nullopt, 2.0},
+          {{8, 6, 5, 4}, 19, 11},
+          {{6, 7, 6}, 21, 11},
+          {{4}, 21, 11},
+          {{8, 6, 5, 4}, 21, 11, 10},
+          {{6, 5, 8}, 28, 5, std::nullopt, 2.0},
+          {{4}, 14, 11, std::nullopt, 2.5},
+          {{7, 3}, 14, 11, -1, 1.25, 1.0}};
+}
+// Reference §8.3, run for both sharding dims.
+std::vector<BagShape> BagShapes() {
+  using M = PoolMode;
+  return {
+      {{5, 5}, 17, 14, M::kSum, {}, false, {}, 2.0, {}, true},
+      {{5, 4}, 17, 12, M::kMean},
+      {{6, 7}, 21, 11, M::kMax},
+      {{5, 5}, 17, 14, M::kSum, {}, false, 2.5},
+      {{5, 4}, 17, 12, M::kMean, {}, false, 2.0, 1.0},
+      {{6, 7}, 21, 11, M::kMax, {}, false, 1.5, 1.0},
+      {{5, 5}, 17, 14, M::kSum, {}, false, {}, 2.0, 6},
+      {{8, 6}, 24, 13, M::kSum},
+      {{4, 3}, 16, 14, M::kMax},
+      {{8}, 23, 13, M::kSum, 3},
+      {{5}, 17, 12, M::kMean, 2},
+      {{12}, 16, 12, M::kMax, 4},
+      {{8}, 23, 13, M::kSum, 3, true},
+      {{12}, 16, 12, M::kMax, 4, true},
+      {{12}, 17, 12, M::kSum, 3, false, 1.25},
+      {{5}, 17, 12, M::kMean, 2, false, 1.25},
+      {{5}, 17, 12, M::kMax, 2, false, 1.15},
+      {{4, 3}, 16, 14, M::kSum, {}, false, {}, 2.0, 12},
+      {{4, 3}, 16, 14, M::kMean, {}, false, {}, 2.0, 12},
+      {{4, 3}, 16, 14, M::kMax, {}, false, {}, 2.0, 12},
+      {{12}, 17, 12, M::kSum, 3, false, 1.25, 2.0, 10},
+      {{5}, 17, 12, M::kMean, 2, false, 1.25, 2.0, 10},
+      {{5}, 17, 12, M::kMax, 2, false, 1.15, 2.0, 10},
+      // Beyond the reference: psw with offsets and padding, empty bags, p = 3.
+      {{14}, 19, 9, M::kSum, 5, true, {}, 2.0, 4, true},
+      {{9}, 19, 9, M::kMean, 6, false, 1.5, 3.0, -2},
+      {{3, 0}, 11, 5, M::kMax},
+  };
+}
+
+void RunEmbeddingSuite(int dim, const std::vector<EmbeddingShape>& shapes) {
+  for (const std::vector<int>& order : PlacementOrders()) {
+    std::vector<Case> cases;
+    for (const EmbeddingShape& s : shapes) {
+      for (bool ragged : {false, true}) cases.push_back(EmbeddingCase(s, Spec(dim, order), ragged));
+    }
+    CheckCases(static_cast<int>(order.size()), cases);
+  }
+}
+
+TEST(ShardedEmbedding, ColWiseMatchesUnshardedForReferenceShapes) {
+  RunEmbeddingSuite(1, ColWiseEmbeddingShapes());
+}
+
+TEST(ShardedEmbedding, RowWiseMatchesUnshardedForReferenceShapes) {
+  RunEmbeddingSuite(0, RowWiseEmbeddingShapes());
+}
+
+void RunBagSuite(int dim) {
+  for (const std::vector<int>& order : PlacementOrders()) {
+    std::vector<Case> cases;
+    for (const BagShape& s : BagShapes()) {
+      for (bool ragged : {false, true}) cases.push_back(BagCase(s, Spec(dim, order), ragged));
+    }
+    CheckCases(static_cast<int>(order.size()), cases);
+  }
+}
+
+TEST(ShardedEmbeddingBag, ColWiseMatchesUnshardedForReferenceShapes) { RunBagSuite(1); }
+
+TEST(ShardedEmbeddingBag, RowWiseMatchesUnshardedForReferenceShapes) { RunBagSuite(0); }
+
+void RunLinearSuite(int dim, const std::vector<std::pair<std::vector<int64_t>, std::pair<int64_t, int64_t>>>& shapes) {
+  for (const std::vector<int>& order : PlacementOrders()) {
+    std::vector<Case> cases;
+    for (const auto& [input, in_out] : shapes) {
+      for (bool ragged : {false, true}) {
+        cases.push_back(LinearCase(input, in_out.first, in_out.second, Spec(dim, order), ragged));
+      }
+    }
+    cases.push_back(LinearCase({6, 9}, 9, 7, Spec(dim, order), true, /*bias=*/false));
+    CheckCases(static_cast<int>(order.size()), cases);
+  }
+}
+
+TEST(ShardedLinear, ColWiseMatchesUnshardedForReferenceShapes) {
+  RunLinearSuite(0, {{{2, 17}, {17, 12}},
+                     {{8, 21}, {21, 11}},
+                     {{7, 23}, {23, 13}},
+                     {{4, 15}, {15, 14}},
+                     {{10, 2, 17}, {17, 12}},
+                     {{13, 8, 21}, {21, 11}},
+                     {{27, 7, 23}, {23, 13}},
+                     {{100, 12, 4, 15}, {15, 14}},
+                     {{17}, {17, 12}},
+                     {{21}, {21, 11}},
+                     {{23}, {23, 13}},
+                     {{15}, {15, 14}}});
+}
+
+TEST(ShardedLinear, RowWiseMatchesUnshardedForReferenceShapes) {
+  RunLinearSuite(1, {{{8, 16}, {16, 11}},
+                     {{5, 19}, {19, 11}},
+                     {{10, 21}, {21, 11}},
+                     {{13, 8, 16}, {16, 11}},
+                     {{10, 5, 19}, {19, 11}},
+                     {{12, 15, 10, 21}, {21, 11}},
+                     {{16}, {16, 11}},
+                     {{19}, {19, 11}},
+                     {{21}, {21, 11}}});
+}
+
+TEST(ShardedOps, WorldLargerThanShardedDimServesEmptyChunks) {
+  // W = 5 over 3 columns/rows: two ranks hold empty chunks (PyTorch 1.13 fails here).
+  const std::vector<int> order = {4, 2, 0, 3, 1};
+  std::vector<Case> cases;
+  cases.push_back(EmbeddingCase({{6, 2}, 3, 3}, Spec(1, order), true));
+  cases.push_back(EmbeddingCase({{6, 2}, 3, 3, std::nullopt, 0.5}, Spec(0, order), true));
+  cases.push_back(EmbeddingCase({{4}, 3, 3, 1, 0.5, 1.0}, Spec(1, order), false));
+  cases.push_back(BagCase({{4, 3}, 3, 3, PoolMode::kMax, {}, false, {}, 2.0, 1}, Spec(0, order), true));
+  cases.push_back(BagCase({{4, 3}, 3, 3, PoolMode::kMean, {}, false, 0.7}, Spec(1, order), true));
+  cases.push_back(BagCase({{9}, 3, 3, PoolMode::kSum, 4, false, {}, 2.0, {}, true}, Spec(0, order), false));
+  cases.push_back(LinearCase({4, 3}, 3, 3, Spec(0, order), true));
+  cases.push_back(LinearCase({4, 3}, 3, 3, Spec(1, order), true));
+  // 6 over 4 leaves an empty last chunk even though 6 > 4.
+  cases.push_back(BagCase({{5, 4}, 6, 6, PoolMode::kSum}, Spec(0, {0, 1, 2, 3}), true));
+  cases.resize(cases.size());
+  std::vector<Case> four;
+  four.push_back(cases.back());
+  cases.pop_back();
+  CheckCases(5, cases);
+  CheckCases(4, four);
+}
+
+// ---- bad input: errors, nobody hangs, nothing changes ----
+
+TEST(ShardedOps, BadInputOnOneRankIsRejectedWhilePeersAreServedAndNothingIsRenormed) {
+  c10::InferenceMode guard;
+  TableConfig config;
+  config.name = "emb";
+  config.num_rows = 10;
+  config.num_cols = 4;
+  config.max_norm = 0.5;
+  config.spec = Spec(1, {1, 0});
+  ASSERT_TRUE(config.Validate().ok());
+  at::Tensor weight = at::randn({10, 4}, Gen(), at::kFloat).mul_(3);
+  const std::vector<int64_t> good = {1, 2, 3};
+  const std::vector<int64_t> bad = {4, 10, 5};  // 10 is out of range
+  std::vector<absl::StatusOr<DenseResult>> results(2, absl::UnknownError("not run"));
+  std::vector<std::vector<float>> shards(2);
+  absl::Status status = RunInProcessGroup(2, [&](int rank, Communicator& comm, CpuKernels& kernels) {
+    ShardedOps ops(comm, comm, kernels);
+    auto table = ShardedTable::Create(config, rank, kernels);
+    if (!table.ok()) return table.status();
+    if (auto s = (*table)->LoadFromFull(weight.data_ptr<float>(), nullptr); !s.ok()) return s;
+    const std::vector<int64_t>& ids = rank == 0 ? bad : good;
+    results[rank] = ops.Embedding(**table, EmbeddingInput{ids, {3}});
+    shards[rank] = *(*table)->ReadShard();
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(results[0].status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(results[0].status().message()),
+              HasSubstr("ids[1]: 10 is out of range [0, 10)"));
+  ASSERT_TRUE(results[1].ok()) << results[1].status();
+  // Only the good rank's rows were renormed.
+  at::Tensor want = weight.clone();
+  at::embedding_renorm_(want, at::tensor(good, at::kLong), 0.5, 2.0);
+  EXPECT_TRUE(at::allclose(FromResult(*results[1]), at::embedding(want, at::tensor(good, at::kLong)),
+                           1e-5, 1e-5));
+  ShardLayout layout(config.spec, 4);
+  for (int r = 0; r < 2; ++r) {
+    at::Tensor chunk = want.narrow(1, layout.OffsetOfRank(r), layout.SizeOfRank(r)).contiguous();
+    EXPECT_TRUE(at::allclose(at::from_blob(shards[r].data(), chunk.sizes(), at::kFloat), chunk,
+                             1e-5, 1e-6));
+  }
+}
+
+TEST(ShardedOps, EveryValidationErrorNamesFieldValueAndBound) {
+  TableConfig emb;
+  emb.name = "emb";
+  emb.num_rows = 10;
+  emb.num_cols = 4;
+  emb.spec = Spec(0, {0, 1});
+  ASSERT_TRUE(emb.Validate().ok());
+  TableConfig lin;
+  lin.name = "lin";
+  lin.kind = TableKind::kLinear;
+  lin.num_rows = 3;
+  lin.num_cols = 5;
+  lin.spec = Spec(0, {0, 1});
+  ASSERT_TRUE(lin.Validate().ok());
+
+  struct Bad {
+    std::function<absl::StatusOr<DenseResult>(ShardedOps&, ShardedTable&, ShardedTable&)> call;
+    absl::StatusCode code;
+    std::string message;
+  };
+  static const std::vector<int64_t> ids = {1, 2, 3, 4};
+  static const std::vector<int64_t> neg = {1, -1};
+  static const std::vector<float> psw = {1, 1, 1, 1};
+  static const std::vector<float> x = {1, 2, 3, 4, 5, 6};
+  auto bag = [](std::vector<int64_t> shape, std::optional<std::vector<int64_t>> offsets,
+                PoolMode mode, bool with_psw, bool last) {
+    return [=](ShardedOps& ops, ShardedTable& e, ShardedTable&) {
+      static thread_local std::vector<int64_t> storage;
+      storage = offsets.value_or(std::vector<int64_t>{});
+      EmbeddingBagInput in;
+      in.ids = ids;
+      in.shape = shape;
+      if (offsets) in.offsets = absl::MakeConstSpan(storage);
+      if (with_psw) in.per_sample_weights = absl::MakeConstSpan(psw);
+      in.mode = mode;
+      in.include_last_offset = last;
+      return ops.EmbeddingBag(e, in);
+    };
+  };
+  using C = absl::StatusCode;
+  const std::vector<Bad> cases = {
+      {[](ShardedOps& o, ShardedTable& e, ShardedTable&) {
+         return o.Embedding(e, EmbeddingInput{neg, {2}});
+       },
+       C::kInvalidArgument, "ids[1]: -1 is out of range [0, 10)"},
+      {[](ShardedOps& o, ShardedTable& e, ShardedTable&) {
+         return o.Embedding(e, EmbeddingInput{ids, {3}});
+       },
+       C::kInvalidArgument, "ids: 4 values do not match shape [3]"},
+      {[](ShardedOps& o, ShardedTable& e, ShardedTable&) {
+         return o.Embedding(e, EmbeddingInput{ids, {2, -2}});
+       },
+       C::kInvalidArgument, "ids.shape[1]: -2 must be >= 0"},
+      {[](ShardedOps& o, ShardedTable&, ShardedTable& l) {
+         return o.Embedding(l, EmbeddingInput{ids, {4}});
+       },
+       C::kInvalidArgument, "is a linear layer"},
+      {bag({4}, std::vector<int64_t>{0, 3, 2}, PoolMode::kSum, false, false), C::kInvalidArgument,
+       "offsets[2]: 2 is less than offsets[1] = 3"},
+      {bag({4}, std::vector<int64_t>{1, 3}, PoolMode::kSum, false, false), C::kInvalidArgument,
+       "offsets[0]: 1 must be 0"},
+      {bag({4}, std::vector<int64_t>{0, 5}, PoolMode::kSum, false, false), C::kInvalidArgument,
+       "offsets[1]: 5 is out of range [0, 4]"},
+      {bag({4}, std::nullopt, PoolMode::kSum, false, false), C::kInvalidArgument,
+       "offsets: required for 1-D ids"},
+      {bag({2, 2}, std::vector<int64_t>{0}, PoolMode::kSum, false, false), C::kInvalidArgument,
+       "offsets: only allowed with 1-D ids"},
+      {bag({2, 2}, std::nullopt, PoolMode::kMean, true, false), C::kInvalidArgument,
+       "per_sample_weights: only supported with mode sum, got mode mean"},
+      {bag({2, 2}, std::nullopt, PoolMode::kMax, true, false), C::kInvalidArgument,
+       "got mode max"},
+      {bag({4}, std::vector<int64_t>{0, 2}, PoolMode::kSum, false, true), C::kInvalidArgument,
+       "must equal the number of ids (4) when include_last_offset is set"},
+      {bag({1, 2, 2}, std::nullopt, PoolMode::kSum, false, false), C::kInvalidArgument,
+       "ids.shape: [1, 2, 2] must be 1-D"},
+      {[](ShardedOps& o, ShardedTable&, ShardedTable& l) {
+         return o.Linear(l, LinearInput{x, {2, 3}});
+       },
+       C::kInvalidArgument, "input.shape[1]: 3 does not match in_features 5"},
+      {[](ShardedOps& o, ShardedTable&, ShardedTable& l) {
+         return o.Linear(l, LinearInput{x, {}});
+       },
+       C::kInvalidArgument, "must have at least 1 dim"},
+      {[](ShardedOps& o, ShardedTable&, ShardedTable& l) {
+         return o.Linear(l, LinearInput{x, {2, 5}});
+       },
+       C::kInvalidArgument, "input: 6 values do not match shape [2, 5] (10)"},
+      {[](ShardedOps& o, ShardedTable& e, ShardedTable&) {
+         return o.Embedding(e, EmbeddingInput{ids, {1 << 20, 1 << 20}});
+       },
+       C::kResourceExhausted, "exceeds the limit of"},
+  };
+  absl::Status status = RunInProcessGroup(2, [&](int rank, Communicator& comm, CpuKernels& kernels) {
+    ShardedOps ops(comm, comm, kernels);
+    auto e = ShardedTable::Create(emb, rank, kernels);
+    auto l = ShardedTable::Create(lin, rank, kernels);
+    if (!e.ok() || !l.ok()) return absl::InternalError("create");
+    for (const Bad& bad : cases) {
+      absl::StatusOr<DenseResult> got = bad.call(ops, **e, **l);
+      EXPECT_EQ(got.status().code(), bad.code) << got.status();
+      EXPECT_THAT(std::string(got.status().message()), HasSubstr(bad.message));
+    }
+    // The group still works afterwards.
+    absl::StatusOr<DenseResult> ok = ops.Embedding(**e, EmbeddingInput{ids, {4}});
+    EXPECT_TRUE(ok.ok()) << ok.status();
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(TableConfig, RejectsBadConfigsAndNormalisesNegativePadding) {
+  TableConfig config;
+  config.num_rows = 10;
+  config.num_cols = 4;
+  config.padding_idx = -1;
+  ASSERT_TRUE(config.Validate().ok());
+  EXPECT_EQ(*config.padding_idx, 9);
+  config.padding_idx = -11;
+  EXPECT_THAT(std::string(config.Validate().message()),
+              HasSubstr("padding_idx: -11 is out of range [-10, 10)"));
+  config.padding_idx.reset();
+  config.max_norm = -1;
+  EXPECT_THAT(std::string(config.Validate().message()), HasSubstr("max_norm: -1"));
+  config.max_norm.reset();
+  config.num_cols = 0;
+  EXPECT_THAT(std::string(config.Validate().message()), HasSubstr("num_cols: 0 must be >= 1"));
+}
+
+}  // namespace
+}  // namespace shardserve::core
