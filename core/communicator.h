@@ -13,8 +13,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 
@@ -33,6 +36,19 @@ template <>
 constexpr DataType DataTypeOf<double>() { return DataType::kFloat64; }
 template <>
 constexpr DataType DataTypeOf<int64_t>() { return DataType::kInt64; }
+
+// A split-phase all-to-all (see Communicator::StartAllToAllV). Send each peer its block as soon as
+// it is ready, then Wait(). Not thread-safe; must not outlive its Communicator.
+class PendingExchange {
+ public:
+  virtual ~PendingExchange() = default;
+  // Sends `count` elements at `data` to `peer` (exactly what that peer expects from this rank); a
+  // block for this rank itself is copied into place. Call once per peer whose count is non-zero;
+  // `data` must stay valid until Wait() returns.
+  virtual absl::Status Send(int peer, const void* data, int64_t count) = 0;
+  // Waits until every block has arrived and every send has left.
+  virtual absl::Status Wait() = 0;
+};
 
 class Communicator {
  public:
@@ -62,6 +78,20 @@ class Communicator {
                                      DataType type, ReduceOp op, absl::Duration timeout) = 0;
 
   virtual absl::Status Barrier(absl::Duration timeout) = 0;
+
+  // Gathers one byte message of any size from every rank, sizes not known in advance. Returns a
+  // view per rank (rank order) that stays valid until the next AllGatherMessages call.
+  // Implementations pre-post the receives of the next call, so a message travels without waiting
+  // for its receiver: this is the per-step input exchange of the sharded ops.
+  virtual absl::StatusOr<std::vector<absl::Span<const char>>> AllGatherMessages(
+      absl::Span<const char> mine, absl::Duration timeout) = 0;
+
+  // Split-phase all-to-all: posts the receives now (recv_counts[q] elements from rank q, into
+  // blocks of `out` in rank order) so peers can send the moment their blocks are ready. The
+  // caller computes its blocks, Send()s each, then Wait()s. send sizes are what peers expect.
+  virtual absl::StatusOr<std::unique_ptr<PendingExchange>> StartAllToAllV(
+      void* out, absl::Span<const int64_t> recv_counts, DataType type,
+      absl::Duration timeout) = 0;
 
   // Breaks the group: pending and later collectives fail with UNAVAILABLE. Idempotent.
   virtual absl::Status Abort() = 0;

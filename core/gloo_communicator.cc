@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "gloo/rendezvous/prefix_store.h"
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/tcp/device.h"
+#include "gloo/transport/unbound_buffer.h"
 
 namespace shardserve::core {
 namespace {
@@ -56,6 +58,15 @@ class StoreAdapter : public gloo::rendezvous::Store {
   absl::Duration timeout_;
 };
 
+// Slots of our point-to-point protocols; Gloo's own algorithms use prefixes 0x01-0x0f.
+constexpr uint64_t kMessageSlot = uint64_t{0x40} << 56;
+constexpr uint64_t kExchangeSlot = uint64_t{0x42} << 56;
+constexpr int64_t kLengthBytes = sizeof(int64_t);
+// Largest message the synchronous mesh carries. A pair has at most a few such messages in flight
+// per step, well within what loopback/LAN socket buffers accept without a reader, so a blocking
+// write never waits on a peer that is itself blocked writing.
+constexpr int64_t kSyncLimit = int64_t{1} << 20;
+
 // A valid address for zero-length buffers (Gloo wants a pointer even when nothing moves).
 char kEmpty[8];
 
@@ -86,9 +97,19 @@ void Dispatch(DataType type, Fn&& fn) {
 
 }  // namespace
 
-GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank,
+GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context,
+                                   std::shared_ptr<gloo::Context> sync_context, int rank,
                                    int world_size)
-    : context_(std::move(context)), rank_(rank), world_size_(world_size) {}
+    : context_(std::move(context)),
+      sync_context_(std::move(sync_context)),
+      rank_(rank),
+      world_size_(world_size) {}
+
+int GlooCommunicator::NextSyncSlots(int n) {
+  const int first = next_sync_slot_;
+  next_sync_slot_ = (next_sync_slot_ + n) % (1 << 30);
+  return first;
+}
 
 GlooCommunicator::~GlooCommunicator() = default;
 
@@ -103,13 +124,21 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
     std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
+    StoreAdapter adapter(store, options.connect_timeout);
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, world_size);
     context->setTimeout(ToChrono(options.connect_timeout));
-    StoreAdapter adapter(store, options.connect_timeout);
-    gloo::rendezvous::PrefixStore prefixed(key_prefix, adapter);
-    context->connectFullMesh(prefixed, device);
+    gloo::rendezvous::PrefixStore async_store(key_prefix + "/async", adapter);
+    context->connectFullMesh(async_store, device);
+    // Socket timeouts of the synchronous mesh come from its context's timeout at connect time.
+    auto sync_context = std::make_shared<gloo::rendezvous::Context>(rank, world_size);
+    sync_context->setTimeout(ToChrono(options.sync_timeout));
+    gloo::rendezvous::PrefixStore sync_store(key_prefix + "/sync", adapter);
+    sync_context->connectFullMesh(sync_store, device);
+    for (int q = 0; q < world_size; ++q) {
+      if (q != rank) sync_context->getPair(q)->setSync(true, /*busyPoll=*/false);
+    }
     return std::unique_ptr<GlooCommunicator>(
-        new GlooCommunicator(std::move(context), rank, world_size));
+        new GlooCommunicator(std::move(context), std::move(sync_context), rank, world_size));
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("gloo: rank ", rank, " of ", world_size,
                                                " could not join group \"", key_prefix,
@@ -254,6 +283,159 @@ absl::Status GlooCommunicator::Barrier(absl::Duration timeout) {
   });
 }
 
+absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherMessages(
+    absl::Span<const char> mine, absl::Duration timeout) {
+  std::vector<absl::Span<const char>> views(world_size_);
+  absl::Status status = Guarded("message all-gather", [&] {
+    const auto wait = ToChrono(timeout);
+    const int slot = NextSyncSlots(2);  // length, then message
+    const uint64_t async_slot = kMessageSlot | next_async_++;
+    int64_t length = static_cast<int64_t>(mine.size());
+    outgoing_.assign(mine.begin(), mine.end());
+    // Send first (writes of at most kSyncLimit bytes complete into the socket buffers), then read.
+    std::unique_ptr<gloo::transport::UnboundBuffer> large;
+    for (int q = 0; q < world_size_; ++q) {
+      if (q == rank_) continue;
+      auto& pair = sync_context_->getPair(q);
+      pair->createSendBuffer(slot, &length, kLengthBytes)->send(0, kLengthBytes);
+      if (length == 0) continue;
+      if (length <= kSyncLimit) {
+        pair->createSendBuffer(slot + 1, outgoing_.data(), length)->send(0, length);
+      } else {
+        if (!large) large = context_->createUnboundBuffer(outgoing_.data(), length);
+        large->send(q, async_slot);
+      }
+    }
+    received_.resize(world_size_);
+    for (int q = 0; q < world_size_; ++q) {
+      if (q == rank_) continue;
+      auto& pair = sync_context_->getPair(q);
+      int64_t theirs = 0;
+      pair->createRecvBuffer(slot, &theirs, kLengthBytes)->waitRecv();
+      if (theirs < 0) throw std::runtime_error(absl::StrCat("bad message length from rank ", q));
+      received_[q].resize(theirs);
+      if (theirs == 0) continue;
+      if (theirs <= kSyncLimit) {
+        pair->createRecvBuffer(slot + 1, received_[q].data(), theirs)->waitRecv();
+      } else {
+        auto buffer = context_->createUnboundBuffer(received_[q].data(), theirs);
+        buffer->recv(q, async_slot);
+        if (!buffer->waitRecv(wait)) throw std::runtime_error("receive aborted");
+      }
+    }
+    for (int q = 0; large && q < world_size_ - 1; ++q) {
+      if (!large->waitSend(wait)) throw std::runtime_error("send aborted");
+    }
+    for (int q = 0; q < world_size_; ++q) {
+      views[q] = q == rank_ ? absl::Span<const char>(outgoing_.data(), outgoing_.size())
+                            : absl::Span<const char>(received_[q].data(), received_[q].size());
+    }
+  });
+  if (!status.ok()) return status;
+  return views;
+}
+
+// Receives of at most kSyncLimit bytes are read by the calling thread in Wait(); larger ones are
+// posted on the asynchronous mesh at once. Each Send writes its block straight to the socket.
+class GlooCommunicator::Exchange : public PendingExchange {
+ public:
+  Exchange(GlooCommunicator& comm, char* out, std::vector<int64_t> recv_bytes, size_t elem,
+           int slot, uint64_t async_slot, std::chrono::milliseconds timeout)
+      : comm_(comm),
+        out_(out),
+        recv_bytes_(std::move(recv_bytes)),
+        offsets_(recv_bytes_.size(), 0),
+        elem_(elem),
+        slot_(slot),
+        async_slot_(async_slot),
+        timeout_(timeout),
+        large_recv_(recv_bytes_.size()),
+        large_send_(recv_bytes_.size()) {
+    for (size_t q = 1; q < recv_bytes_.size(); ++q) offsets_[q] = offsets_[q - 1] + recv_bytes_[q - 1];
+  }
+
+  absl::Status Post() {
+    return comm_.Guarded("all-to-all (post)", [&] {
+      for (int q = 0; q < comm_.world_size_; ++q) {
+        if (q == comm_.rank_ || recv_bytes_[q] <= kSyncLimit) continue;
+        large_recv_[q] = comm_.context_->createUnboundBuffer(out_ + offsets_[q], recv_bytes_[q]);
+        large_recv_[q]->recv(q, async_slot_);
+      }
+    });
+  }
+
+  absl::Status Send(int peer, const void* data, int64_t count) override {
+    if (peer < 0 || peer >= comm_.world_size_) {
+      return absl::InternalError(absl::StrCat("gloo: exchange peer ", peer, " out of range"));
+    }
+    const int64_t bytes = count * static_cast<int64_t>(elem_);
+    if (peer == comm_.rank_) {
+      if (bytes != recv_bytes_[peer]) {
+        return absl::InternalError("gloo: exchange block for self has the wrong size");
+      }
+      if (bytes > 0) std::memcpy(out_ + offsets_[peer], data, bytes);
+      return absl::OkStatus();
+    }
+    if (bytes == 0) return absl::OkStatus();
+    return comm_.Guarded("all-to-all (send)", [&] {
+      if (bytes <= kSyncLimit) {
+        comm_.sync_context_->getPair(peer)
+            ->createSendBuffer(slot_, const_cast<void*>(data), bytes)
+            ->send(0, bytes);
+      } else {
+        large_send_[peer] = comm_.context_->createUnboundBuffer(const_cast<void*>(data), bytes);
+        large_send_[peer]->send(peer, async_slot_);
+      }
+    });
+  }
+
+  absl::Status Wait() override {
+    return comm_.Guarded("all-to-all", [&] {
+      for (int q = 0; q < comm_.world_size_; ++q) {
+        if (q == comm_.rank_ || recv_bytes_[q] == 0) continue;
+        if (large_recv_[q]) {
+          if (!large_recv_[q]->waitRecv(timeout_)) throw std::runtime_error("receive aborted");
+        } else {
+          comm_.sync_context_->getPair(q)
+              ->createRecvBuffer(slot_, out_ + offsets_[q], recv_bytes_[q])
+              ->waitRecv();
+        }
+      }
+      for (auto& buffer : large_send_) {
+        if (buffer && !buffer->waitSend(timeout_)) throw std::runtime_error("send aborted");
+      }
+    });
+  }
+
+ private:
+  GlooCommunicator& comm_;
+  char* out_;
+  std::vector<int64_t> recv_bytes_;
+  std::vector<int64_t> offsets_;
+  size_t elem_;
+  int slot_;
+  uint64_t async_slot_;
+  std::chrono::milliseconds timeout_;
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> large_recv_;
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> large_send_;
+};
+
+absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAllV(
+    void* out, absl::Span<const int64_t> recv_counts, DataType type, absl::Duration timeout) {
+  if (static_cast<int>(recv_counts.size()) != world_size_) {
+    return absl::InternalError("gloo: StartAllToAllV counts must have one entry per rank");
+  }
+  if (broken_) return Guarded("all-to-all", [] {});
+  std::vector<int64_t> bytes(world_size_);
+  for (int q = 0; q < world_size_; ++q) bytes[q] = recv_counts[q] * SizeOf(type);
+  auto exchange = std::make_unique<Exchange>(*this, static_cast<char*>(out), std::move(bytes),
+                                             SizeOf(type), NextSyncSlots(1),
+                                             kExchangeSlot | next_async_++, ToChrono(timeout));
+  absl::Status status = exchange->Post();
+  if (!status.ok()) return status;
+  return exchange;
+}
+
 absl::Status GlooCommunicator::Abort() {
   if (!broken_) {
     broken_ = true;
@@ -261,6 +443,7 @@ absl::Status GlooCommunicator::Abort() {
   }
   // Closing the connections makes peers blocked on us fail now instead of at their timeout.
   context_.reset();
+  sync_context_.reset();
   return absl::OkStatus();
 }
 

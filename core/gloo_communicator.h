@@ -1,9 +1,18 @@
 // GlooCommunicator: Communicator over Gloo's TCP transport (CPU workers; buffers in host memory).
 //
-// Create() connects a full mesh through a RendezvousStore under `key_prefix` (group + epoch), so
-// a re-formed group uses a fresh prefix. Gloo reports failures by throwing; every call here catches
-// them and returns UNAVAILABLE, and marks the communicator broken. Not thread-safe: one executor
-// thread drives it. Destruction closes the sockets, which makes peers' pending calls fail fast.
+// Create() connects two full meshes through a RendezvousStore under `key_prefix` (group + epoch),
+// so a re-formed group uses a fresh prefix:
+//  - an asynchronous one (Gloo's device thread does the socket I/O) for Gloo's collective
+//    algorithms and for large transfers;
+//  - a synchronous one (the calling thread reads and writes its sockets itself) for the per-step
+//    hot path, AllGatherMessages and StartAllToAllV, up to kSyncLimit bytes per message. On a
+//    small machine this saves the hand-offs to and from Gloo's device threads that otherwise
+//    dominate a step. Messages stay below what the sockets buffer, so blocking writes cannot
+//    deadlock; larger ones take the asynchronous path.
+// Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
+// marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
+// timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread
+// drives it. Destruction closes the sockets, which makes peers' pending calls fail fast.
 #ifndef SHARDSERVE_CORE_GLOO_COMMUNICATOR_H_
 #define SHARDSERVE_CORE_GLOO_COMMUNICATOR_H_
 
@@ -17,6 +26,9 @@
 
 namespace gloo {
 class Context;
+namespace transport {
+class UnboundBuffer;
+}  // namespace transport
 }  // namespace gloo
 
 namespace shardserve::core {
@@ -24,6 +36,8 @@ namespace shardserve::core {
 struct GlooOptions {
   std::string hostname = "127.0.0.1";  // address this rank listens on for its peers
   absl::Duration connect_timeout = absl::Seconds(30);
+  // Longest wait on the synchronous hot path (AllGatherMessages, StartAllToAllV).
+  absl::Duration sync_timeout = absl::Seconds(30);
 };
 
 class GlooCommunicator : public Communicator {
@@ -47,6 +61,11 @@ class GlooCommunicator : public Communicator {
   absl::Status ReduceScatter(const void* in, absl::Span<const int64_t> counts, void* out,
                              DataType type, ReduceOp op, absl::Duration timeout) override;
   absl::Status Barrier(absl::Duration timeout) override;
+  absl::StatusOr<std::vector<absl::Span<const char>>> AllGatherMessages(
+      absl::Span<const char> mine, absl::Duration timeout) override;
+  absl::StatusOr<std::unique_ptr<PendingExchange>> StartAllToAllV(
+      void* out, absl::Span<const int64_t> recv_counts, DataType type,
+      absl::Duration timeout) override;
   absl::Status Abort() override;
 
   using Communicator::AllGatherV;
@@ -55,17 +74,28 @@ class GlooCommunicator : public Communicator {
   using Communicator::ReduceScatter;
 
  private:
-  GlooCommunicator(std::shared_ptr<gloo::Context> context, int rank, int world_size);
+  class Exchange;
+
+  GlooCommunicator(std::shared_ptr<gloo::Context> context,
+                   std::shared_ptr<gloo::Context> sync_context, int rank, int world_size);
   // Runs `body` (which may throw), turning any exception into UNAVAILABLE and breaking the group.
   template <typename Body>
   absl::Status Guarded(const char* what, Body&& body);
+  // The next Buffer slots of the synchronous mesh (the same sequence on every rank).
+  int NextSyncSlots(int n);
 
+  // Declared first: destroyed last, after every buffer that refers to them.
   std::shared_ptr<gloo::Context> context_;
+  std::shared_ptr<gloo::Context> sync_context_;
   const int rank_;
   const int world_size_;
   bool broken_ = false;
   std::string broken_reason_;
-  uint32_t next_tag_ = 1;
+  uint32_t next_tag_ = 1;       // Gloo's collective algorithms
+  uint32_t next_async_ = 1;     // unbound-buffer slots of large hot-path transfers
+  int next_sync_slot_ = 0;      // Buffer slots of the synchronous mesh
+  std::vector<std::vector<char>> received_;  // AllGatherMessages views point here
+  std::vector<char> outgoing_;
   std::vector<char> scratch_;  // reduce-scatter receive space
 };
 

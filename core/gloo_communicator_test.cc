@@ -21,7 +21,8 @@ using ::testing::HasSubstr;
 constexpr absl::Duration kTimeout = absl::Seconds(10);
 
 // Runs body(rank, communicator) on W threads connected over loopback TCP.
-void RunGroup(int world, const std::function<void(int, GlooCommunicator&)>& body) {
+void RunGroup(int world, const std::function<void(int, GlooCommunicator&)>& body,
+              const GlooOptions& options = {}) {
   static int group_counter = 0;
   const std::string prefix = absl::StrCat("test-group-", ++group_counter);
   InProcessRendezvous store;
@@ -29,7 +30,7 @@ void RunGroup(int world, const std::function<void(int, GlooCommunicator&)>& body
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm =
-          GlooCommunicator::Create(store, prefix, r, world);
+          GlooCommunicator::Create(store, prefix, r, world, options);
       ASSERT_TRUE(comm.ok()) << comm.status();
       body(r, **comm);
     });
@@ -106,6 +107,128 @@ TEST(GlooCommunicator, ReduceScatterWithRaggedBlocks) {
       EXPECT_EQ(sum[i], (0 + 1 + 2) + 3 * (10.0f * rank + i));
       EXPECT_EQ(max[i], 2 + 10.0f * rank + i);
     }
+  });
+}
+
+TEST(GlooCommunicator, AllGatherMessagesOfAnySizeAcrossRounds) {
+  const int world = 3;
+  RunGroup(world, [world](int rank, GlooCommunicator& comm) {
+    // Sizes straddle the initial 64 KiB posted capacity: some rounds overflow and grow it.
+    const std::vector<int64_t> sizes = {0, 17, 100000, 300000, 5, 70000, 0};
+    for (size_t round = 0; round < sizes.size(); ++round) {
+      auto message_of = [&](int r) {
+        std::string m(sizes[round] + r * 3, '\0');
+        for (size_t i = 0; i < m.size(); ++i) m[i] = static_cast<char>((i * 7 + r + round) & 0x7f);
+        return m;
+      };
+      const std::string mine = message_of(rank);
+      absl::StatusOr<std::vector<absl::Span<const char>>> got =
+          comm.AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_EQ(got->size(), world);
+      for (int r = 0; r < world; ++r) {
+        EXPECT_EQ(std::string((*got)[r].data(), (*got)[r].size()), message_of(r))
+            << "round " << round << " from rank " << r;
+      }
+    }
+  });
+}
+
+TEST(GlooCommunicator, SplitPhaseAllToAllInAnySendOrder) {
+  const int world = 3;
+  RunGroup(world, [world](int rank, GlooCommunicator& comm) {
+    for (int round = 0; round < 3; ++round) {
+      // Rank r sends (r + q + round) % 3 int64s to rank q, valued 100*r + q.
+      auto count = [&](int from, int to) -> int64_t { return (from + to + round) % 3; };
+      std::vector<int64_t> recv(world);
+      for (int q = 0; q < world; ++q) recv[q] = count(q, rank);
+      std::vector<int64_t> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}), -1);
+      absl::StatusOr<std::unique_ptr<PendingExchange>> exchange =
+          comm.StartAllToAllV(out.data(), recv, DataType::kInt64, kTimeout);
+      ASSERT_TRUE(exchange.ok()) << exchange.status();
+      std::vector<std::vector<int64_t>> blocks(world);
+      for (int q = world - 1; q >= 0; --q) {  // reverse order: peers' blocks need not come in order
+        blocks[q].assign(count(rank, q), 100 * rank + q);
+        if (!blocks[q].empty()) {
+          ASSERT_TRUE((*exchange)->Send(q, blocks[q].data(), blocks[q].size()).ok());
+        }
+      }
+      ASSERT_TRUE((*exchange)->Wait().ok());
+      std::vector<int64_t> expected;
+      for (int q = 0; q < world; ++q) expected.insert(expected.end(), recv[q], 100 * q + rank);
+      EXPECT_EQ(out, expected) << "round " << round;
+    }
+  });
+}
+
+TEST(GlooCommunicator, SilentPeerMakesHotPathFailWithinSyncTimeout) {
+  GlooOptions options;
+  options.sync_timeout = absl::Milliseconds(300);
+  RunGroup(
+      2,
+      [](int rank, GlooCommunicator& comm) {
+        if (rank == 1) {
+          absl::SleepFor(absl::Milliseconds(2500));
+          return;
+        }
+        const std::string mine = "hello";
+        absl::Time start = absl::Now();
+        auto got = comm.AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()),
+                                          absl::Seconds(30));
+        EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+        EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+        // Broken from now on: the exchange fails at once.
+        std::vector<float> out(4);
+        start = absl::Now();
+        auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
+                                            DataType::kFloat32, absl::Seconds(30));
+        EXPECT_EQ(exchange.status().code(), absl::StatusCode::kUnavailable);
+        EXPECT_LT(absl::Now() - start, absl::Milliseconds(100));
+      },
+      options);
+}
+
+TEST(GlooCommunicator, SilentPeerMakesExchangeFailWithinSyncTimeout) {
+  GlooOptions options;
+  options.sync_timeout = absl::Milliseconds(300);
+  RunGroup(
+      2,
+      [](int rank, GlooCommunicator& comm) {
+        if (rank == 1) {
+          absl::SleepFor(absl::Milliseconds(2500));
+          return;
+        }
+        std::vector<float> out(4), mine(2, 1.0f);
+        const absl::Time start = absl::Now();
+        auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
+                                            DataType::kFloat32, absl::Seconds(30));
+        ASSERT_TRUE(exchange.ok());
+        ASSERT_TRUE((*exchange)->Send(0, mine.data(), 2).ok());
+        ASSERT_TRUE((*exchange)->Send(1, mine.data(), 2).ok());
+        EXPECT_EQ((*exchange)->Wait().code(), absl::StatusCode::kUnavailable);
+        EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+      },
+      options);
+}
+
+TEST(GlooCommunicator, LargeMessagesAndBlocksTakeTheAsyncPath) {
+  RunGroup(2, [](int rank, GlooCommunicator& comm) {
+    // 3 MiB each way: above the synchronous limit.
+    const int64_t n = 3 << 18;
+    std::vector<float> mine(n, static_cast<float>(rank + 1)), out(2 * n);
+    auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{n, n},
+                                        DataType::kFloat32, kTimeout);
+    ASSERT_TRUE(exchange.ok()) << exchange.status();
+    ASSERT_TRUE((*exchange)->Send(1 - rank, mine.data(), n).ok());
+    ASSERT_TRUE((*exchange)->Send(rank, mine.data(), n).ok());
+    ASSERT_TRUE((*exchange)->Wait().ok());
+    EXPECT_EQ(out[0], 1.0f);
+    EXPECT_EQ(out[2 * n - 1], 2.0f);
+    std::string big(5 << 20, static_cast<char>('a' + rank));
+    auto got = comm.AllGatherMessages(absl::MakeConstSpan(big.data(), big.size()), kTimeout);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ((*got)[1 - rank].size(), big.size());
+    EXPECT_EQ((*got)[1 - rank][12345], static_cast<char>('a' + 1 - rank));
   });
 }
 

@@ -14,7 +14,9 @@
 namespace shardserve::core {
 namespace {
 
-constexpr int64_t kHeaderSize = 4;  // valid, ids, bags (-1: no offsets), flags
+// Input message: a header of kHeaderWords int64s, then ids, bag offsets (bags + 1) and packed
+// per-sample weights (embedding ops), or the input rows as floats (linear).
+constexpr int64_t kHeaderWords = 4;  // valid, ids or rows, bags (-1: not bagged), flags
 constexpr int64_t kHasWeights = 1;
 
 int64_t Sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
@@ -55,76 +57,96 @@ LocalBags FilterBags(const int64_t* ids, const int64_t* offsets, const float* we
 
 }  // namespace
 
-// Every rank's ids (and bags) after the input all-gather, identical on all ranks.
+// Every rank's input after the all-gather, identical on all ranks. Pointers are views into the
+// communicator's message buffers, valid until the next gather.
 struct ShardedOps::Gathered {
-  std::vector<bool> valid;
-  std::vector<int64_t> num_ids;
-  std::vector<int64_t> num_bags;
-  std::vector<PoolMode> mode;
-  std::vector<int64_t> payload;  // per source: ids, then offsets (bags + 1), then packed weights
-  std::vector<int64_t> begin;    // index of each source's block in payload
-  std::vector<int64_t> bag_begin;  // index of each source's first bag among all bags
-  std::vector<bool> has_weights;
+  struct Source {
+    bool valid = false;
+    int64_t num_ids = 0;   // ids, or input rows (linear)
+    int64_t num_bags = 0;  // embedding bag only
+    PoolMode mode = PoolMode::kSum;
+    const int64_t* ids = nullptr;
+    const int64_t* offsets = nullptr;  // num_bags + 1 entries
+    const float* weights = nullptr;    // per-sample weights, or null
+    const float* rows = nullptr;       // linear input rows
+  };
+  std::vector<Source> sources;
 
-  int world() const { return static_cast<int>(valid.size()); }
-  const int64_t* ids(int s) const { return payload.data() + begin[s]; }
-  const int64_t* offsets(int s) const { return ids(s) + num_ids[s]; }
-  const float* weights(int s) const {
-    return has_weights[s] ? reinterpret_cast<const float*>(offsets(s) + num_bags[s] + 1) : nullptr;
+  int world() const { return static_cast<int>(sources.size()); }
+  std::vector<int64_t> NumIds() const {
+    std::vector<int64_t> n;
+    for (const Source& s : sources) n.push_back(s.num_ids);
+    return n;
+  }
+  std::vector<int64_t> NumBags() const {
+    std::vector<int64_t> n;
+    for (const Source& s : sources) n.push_back(s.num_bags);
+    return n;
   }
 };
 
-absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherIds(bool valid,
-                                                           absl::Span<const int64_t> ids,
-                                                           const std::vector<int64_t>* offsets,
-                                                           const float* weights, PoolMode mode) {
-  const int world = control_.world_size();
-  const bool bagged = offsets != nullptr;
-  int64_t header[kHeaderSize] = {
-      valid ? 1 : 0, valid ? static_cast<int64_t>(ids.size()) : 0,
-      bagged ? (valid ? static_cast<int64_t>(offsets->size()) - 1 : 0) : -1,
-      ((valid && weights != nullptr) ? kHasWeights : 0) | (static_cast<int64_t>(mode) << 1)};
-  std::vector<int64_t> headers(world * kHeaderSize);
-  RETURN_IF_ERROR(control_.AllGatherV(header, headers.data(),
-                                      std::vector<int64_t>(world, kHeaderSize),
-                                      options_.collective_timeout));
-  Gathered g;
-  g.valid.resize(world);
-  g.num_ids.resize(world);
-  g.num_bags.resize(world);
-  g.mode.resize(world);
-  g.has_weights.resize(world);
-  g.begin.resize(world);
-  g.bag_begin.resize(world);
-  std::vector<int64_t> counts(world);
-  int64_t total = 0, bags_total = 0;
-  for (int s = 0; s < world; ++s) {
-    const int64_t* h = &headers[s * kHeaderSize];
-    g.valid[s] = h[0] == 1;
-    g.num_ids[s] = h[1];
-    g.num_bags[s] = std::max<int64_t>(h[2], 0);
-    g.has_weights[s] = (h[3] & kHasWeights) != 0;
-    g.mode[s] = static_cast<PoolMode>(h[3] >> 1);
-    counts[s] = g.num_ids[s] + (bagged ? g.num_bags[s] + 1 : 0) +
-                (g.has_weights[s] ? (g.num_ids[s] + 1) / 2 : 0);
-    g.begin[s] = total;
-    g.bag_begin[s] = bags_total;
-    total += counts[s];
-    bags_total += g.num_bags[s];
-  }
-  // An invalid source sends no ids and, when bagged, the offsets {0} of zero bags.
-  const int me = control_.rank();
-  std::vector<int64_t> mine(counts[me], 0);
-  if (valid) {
-    std::copy(ids.begin(), ids.end(), mine.begin());
-    if (bagged) std::copy(offsets->begin(), offsets->end(), mine.begin() + ids.size());
-    if (weights != nullptr) {
-      std::memcpy(mine.data() + ids.size() + offsets->size(), weights, ids.size() * sizeof(float));
+absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherInputs(
+    bool valid, InputKind kind, absl::Span<const int64_t> ids,
+    const std::vector<int64_t>* offsets, const float* weights, PoolMode mode,
+    absl::Span<const float> rows) {
+  const bool bagged = kind == InputKind::kBags;
+  const bool linear = kind == InputKind::kRows;
+  // An invalid input is sent as an empty one: no ids, and for bags the offsets {0} of zero bags.
+  const int64_t num = valid ? static_cast<int64_t>(linear ? rows.size() : ids.size()) : 0;
+  const int64_t num_bags = bagged ? (valid ? static_cast<int64_t>(offsets->size()) - 1 : 0) : -1;
+  const bool has_weights = valid && weights != nullptr;
+  std::vector<int64_t> message(kHeaderWords);
+  message[0] = valid ? 1 : 0;
+  message[1] = num;
+  message[2] = num_bags;
+  message[3] = (has_weights ? kHasWeights : 0) | (static_cast<int64_t>(mode) << 1);
+  if (linear) {
+    message.resize(kHeaderWords + (num + 1) / 2);  // floats, two to a word
+    std::memcpy(message.data() + kHeaderWords, rows.data(), num * sizeof(float));
+  } else {
+    if (valid) message.insert(message.end(), ids.begin(), ids.end());
+    if (bagged) {  // offsets, or {0} (zero bags) for an invalid input
+      if (valid) {
+        message.insert(message.end(), offsets->begin(), offsets->end());
+      } else {
+        message.push_back(0);
+      }
+    }
+    if (has_weights) {
+      const size_t at = message.size();
+      message.resize(at + (num + 1) / 2);
+      std::memcpy(message.data() + at, weights, num * sizeof(float));
     }
   }
-  g.payload.resize(total);
-  RETURN_IF_ERROR(control_.AllGatherV(mine.data(), g.payload.data(), counts,
-                                      options_.collective_timeout));
+  ASSIGN_OR_RETURN(std::vector<absl::Span<const char>> views,
+                   control_.AllGatherMessages(
+                       absl::MakeConstSpan(reinterpret_cast<const char*>(message.data()),
+                                           message.size() * sizeof(int64_t)),
+                       options_.collective_timeout));
+  Gathered g;
+  g.sources.resize(views.size());
+  for (size_t s = 0; s < views.size(); ++s) {
+    const auto* words = reinterpret_cast<const int64_t*>(views[s].data());
+    const int64_t available = static_cast<int64_t>(views[s].size() / sizeof(int64_t));
+    Gathered::Source& src = g.sources[s];
+    if (available < kHeaderWords) return absl::InternalError("input message too short");
+    src.valid = words[0] == 1;
+    src.num_ids = words[1];
+    src.num_bags = std::max<int64_t>(words[2], 0);
+    src.mode = static_cast<PoolMode>(words[3] >> 1);
+    const int64_t* cursor = words + kHeaderWords;
+    if (linear) {
+      src.rows = reinterpret_cast<const float*>(cursor);
+      continue;
+    }
+    src.ids = cursor;
+    cursor += src.num_ids;
+    if (words[2] >= 0) {
+      src.offsets = cursor;
+      cursor += src.num_bags + 1;
+    }
+    if ((words[3] & kHasWeights) != 0) src.weights = reinterpret_cast<const float*>(cursor);
+  }
   return g;
 }
 
@@ -132,8 +154,8 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const Gathered&
   const TableConfig& config = table.config();
   if (!config.max_norm.has_value()) return absl::OkStatus();
   std::vector<int64_t> unique;
-  for (int s = 0; s < g.world(); ++s) {
-    if (g.valid[s]) unique.insert(unique.end(), g.ids(s), g.ids(s) + g.num_ids[s]);
+  for (const Gathered::Source& s : g.sources) {
+    if (s.valid) unique.insert(unique.end(), s.ids, s.ids + s.num_ids);
   }
   std::sort(unique.begin(), unique.end());
   unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
@@ -174,35 +196,45 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const Gathered&
                             scales.data());
 }
 
-absl::StatusOr<std::vector<float>> ShardedOps::ToHost(const DeviceBuffer& buffer, int64_t floats) {
-  std::vector<float> host(floats);
-  RETURN_IF_ERROR(kernels_.CopyToHost(buffer.data(), host.data(), floats * sizeof(float)));
-  return host;
-}
-
-absl::StatusOr<std::vector<float>> ShardedOps::ExchangeColumnBlocks(
-    const ShardLayout& layout, const std::vector<int64_t>& rows_of, const DeviceBuffer& local) {
+absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
+                                  const std::vector<int64_t>& recv_counts,
+                                  const BlockProducer& produce, std::vector<float>* staging,
+                                  const float** received, DeviceBuffer* storage) {
   const int world = data_.world_size();
   const int me = data_.rank();
-  std::vector<int64_t> send(world), recv(world);
-  for (int q = 0; q < world; ++q) {
-    send[q] = rows_of[q] * layout.SizeOfRank(me);
-    recv[q] = rows_of[me] * layout.SizeOfRank(q);
+  const int64_t recv_total = Sum(recv_counts);
+  ASSIGN_OR_RETURN(*storage, kernels_.Allocate(recv_total * sizeof(float)));
+  ASSIGN_OR_RETURN(DeviceBuffer blocks, kernels_.Allocate(Sum(send_counts) * sizeof(float)));
+  ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
+                   data_.StartAllToAllV(storage->data(), recv_counts, DataType::kFloat32,
+                                        options_.collective_timeout));
+  std::vector<int64_t> offset(world, 0);
+  for (int q = 1; q < world; ++q) offset[q] = offset[q - 1] + send_counts[q - 1];
+  for (int k = 1; k <= world; ++k) {
+    const int dest = (me + k) % world;
+    float* block = blocks.floats() + offset[dest];
+    RETURN_IF_ERROR(produce(dest, block));
+    if (send_counts[dest] > 0 || dest == me) {
+      RETURN_IF_ERROR(exchange->Send(dest, block, send_counts[dest]));
+    }
   }
-  ASSIGN_OR_RETURN(DeviceBuffer received, kernels_.Allocate(Sum(recv) * sizeof(float)));
-  RETURN_IF_ERROR(data_.AllToAllV(local.floats(), send, received.floats(), recv,
-                                  options_.collective_timeout));
-  std::vector<float> staged;
-  const float* blocks = received.floats();
-  if (!kernels_.host_accessible()) {
-    ASSIGN_OR_RETURN(staged, ToHost(received, Sum(recv)));
-    blocks = staged.data();
+  RETURN_IF_ERROR(exchange->Wait());
+  if (kernels_.host_accessible()) {
+    *received = storage->floats();
+  } else {
+    staging->resize(recv_total);
+    RETURN_IF_ERROR(
+        kernels_.CopyToHost(storage->data(), staging->data(), recv_total * sizeof(float)));
+    *received = staging->data();
   }
-  // Block q holds rows_of[me] rows of rank q's columns; place them at q's column offset.
-  const int64_t rows = rows_of[me];
+  return absl::OkStatus();
+}
+
+std::vector<float> ShardedOps::AssembleColumns(const ShardLayout& layout, int64_t rows,
+                                               const float* blocks) {
   const int64_t width = layout.n();
   std::vector<float> out(rows * width);
-  for (int q = 0; q < world; ++q) {
+  for (int q = 0; q < layout.world_size(); ++q) {
     const int64_t cols = layout.SizeOfRank(q);
     const int64_t col0 = layout.OffsetOfRank(q);
     for (int64_t r = 0; r < rows; ++r) {
@@ -218,53 +250,55 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
   const TableConfig& config = table.config();
   const absl::Status validation = ValidateEmbeddingInput(config, input, options_.limits);
   const bool valid = validation.ok();
-  ASSIGN_OR_RETURN(Gathered g, GatherIds(valid, valid ? input.ids : absl::Span<const int64_t>(),
-                                         nullptr, nullptr, PoolMode::kSum));
+  ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kIds, input.ids, nullptr, nullptr,
+                                            PoolMode::kSum, {}));
   RETURN_IF_ERROR(RenormLookedUpRows(table, g));
 
   const int me = data_.rank();
   const int world = data_.world_size();
   const int64_t dim = config.num_cols;
+  const ShardLayout& layout = table.layout();
+  const MatrixView shard = table.shard();
+  const Gathered::Source& mine = g.sources[me];
+  std::vector<float> staging;
+  const float* received = nullptr;
+  DeviceBuffer storage;
   DenseResult result;
   if (config.spec.dim() == 1) {
-    // Every rank holds a column chunk of every row: look up all ranks' ids, swap column blocks.
-    const int64_t all = Sum(g.num_ids);
-    const int64_t cols = table.shard().cols;
-    ASSIGN_OR_RETURN(DeviceBuffer local, kernels_.Allocate(all * cols * sizeof(float)));
-    RETURN_IF_ERROR(kernels_.GatherRows(table.shard(), g.payload.data(), all, local.floats()));
-    ASSIGN_OR_RETURN(result.values, ExchangeColumnBlocks(table.layout(), g.num_ids, local));
+    // Every rank holds a column chunk of every row: look up each source's ids, swap column blocks.
+    std::vector<int64_t> recv(world);
+    for (int q = 0; q < world; ++q) recv[q] = mine.num_ids * layout.SizeOfRank(q);
+    RETURN_IF_ERROR(Exchange(
+        Scaled(g.NumIds(), shard.cols), recv,
+        [&](int dest, float* block) {
+          return kernels_.GatherRows(shard, g.sources[dest].ids, g.sources[dest].num_ids, block);
+        },
+        &staging, &received, &storage));
+    result.values = AssembleColumns(layout, mine.num_ids, received);
   } else {
     // Row chunks: each rank sends every source exactly the rows it owns of that source's ids.
-    const ShardLayout& layout = table.layout();
-    std::vector<int64_t> send(world, 0), recv(world, 0), local_rows;
+    std::vector<int64_t> send(world, 0), recv(world, 0);
+    std::vector<std::vector<int64_t>> local_rows(world);
     for (int s = 0; s < world; ++s) {
-      for (int64_t i = 0; i < g.num_ids[s]; ++i) {
-        const int64_t id = g.ids(s)[i];
-        if (layout.OwnerOf(id) == me) {
-          local_rows.push_back(id - table.row_begin());
-          ++send[s];
-        }
+      for (int64_t i = 0; i < g.sources[s].num_ids; ++i) {
+        const int64_t id = g.sources[s].ids[i];
+        if (layout.OwnerOf(id) == me) local_rows[s].push_back(id - table.row_begin());
         if (s == me) ++recv[layout.OwnerOf(id)];
       }
+      send[s] = static_cast<int64_t>(local_rows[s].size());
     }
-    const int64_t n = static_cast<int64_t>(local_rows.size());
-    ASSIGN_OR_RETURN(DeviceBuffer rows, kernels_.Allocate(n * dim * sizeof(float)));
-    RETURN_IF_ERROR(kernels_.GatherRows(table.shard(), local_rows.data(), n, rows.floats()));
-    ASSIGN_OR_RETURN(DeviceBuffer received, kernels_.Allocate(Sum(recv) * dim * sizeof(float)));
-    RETURN_IF_ERROR(data_.AllToAllV(rows.floats(), Scaled(send, dim), received.floats(),
-                                    Scaled(recv, dim), options_.collective_timeout));
-    std::vector<float> staged;
-    const float* blocks = received.floats();
-    if (!kernels_.host_accessible()) {
-      ASSIGN_OR_RETURN(staged, ToHost(received, Sum(recv) * dim));
-      blocks = staged.data();
-    }
+    RETURN_IF_ERROR(Exchange(
+        Scaled(send, dim), Scaled(recv, dim),
+        [&](int dest, float* block) {
+          return kernels_.GatherRows(shard, local_rows[dest].data(), send[dest], block);
+        },
+        &staging, &received, &storage));
     std::vector<int64_t> cursor(world, 0);  // next row of each owner's block
     for (int q = 1; q < world; ++q) cursor[q] = cursor[q - 1] + recv[q - 1];
-    result.values.resize(g.num_ids[me] * dim);
-    for (int64_t i = 0; i < g.num_ids[me]; ++i) {
-      const int owner = layout.OwnerOf(g.ids(me)[i]);
-      std::memcpy(&result.values[i * dim], blocks + cursor[owner]++ * dim, dim * sizeof(float));
+    result.values.resize(mine.num_ids * dim);
+    for (int64_t i = 0; i < mine.num_ids; ++i) {
+      const int owner = layout.OwnerOf(mine.ids[i]);
+      std::memcpy(&result.values[i * dim], received + cursor[owner]++ * dim, dim * sizeof(float));
     }
   }
   if (!valid) return validation;
@@ -280,37 +314,44 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
   const bool valid = bags.ok();
   const float* weights =
       valid && input.per_sample_weights.has_value() ? input.per_sample_weights->data() : nullptr;
-  ASSIGN_OR_RETURN(Gathered g,
-                   GatherIds(valid, valid ? input.ids : absl::Span<const int64_t>(),
-                             valid ? &bags->offsets : nullptr, weights, input.mode));
+  ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kBags, input.ids,
+                                            valid ? &bags->offsets : nullptr, weights,
+                                            input.mode, {}));
   RETURN_IF_ERROR(RenormLookedUpRows(table, g));
 
   const int me = data_.rank();
   const int world = data_.world_size();
   const int64_t dim = config.num_cols;
-  const int64_t all_bags = Sum(g.num_bags);
+  const Gathered::Source& mine = g.sources[me];
   const std::optional<int64_t> padding = config.padding_idx;
   const MatrixView shard = table.shard();
+  std::vector<float> staging;
+  const float* received = nullptr;
+  DeviceBuffer storage;
   DenseResult result;
   if (config.spec.dim() == 1) {
-    // Column chunks: pool every source's bags over this rank's columns, then swap column blocks.
-    ASSIGN_OR_RETURN(DeviceBuffer local, kernels_.Allocate(all_bags * shard.cols * sizeof(float)));
-    for (int s = 0; s < world; ++s) {
-      if (g.num_bags[s] == 0) continue;
-      float* out = local.floats() + g.bag_begin[s] * shard.cols;
+    // Column chunks: pool each source's bags over this rank's columns, then swap column blocks.
+    const ShardLayout& layout = table.layout();
+    std::vector<int64_t> recv(world);
+    for (int q = 0; q < world; ++q) recv[q] = mine.num_bags * layout.SizeOfRank(q);
+    auto pool = [&](int s, float* block) -> absl::Status {
+      const Gathered::Source& src = g.sources[s];
+      if (src.num_bags == 0) return absl::OkStatus();
       if (!padding.has_value()) {
-        const BagsView view{g.ids(s), g.offsets(s), g.weights(s), g.num_bags[s]};
-        RETURN_IF_ERROR(kernels_.PoolBags(shard, view, g.mode[s], 0.0f, out));
-        continue;
+        return kernels_.PoolBags(shard, BagsView{src.ids, src.offsets, src.weights, src.num_bags},
+                                 src.mode, 0.0f, block);
       }
       const int64_t pad = *padding;
-      LocalBags filtered = FilterBags(g.ids(s), g.offsets(s), g.weights(s), g.num_bags[s],
-                                      [pad](int64_t id) { return id == pad ? -1 : id; });
-      const BagsView view{filtered.ids.data(), filtered.offsets.data(),
-                          g.weights(s) ? filtered.weights.data() : nullptr, g.num_bags[s]};
-      RETURN_IF_ERROR(kernels_.PoolBags(shard, view, g.mode[s], 0.0f, out));
-    }
-    ASSIGN_OR_RETURN(result.values, ExchangeColumnBlocks(table.layout(), g.num_bags, local));
+      LocalBags kept = FilterBags(src.ids, src.offsets, src.weights, src.num_bags,
+                                  [pad](int64_t id) { return id == pad ? -1 : id; });
+      return kernels_.PoolBags(shard,
+                               BagsView{kept.ids.data(), kept.offsets.data(),
+                                        src.weights ? kept.weights.data() : nullptr, src.num_bags},
+                               src.mode, 0.0f, block);
+    };
+    RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), shard.cols), recv, pool, &staging, &received,
+                             &storage));
+    result.values = AssembleColumns(layout, mine.num_bags, received);
   } else {
     // Row chunks: pool each source's bags over the ids this rank owns (sum for sum/mean, max with
     // -inf for bags with none), send each source its partials, and reduce what comes back.
@@ -320,44 +361,35 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
       return (id >= begin && id < end && id != pad) ? id - begin : -1;
     };
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-    ASSIGN_OR_RETURN(DeviceBuffer partial, kernels_.Allocate(all_bags * dim * sizeof(float)));
-    for (int s = 0; s < world; ++s) {
-      if (g.num_bags[s] == 0) continue;
-      LocalBags filtered =
-          FilterBags(g.ids(s), g.offsets(s), g.weights(s), g.num_bags[s], local_row);
-      const BagsView view{filtered.ids.data(), filtered.offsets.data(),
-                          g.weights(s) ? filtered.weights.data() : nullptr, g.num_bags[s]};
-      const PoolMode mode = g.mode[s] == PoolMode::kMax ? PoolMode::kMax : PoolMode::kSum;
-      RETURN_IF_ERROR(kernels_.PoolBags(shard, view, mode, kNegInf,
-                                        partial.floats() + g.bag_begin[s] * dim));
-    }
-    const int64_t mine = g.num_bags[me] * dim;
-    ASSIGN_OR_RETURN(DeviceBuffer received, kernels_.Allocate(world * mine * sizeof(float)));
-    RETURN_IF_ERROR(data_.AllToAllV(partial.floats(), Scaled(g.num_bags, dim), received.floats(),
-                                    std::vector<int64_t>(world, mine),
-                                    options_.collective_timeout));
-    std::vector<float> staged;
-    const float* blocks = received.floats();
-    if (!kernels_.host_accessible()) {
-      ASSIGN_OR_RETURN(staged, ToHost(received, world * mine));
-      blocks = staged.data();
-    }
-    result.values.assign(blocks, blocks + mine);
-    const bool max_mode = g.mode[me] == PoolMode::kMax;
+    auto pool = [&](int s, float* block) -> absl::Status {
+      const Gathered::Source& src = g.sources[s];
+      if (src.num_bags == 0) return absl::OkStatus();
+      LocalBags kept = FilterBags(src.ids, src.offsets, src.weights, src.num_bags, local_row);
+      const PoolMode mode = src.mode == PoolMode::kMax ? PoolMode::kMax : PoolMode::kSum;
+      return kernels_.PoolBags(shard,
+                               BagsView{kept.ids.data(), kept.offsets.data(),
+                                        src.weights ? kept.weights.data() : nullptr, src.num_bags},
+                               mode, kNegInf, block);
+    };
+    const int64_t size = mine.num_bags * dim;
+    RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), dim), std::vector<int64_t>(world, size), pool,
+                             &staging, &received, &storage));
+    result.values.assign(received, received + size);
+    const bool max_mode = mine.mode == PoolMode::kMax;
     for (int q = 1; q < world; ++q) {
-      const float* block = blocks + q * mine;
+      const float* block = received + q * size;
       if (max_mode) {
-        for (int64_t i = 0; i < mine; ++i) result.values[i] = std::max(result.values[i], block[i]);
+        for (int64_t i = 0; i < size; ++i) result.values[i] = std::max(result.values[i], block[i]);
       } else {
-        for (int64_t i = 0; i < mine; ++i) result.values[i] += block[i];
+        for (int64_t i = 0; i < size; ++i) result.values[i] += block[i];
       }
     }
-    if (valid && g.mode[me] != PoolMode::kSum) {
+    if (mine.mode != PoolMode::kSum) {
       // Count the ids that took part in each bag (padding excluded) to finish mean and max.
-      for (int64_t b = 0; b < g.num_bags[me]; ++b) {
+      for (int64_t b = 0; b < mine.num_bags; ++b) {
         int64_t count = 0;
-        for (int64_t j = g.offsets(me)[b]; j < g.offsets(me)[b + 1]; ++j) {
-          count += g.ids(me)[j] != pad ? 1 : 0;
+        for (int64_t j = mine.offsets[b]; j < mine.offsets[b + 1]; ++j) {
+          count += mine.ids[j] != pad ? 1 : 0;
         }
         float* row = &result.values[b * dim];
         if (max_mode && count == 0) {
@@ -369,7 +401,7 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
     }
   }
   if (!valid) return bags.status();
-  result.shape = {g.num_bags[me], dim};
+  result.shape = {mine.num_bags, dim};
   return result;
 }
 
@@ -377,43 +409,52 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
   const TableConfig& config = table.config();
   absl::StatusOr<int64_t> rows = ValidateLinearInput(config, input, options_.limits);
   const bool valid = rows.ok();
-  const int world = control_.world_size();
-  const int me = control_.rank();
+  const int world = data_.world_size();
+  const int me = data_.rank();
   const int64_t in = config.num_cols, out_features = config.num_rows;
-
-  // All-gather the inputs: row counts first, then the rows.
-  int64_t my_rows = valid ? *rows : 0;
-  std::vector<int64_t> rows_of(world);
-  RETURN_IF_ERROR(control_.AllGatherV(&my_rows, rows_of.data(), std::vector<int64_t>(world, 1),
-                                      options_.collective_timeout));
-  const int64_t all_rows = Sum(rows_of);
-  std::vector<float> x(all_rows * in);
-  RETURN_IF_ERROR(control_.AllGatherV(valid ? input.values.data() : nullptr, x.data(),
-                                      Scaled(rows_of, in), options_.collective_timeout));
+  ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kRows, {}, nullptr, nullptr,
+                                            PoolMode::kSum, input.values));
+  std::vector<int64_t> rows_of = Scaled(g.NumIds(), 1);
+  for (int64_t& r : rows_of) r /= in;
+  const int64_t my_rows = rows_of[me];
 
   const MatrixView shard = table.shard();
   const float* bias = table.bias().empty() ? nullptr : table.bias().data();
+  std::vector<float> staging;
+  const float* received = nullptr;
+  DeviceBuffer storage;
   DenseResult result;
   if (config.spec.dim() == 0) {
     // Output features are split: this rank computes its output columns for every source's rows.
-    ASSIGN_OR_RETURN(DeviceBuffer local, kernels_.Allocate(all_rows * shard.rows * sizeof(float)));
-    RETURN_IF_ERROR(kernels_.Linear(x.data(), all_rows, in, 0, shard,
-                                    bias ? bias + table.row_begin() : nullptr, local.floats()));
-    ASSIGN_OR_RETURN(result.values, ExchangeColumnBlocks(table.layout(), rows_of, local));
+    const ShardLayout& layout = table.layout();
+    std::vector<int64_t> recv(world);
+    for (int q = 0; q < world; ++q) recv[q] = my_rows * layout.SizeOfRank(q);
+    RETURN_IF_ERROR(Exchange(
+        Scaled(rows_of, shard.rows), recv,
+        [&](int s, float* block) {
+          return kernels_.Linear(g.sources[s].rows, rows_of[s], in, 0, shard,
+                                 bias ? bias + table.row_begin() : nullptr, block);
+        },
+        &staging, &received, &storage));
+    result.values = AssembleColumns(layout, my_rows, received);
   } else {
-    // Input features are split: partial products over this rank's inputs, summed across ranks.
-    ASSIGN_OR_RETURN(DeviceBuffer partial,
-                     kernels_.Allocate(all_rows * out_features * sizeof(float)));
-    RETURN_IF_ERROR(kernels_.Linear(x.data(), all_rows, in, table.col_begin(), shard, nullptr,
-                                    partial.floats()));
-    const int64_t mine = rows_of[me] * out_features;
-    ASSIGN_OR_RETURN(DeviceBuffer reduced, kernels_.Allocate(mine * sizeof(float)));
-    RETURN_IF_ERROR(data_.ReduceScatter(partial.floats(), Scaled(rows_of, out_features),
-                                        reduced.floats(), ReduceOp::kSum,
-                                        options_.collective_timeout));
-    ASSIGN_OR_RETURN(result.values, ToHost(reduced, mine));
-    if (bias != nullptr) {  // added once, after the partial sums
-      for (int64_t r = 0; r < rows_of[me]; ++r) {
+    // Input features are split: partial products over this rank's inputs, summed across ranks,
+    // and the bias added once, after the sum.
+    const int64_t size = my_rows * out_features;
+    RETURN_IF_ERROR(Exchange(
+        Scaled(rows_of, out_features), std::vector<int64_t>(world, size),
+        [&](int s, float* block) {
+          return kernels_.Linear(g.sources[s].rows, rows_of[s], in, table.col_begin(), shard,
+                                 nullptr, block);
+        },
+        &staging, &received, &storage));
+    result.values.assign(received, received + size);
+    for (int q = 1; q < world; ++q) {
+      const float* block = received + q * size;
+      for (int64_t i = 0; i < size; ++i) result.values[i] += block[i];
+    }
+    if (bias != nullptr) {
+      for (int64_t r = 0; r < my_rows; ++r) {
         for (int64_t j = 0; j < out_features; ++j) result.values[r * out_features + j] += bias[j];
       }
     }

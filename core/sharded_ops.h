@@ -20,6 +20,9 @@
 #ifndef SHARDSERVE_CORE_SHARDED_OPS_H_
 #define SHARDSERVE_CORE_SHARDED_OPS_H_
 
+#include <functional>
+#include <vector>
+
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/communicator.h"
@@ -48,16 +51,25 @@ class ShardedOps {
 
  private:
   struct Gathered;
-  absl::StatusOr<Gathered> GatherIds(bool valid, absl::Span<const int64_t> ids,
-                                     const std::vector<int64_t>* offsets, const float* weights,
-                                     PoolMode mode);
+  enum class InputKind { kIds, kBags, kRows };
+  // All-gathers every rank's input in one message round (ids, bags and weights, or linear rows).
+  // An invalid input travels as an empty one.
+  absl::StatusOr<Gathered> GatherInputs(bool valid, InputKind kind, absl::Span<const int64_t> ids,
+                                        const std::vector<int64_t>* offsets, const float* weights,
+                                        PoolMode mode, absl::Span<const float> rows);
   absl::Status RenormLookedUpRows(ShardedTable& table, const Gathered& gathered);
-  // Exchanges column blocks: `local` holds (rows of every source) x (this rank's columns), in
-  // source order; returns this rank's rows x all columns, in placement order.
-  absl::StatusOr<std::vector<float>> ExchangeColumnBlocks(const ShardLayout& layout,
-                                                          const std::vector<int64_t>& rows_of,
-                                                          const DeviceBuffer& local);
-  absl::StatusOr<std::vector<float>> ToHost(const DeviceBuffer& buffer, int64_t floats);
+  // The result exchange: posts the receives (recv_counts floats from each rank), then for each
+  // destination - peers first, this rank last, so transfers overlap the remaining compute - lets
+  // `produce` write that destination's send_counts[dest] floats and sends them. Returns the
+  // received blocks in rank order, readable by the host.
+  using BlockProducer = std::function<absl::Status(int dest, float* block)>;
+  absl::Status Exchange(const std::vector<int64_t>& send_counts,
+                        const std::vector<int64_t>& recv_counts, const BlockProducer& produce,
+                        std::vector<float>* staging, const float** received,
+                        DeviceBuffer* storage);
+  // Places column blocks (block q: `rows` rows of rank q's columns) at each rank's column offset.
+  static std::vector<float> AssembleColumns(const ShardLayout& layout, int64_t rows,
+                                            const float* blocks);
 
   Communicator& control_;
   Communicator& data_;
