@@ -10,7 +10,7 @@ rounds=${1:-5}
 baseline=../shared/bench/torch_sharded_baseline.py
 [ -f "$baseline" ] || { echo "missing $baseline (the shared PyTorch baseline)" >&2; exit 1; }
 bazel build -c opt //bench:sharded_ops_bench >/dev/null
-bin=bazel-bin/bench/sharded_ops_bench
+bin=.bazel/bin/bench/sharded_ops_bench
 mkdir -p bench/results
 out=bench/results/sharded_ops_$(date -u +%Y%m%dT%H%M%SZ).jsonl
 : > "$out"
