@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh || exit 1
 log=$(mktemp)
-bazel test //... "$@" 2>&1 | tee "$log"
+bazel test --nocache_test_results //... "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 passed=$(grep -cE '^//\S+\s+(\(cached\) )?PASSED' "$log")
 failed=$(grep -cE '^//\S+\s+.*(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log")

@@ -1,0 +1,329 @@
+#include "core/step_loop.h"
+
+#include <algorithm>
+#include <set>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "core/sharded_ops.h"
+#include "core/status_macros.h"
+
+namespace shardserve::core {
+namespace {
+
+// Requests that can share one sharded op call: same table, op, mode and weights-or-not. The key
+// travels in the agreement round; the table name comes last so it may contain any character.
+std::string KeyOf(const StepRequest& r) {
+  return absl::StrCat(static_cast<int>(r.op), "|", static_cast<int>(r.mode), "|",
+                      r.has_weights ? 1 : 0, "|", r.table);
+}
+
+struct Key {
+  StepRequest::Op op;
+  PoolMode mode;
+  bool has_weights;
+  std::string table;
+};
+
+absl::StatusOr<Key> ParseKey(absl::string_view text) {
+  std::vector<absl::string_view> parts = absl::StrSplit(text, absl::MaxSplits('|', 3));
+  int op = 0, mode = 0, weights = 0;
+  if (parts.size() != 4 || !absl::SimpleAtoi(parts[0], &op) || !absl::SimpleAtoi(parts[1], &mode) ||
+      !absl::SimpleAtoi(parts[2], &weights) || op < 0 || op > 2 || mode < 0 || mode > 2) {
+    return absl::InternalError(absl::StrCat("step: bad work key \"", text, "\""));
+  }
+  return Key{static_cast<StepRequest::Op>(op), static_cast<PoolMode>(mode), weights == 1,
+             std::string(parts[3])};
+}
+
+void Answer(StepRequest& r, absl::StatusOr<DenseResult> result) {
+  if (!r.done) return;
+  auto done = std::move(r.done);
+  r.done = nullptr;
+  done(std::move(result));
+}
+
+}  // namespace
+
+int64_t StepRequest::Rows() const {
+  switch (op) {
+    case Op::kEmbedding:
+    case Op::kEmbeddingBag:
+      return std::max<int64_t>(static_cast<int64_t>(ids.size()), 1);
+    case Op::kLinear:
+      return shape.empty() || shape.back() == 0
+                 ? 1
+                 : std::max<int64_t>(static_cast<int64_t>(values.size()) / shape.back(), 1);
+  }
+  return 1;
+}
+
+absl::Status PrepareRequest(const TableConfig& table, const InputLimits& limits,
+                            StepRequest& request, absl::Span<const int64_t> raw_offsets,
+                            bool has_offsets, bool include_last_offset) {
+  switch (request.op) {
+    case StepRequest::Op::kEmbedding:
+      return ValidateEmbeddingInput(table, EmbeddingInput{request.ids, request.shape}, limits);
+    case StepRequest::Op::kEmbeddingBag: {
+      EmbeddingBagInput in;
+      in.ids = request.ids;
+      in.shape = request.shape;
+      if (has_offsets) in.offsets = raw_offsets;
+      if (request.has_weights) in.per_sample_weights = absl::MakeConstSpan(request.weights);
+      in.mode = request.mode;
+      in.include_last_offset = include_last_offset;
+      ASSIGN_OR_RETURN(CanonicalBags bags, ValidateEmbeddingBagInput(table, in, limits));
+      request.offsets = std::move(bags.offsets);
+      return absl::OkStatus();
+    }
+    case StepRequest::Op::kLinear:
+      return ValidateLinearInput(table, LinearInput{request.values, request.shape}, limits)
+          .status();
+  }
+  return absl::InternalError("unknown op");
+}
+
+StepLoop::StepLoop(Options options, LocalKernels& kernels)
+    : options_(std::move(options)), kernels_(kernels) {}
+
+StepLoop::~StepLoop() { Stop(); }
+
+void StepLoop::Start() { thread_ = std::thread([this] { Run(); }); }
+
+void StepLoop::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  std::deque<std::unique_ptr<StepRequest>> left;
+  {
+    absl::MutexLock lock(&mu_);
+    left.swap(queue_);
+  }
+  for (auto& r : left) Answer(*r, absl::UnavailableError("worker is shutting down"));
+}
+
+void StepLoop::SetGroup(std::unique_ptr<Communicator> comm, uint64_t epoch) {
+  absl::MutexLock lock(&mu_);
+  pending_comm_ = std::move(comm);
+  pending_epoch_ = epoch;
+}
+
+uint64_t StepLoop::epoch() const {
+  absl::MutexLock lock(&mu_);
+  return has_group_ ? epoch_ : 0;
+}
+
+bool StepLoop::serving() const {
+  absl::MutexLock lock(&mu_);
+  return has_group_;
+}
+
+void StepLoop::SetTable(std::shared_ptr<ShardedTable> table) {
+  absl::MutexLock lock(&mu_);
+  tables_[table->config().name] = std::move(table);
+}
+
+void StepLoop::DropTable(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  tables_.erase(name);
+}
+
+int64_t StepLoop::busy_steps() const {
+  absl::MutexLock lock(&mu_);
+  return busy_steps_;
+}
+
+void StepLoop::Submit(std::unique_ptr<StepRequest> request) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stop_ && (has_group_ || pending_comm_ != nullptr)) {
+      queue_.push_back(std::move(request));
+      return;
+    }
+  }
+  Answer(*request, absl::UnavailableError(
+                       "group not formed: this worker's group is waiting for all its ranks"));
+}
+
+void StepLoop::FailAll(std::vector<std::unique_ptr<StepRequest>>& batch,
+                       const absl::Status& status) {
+  for (auto& r : batch) Answer(*r, status);
+}
+
+void StepLoop::Run() {
+  kernels_.InitThread();
+  std::unique_ptr<Communicator> comm;
+  absl::Duration idle = absl::ZeroDuration();
+  std::vector<std::unique_ptr<StepRequest>> batch;
+  while (true) {
+    batch.clear();
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this, &comm]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stop_ || pending_comm_ != nullptr || comm != nullptr;
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_) break;
+      if (pending_comm_ != nullptr) {
+        comm = std::move(pending_comm_);
+        epoch_ = pending_epoch_;
+        has_group_ = true;
+      }
+      int64_t rows = 0;
+      while (!queue_.empty() &&
+             (batch.empty() || rows + queue_.front()->Rows() <= options_.row_budget)) {
+        rows += queue_.front()->Rows();
+        batch.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+    }
+    const absl::Time now = absl::Now();
+    for (auto& r : batch) {
+      if (r->deadline < now) Answer(*r, absl::DeadlineExceededError("deadline passed in queue"));
+    }
+    batch.erase(std::remove_if(batch.begin(), batch.end(), [](const auto& r) { return !r->done; }),
+                batch.end());
+
+    // Agreement round: every rank learns which (table, op) work any rank has.
+    std::set<std::string> mine;
+    for (const auto& r : batch) mine.insert(KeyOf(*r));
+    const std::string message = absl::StrJoin(mine, "\n");
+    absl::StatusOr<std::vector<absl::Span<const char>>> views = comm->AllGatherMessages(
+        absl::MakeConstSpan(message.data(), message.size()), options_.collective_timeout);
+    absl::Status broken;
+    std::set<std::string> work;
+    if (!views.ok()) {
+      broken = views.status();
+    } else {
+      for (absl::Span<const char> view : *views) {
+        if (view.empty()) continue;
+        for (absl::string_view key : absl::StrSplit(absl::string_view(view.data(), view.size()), '\n')) {
+          work.insert(std::string(key));
+        }
+      }
+    }
+    if (broken.ok() && work.empty()) {
+      // Idle: back off, but wake at once for local work.
+      idle = std::min(std::max(idle * 2, absl::Microseconds(50)), options_.max_idle_sleep);
+      absl::MutexLock lock(&mu_);
+      auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stop_ || !queue_.empty() || pending_comm_ != nullptr;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&wake), idle);
+      continue;
+    }
+    idle = absl::ZeroDuration();
+    if (broken.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        ++busy_steps_;
+      }
+      broken = [&]() -> absl::Status {
+        ShardedOps ops(*comm, *comm, kernels_,
+                       OpOptions{options_.collective_timeout, options_.limits});
+        for (const std::string& text : work) {
+          ASSIGN_OR_RETURN(Key key, ParseKey(text));
+          std::shared_ptr<ShardedTable> table;
+          {
+            absl::MutexLock lock(&mu_);
+            auto it = tables_.find(key.table);
+            if (it != tables_.end()) table = it->second;
+          }
+          if (table == nullptr) {
+            // A peer has work for a table this rank does not hold: the group cannot run it.
+            comm->Abort();
+            return absl::UnavailableError(
+                absl::StrCat("table \"", key.table, "\" is not loaded on this rank"));
+          }
+          std::vector<StepRequest*> reqs;
+          for (auto& r : batch) {
+            if (KeyOf(*r) == text) reqs.push_back(r.get());
+          }
+          // Concatenate this rank's requests into one input (empty when it has none).
+          std::vector<int64_t> ids, offsets = {0};
+          std::vector<float> weights, values;
+          for (StepRequest* r : reqs) {
+            const int64_t base = static_cast<int64_t>(ids.size());
+            ids.insert(ids.end(), r->ids.begin(), r->ids.end());
+            for (size_t b = 1; b < r->offsets.size(); ++b) offsets.push_back(base + r->offsets[b]);
+            weights.insert(weights.end(), r->weights.begin(), r->weights.end());
+            values.insert(values.end(), r->values.begin(), r->values.end());
+          }
+          absl::StatusOr<DenseResult> result;
+          const int64_t in_features = table->config().num_cols;
+          switch (key.op) {
+            case StepRequest::Op::kEmbedding:
+              result = ops.Embedding(*table, EmbeddingInput{ids, {static_cast<int64_t>(ids.size())}});
+              break;
+            case StepRequest::Op::kEmbeddingBag: {
+              EmbeddingBagInput in;
+              in.ids = ids;
+              in.shape = {static_cast<int64_t>(ids.size())};
+              in.offsets = absl::MakeConstSpan(offsets);
+              in.include_last_offset = true;
+              if (key.has_weights) in.per_sample_weights = absl::MakeConstSpan(weights);
+              in.mode = key.mode;
+              result = ops.EmbeddingBag(*table, in);
+              break;
+            }
+            case StepRequest::Op::kLinear:
+              result = ops.Linear(
+                  *table, LinearInput{values, {static_cast<int64_t>(values.size()) / in_features,
+                                               in_features}});
+              break;
+          }
+          if (!result.ok()) {
+            if (result.status().code() == absl::StatusCode::kUnavailable) return result.status();
+            for (StepRequest* r : reqs) Answer(*r, result.status());
+            continue;
+          }
+          // Split the rows back per request.
+          const int64_t dim = result->shape.back();
+          const float* cursor = result->values.data();
+          for (StepRequest* r : reqs) {
+            DenseResult mine_result;
+            int64_t rows = 0;
+            switch (r->op) {
+              case StepRequest::Op::kEmbedding:
+                rows = static_cast<int64_t>(r->ids.size());
+                mine_result.shape = r->shape;
+                break;
+              case StepRequest::Op::kEmbeddingBag:
+                rows = static_cast<int64_t>(r->offsets.size()) - 1;
+                mine_result.shape = {rows};
+                break;
+              case StepRequest::Op::kLinear:
+                rows = static_cast<int64_t>(r->values.size()) / in_features;
+                mine_result.shape.assign(r->shape.begin(), r->shape.end() - 1);
+                break;
+            }
+            mine_result.shape.push_back(dim);
+            mine_result.values.assign(cursor, cursor + rows * dim);
+            cursor += rows * dim;
+            Answer(*r, std::move(mine_result));
+          }
+        }
+        return absl::OkStatus();
+      }();
+    }
+    if (!broken.ok()) {
+      const absl::Status status = absl::UnavailableError(
+          absl::StrCat("group epoch ", epoch(), " failed: ", broken.message()));
+      FailAll(batch, status);
+      comm.reset();
+      {
+        absl::MutexLock lock(&mu_);
+        has_group_ = false;
+      }
+      if (options_.on_group_broken) options_.on_group_broken(status);
+    }
+  }
+  FailAll(batch, absl::UnavailableError("worker is shutting down"));
+}
+
+}  // namespace shardserve::core

@@ -1,0 +1,115 @@
+// StepLoop: a worker's executor. It owns the group's Communicator and runs the step loop of
+// DESIGN.md: each iteration the ranks all-gather which (table, op) work they have queued (the
+// agreement round); if any rank has work, every rank runs each sharded op in the agreed order
+// with whatever it has queued for it (concatenated, possibly empty), and answers its own callers.
+// An idle group backs off (sleeps up to Options::max_idle_sleep between rounds) instead of
+// spinning.
+//
+// Thread-safety: Submit, SetGroup, SetTable, DropTable and Stop may be called from any thread;
+// everything else runs on the loop's own thread, which calls LocalKernels::InitThread() first.
+// Requests are answered exactly once, on the loop thread (or at once, on Submit's thread, when
+// refused). A failed collective fails the step's requests with UNAVAILABLE, drops the group and
+// reports it through Options::on_group_broken; the loop then waits for SetGroup.
+#ifndef SHARDSERVE_CORE_STEP_LOOP_H_
+#define SHARDSERVE_CORE_STEP_LOOP_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/communicator.h"
+#include "core/local_kernels.h"
+#include "core/op_inputs.h"
+#include "core/sharded_table.h"
+
+namespace shardserve::core {
+
+// One caller's request, validated and owning its data, waiting for a step.
+struct StepRequest {
+  enum class Op { kEmbedding, kEmbeddingBag, kLinear };
+  Op op = Op::kEmbedding;
+  std::string table;
+  std::vector<int64_t> shape;    // ids' (embedding, bag) or the input's (linear) shape
+  std::vector<int64_t> ids;      // embedding, bag
+  std::vector<int64_t> offsets;  // bag: canonical, num_bags + 1 entries
+  std::vector<float> weights;    // bag: per-sample weights, or empty
+  bool has_weights = false;
+  PoolMode mode = PoolMode::kMean;
+  std::vector<float> values;     // linear input rows
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<void(absl::StatusOr<DenseResult>)> done;
+
+  // Rows this request adds to a step (ids, bags' ids, or input rows), for the row budget.
+  int64_t Rows() const;
+};
+
+// Validates a request against its table and puts it in canonical form (bag offsets). Returns the
+// request ready for Submit, or INVALID_ARGUMENT / RESOURCE_EXHAUSTED.
+absl::Status PrepareRequest(const TableConfig& table, const InputLimits& limits,
+                            StepRequest& request, absl::Span<const int64_t> raw_offsets,
+                            bool has_offsets, bool include_last_offset);
+
+class StepLoop {
+ public:
+  struct Options {
+    int64_t row_budget = int64_t{1} << 18;  // rows (ids, bags' ids, input rows) per step per rank
+    absl::Duration max_idle_sleep = absl::Milliseconds(1);
+    absl::Duration collective_timeout = absl::Seconds(10);
+    InputLimits limits;
+    std::function<void(const absl::Status&)> on_group_broken;
+  };
+
+  StepLoop(Options options, LocalKernels& kernels);
+  ~StepLoop();  // stops the loop; queued requests fail with UNAVAILABLE
+
+  void Start();
+  void Stop();
+
+  // Hands the loop a freshly formed group (replacing any previous one) for `epoch`.
+  void SetGroup(std::unique_ptr<Communicator> comm, uint64_t epoch);
+  uint64_t epoch() const;
+  bool serving() const;  // has a group
+
+  // Tables this rank holds. Requests name tables by name.
+  void SetTable(std::shared_ptr<ShardedTable> table);
+  void DropTable(const std::string& name);
+
+  // Queues a prepared request. Refuses (answers at once) with UNAVAILABLE when there is no group.
+  void Submit(std::unique_ptr<StepRequest> request);
+
+  // Steps run so far that carried work (for tests and metrics).
+  int64_t busy_steps() const;
+
+ private:
+  void Run();
+  // Runs one step's ops; returns false when the group broke.
+  bool RunStep(Communicator& comm, std::vector<std::unique_ptr<StepRequest>>& batch);
+  void FailAll(std::vector<std::unique_ptr<StepRequest>>& batch, const absl::Status& status);
+
+  const Options options_;
+  LocalKernels& kernels_;
+  std::thread thread_;
+
+  mutable absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<std::unique_ptr<StepRequest>> queue_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Communicator> pending_comm_ ABSL_GUARDED_BY(mu_);
+  uint64_t pending_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  bool has_group_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, std::shared_ptr<ShardedTable>> tables_ ABSL_GUARDED_BY(mu_);
+  int64_t busy_steps_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_STEP_LOOP_H_

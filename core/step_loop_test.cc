@@ -1,0 +1,256 @@
+#include "core/step_loop.h"
+
+#include <future>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/cpu_kernels.h"
+#include "core/gloo_communicator.h"
+#include "core/rendezvous.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardserve::core {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<std::unique_ptr<GlooCommunicator>> Connect(int world, const std::string& prefix,
+                                                       RendezvousStore& store) {
+  std::vector<std::unique_ptr<GlooCommunicator>> comms(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto comm = GlooCommunicator::Create(store, prefix, r, world);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      comms[r] = std::move(*comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return comms;
+}
+
+struct Fixture {
+  static constexpr int kWorld = 2;
+  TableConfig emb, lin;
+  std::vector<float> emb_weight, lin_weight, bias;
+  CpuKernels kernels;
+  std::vector<std::unique_ptr<StepLoop>> loops;
+  std::vector<absl::Status> broken = std::vector<absl::Status>(kWorld);
+  absl::Mutex mu;
+
+  Fixture() {
+    emb.name = "emb";
+    emb.num_rows = 50;
+    emb.num_cols = 6;
+    emb.spec = *ShardingSpec::Create(1, std::vector<std::string>{"rank:1", "rank:0"});
+    emb.padding_idx = 3;
+    lin.name = "lin";
+    lin.kind = TableKind::kLinear;
+    lin.num_rows = 5;
+    lin.num_cols = 4;
+    lin.spec = ShardingSpec::Contiguous(1, kWorld);
+    EXPECT_TRUE(emb.Validate().ok());
+    EXPECT_TRUE(lin.Validate().ok());
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> u(-1, 1);
+    for (int i = 0; i < 50 * 6; ++i) emb_weight.push_back(u(rng));
+    for (int i = 0; i < 5 * 4; ++i) lin_weight.push_back(u(rng));
+    for (int i = 0; i < 5; ++i) bias.push_back(u(rng));
+  }
+
+  void StartLoops(std::vector<std::unique_ptr<GlooCommunicator>> comms) {
+    for (int r = 0; r < kWorld; ++r) {
+      StepLoop::Options options;
+      options.collective_timeout = absl::Seconds(5);
+      options.on_group_broken = [this, r](const absl::Status& s) {
+        absl::MutexLock lock(&mu);
+        broken[r] = s;
+      };
+      loops.push_back(std::make_unique<StepLoop>(options, kernels));
+      auto e = ShardedTable::Create(emb, r, kernels);
+      auto l = ShardedTable::Create(lin, r, kernels);
+      EXPECT_TRUE((*e)->LoadFromFull(emb_weight.data(), nullptr).ok());
+      EXPECT_TRUE((*l)->LoadFromFull(lin_weight.data(), bias.data()).ok());
+      loops[r]->SetTable(std::move(*e));
+      loops[r]->SetTable(std::move(*l));
+      loops[r]->SetGroup(std::move(comms[r]), 1);
+    }
+  }
+
+  std::future<absl::StatusOr<DenseResult>> Submit(int rank, std::unique_ptr<StepRequest> r) {
+    auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
+    auto future = promise->get_future();
+    r->done = [promise](absl::StatusOr<DenseResult> result) { promise->set_value(std::move(result)); };
+    loops[rank]->Submit(std::move(r));
+    return future;
+  }
+
+  std::vector<float> ExpectedBag(const std::vector<int64_t>& ids, int bag, PoolMode mode) {
+    std::vector<float> out;
+    for (size_t b = 0; b * bag < ids.size(); ++b) {
+      std::vector<float> acc(6, mode == PoolMode::kMax ? -1e30f : 0.0f);
+      int count = 0;
+      for (int j = 0; j < bag; ++j) {
+        const int64_t id = ids[b * bag + j];
+        if (id == 3) continue;  // padding
+        ++count;
+        for (int k = 0; k < 6; ++k) {
+          const float w = emb_weight[id * 6 + k];
+          acc[k] = mode == PoolMode::kMax ? std::max(acc[k], w) : acc[k] + w;
+        }
+      }
+      for (int k = 0; k < 6; ++k) {
+        if (count == 0) acc[k] = 0;
+        else if (mode == PoolMode::kMean) acc[k] /= count;
+        out.push_back(acc[k]);
+      }
+    }
+    return out;
+  }
+};
+
+std::unique_ptr<StepRequest> BagRequest(const TableConfig& table, std::vector<int64_t> ids,
+                                        int bag, PoolMode mode) {
+  auto r = std::make_unique<StepRequest>();
+  r->op = StepRequest::Op::kEmbeddingBag;
+  r->table = table.name;
+  r->ids = std::move(ids);
+  r->shape = {static_cast<int64_t>(r->ids.size()) / bag, bag};
+  r->mode = mode;
+  EXPECT_TRUE(PrepareRequest(table, {}, *r, {}, false, false).ok());
+  return r;
+}
+
+TEST(StepLoop, QueuedRequestsOfBothRanksRunInOneStepAndEachGetsItsOwnRows) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "one-step", store));
+  std::mt19937 rng(1);
+  struct Pending {
+    std::future<absl::StatusOr<DenseResult>> future;
+    std::vector<float> want;
+    std::vector<int64_t> shape;
+  };
+  std::vector<Pending> pending;
+  for (int i = 0; i < 12; ++i) {
+    const int rank = i % 2;
+    std::vector<int64_t> ids(3 * 4);
+    for (auto& id : ids) id = rng() % 50;
+    const PoolMode mode = static_cast<PoolMode>(i % 3);
+    auto want = f.ExpectedBag(ids, 4, mode);
+    pending.push_back({f.Submit(rank, BagRequest(f.emb, ids, 4, mode)), want, {3, 6}});
+    // An embedding and a linear request as well.
+    auto e = std::make_unique<StepRequest>();
+    e->op = StepRequest::Op::kEmbedding;
+    e->table = "emb";
+    e->ids = {static_cast<int64_t>(i), 49, 3};
+    e->shape = {3};
+    std::vector<float> rows;
+    for (int64_t id : e->ids) {
+      rows.insert(rows.end(), f.emb_weight.begin() + id * 6, f.emb_weight.begin() + id * 6 + 6);
+    }
+    pending.push_back({f.Submit(1 - rank, std::move(e)), rows, {3, 6}});
+    auto l = std::make_unique<StepRequest>();
+    l->op = StepRequest::Op::kLinear;
+    l->table = "lin";
+    l->values = {1.0f * i, 2, 3, 4};
+    l->shape = {1, 4};
+    std::vector<float> y(5);
+    for (int o = 0; o < 5; ++o) {
+      y[o] = f.bias[o];
+      for (int k = 0; k < 4; ++k) y[o] += l->values[k] * f.lin_weight[o * 4 + k];
+    }
+    pending.push_back({f.Submit(rank, std::move(l)), y, {1, 5}});
+  }
+  // Everything was queued before the loops started: one busy step serves it all.
+  for (auto& loop : f.loops) loop->Start();
+  for (auto& p : pending) {
+    absl::StatusOr<DenseResult> got = p.future.get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->shape, p.shape);
+    ASSERT_EQ(got->values.size(), p.want.size());
+    for (size_t k = 0; k < p.want.size(); ++k) EXPECT_NEAR(got->values[k], p.want[k], 1e-5);
+  }
+  EXPECT_EQ(f.loops[0]->busy_steps(), 1);
+  EXPECT_EQ(f.loops[1]->busy_steps(), 1);
+}
+
+TEST(StepLoop, ConcurrentCallersOnBothRanksAreServedWhileRunning) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "concurrent", store));
+  for (auto& loop : f.loops) loop->Start();
+  std::vector<std::thread> callers;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      for (int i = 0; i < 25; ++i) {
+        std::vector<int64_t> ids(2 * 5);
+        for (auto& id : ids) id = rng() % 50;
+        auto want = f.ExpectedBag(ids, 5, PoolMode::kSum);
+        auto got = f.Submit(t % 2, BagRequest(f.emb, ids, 5, PoolMode::kSum)).get();
+        if (!got.ok() || got->values.size() != want.size()) {
+          ++wrong;
+          continue;
+        }
+        for (size_t k = 0; k < want.size(); ++k) {
+          if (std::abs(got->values[k] - want[k]) > 1e-5) ++wrong;
+        }
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+TEST(StepLoop, DeadPeerFailsPendingRequestsWithUnavailableAndRefusesNewOnes) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "dead-peer", store));
+  for (auto& loop : f.loops) loop->Start();
+  auto first = f.Submit(0, BagRequest(f.emb, {1, 2, 3, 4}, 4, PoolMode::kSum)).get();
+  ASSERT_TRUE(first.ok()) << first.status();
+  f.loops[1].reset();  // rank 1 goes away (its sockets close)
+  const absl::Time start = absl::Now();
+  auto got = f.Submit(0, BagRequest(f.emb, {1, 2, 3, 4}, 4, PoolMode::kSum)).get();
+  // Either the step in flight failed, or the group was already gone when it arrived.
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(f.loops[0]->serving());
+  {
+    absl::MutexLock lock(&f.mu);
+    EXPECT_EQ(f.broken[0].code(), absl::StatusCode::kUnavailable);
+  }
+  auto refused = f.Submit(0, BagRequest(f.emb, {1, 2, 3, 4}, 4, PoolMode::kSum)).get();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("group not formed"));
+}
+
+TEST(StepLoop, IdleGroupSleepsInsteadOfSpinning) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "idle", store));
+  for (auto& loop : f.loops) loop->Start();
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t0);
+  absl::SleepFor(absl::Milliseconds(500));
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t1);
+  const double cpu = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  // Two idle ranks for 0.5 s: a spinning loop would burn ~1 s of CPU; backing off costs a few %.
+  EXPECT_LT(cpu, 0.25) << "idle loops used " << cpu << " s of CPU in 0.5 s";
+  // And a lone request is still answered promptly.
+  const absl::Time start = absl::Now();
+  auto got = f.Submit(1, BagRequest(f.emb, {5, 6}, 2, PoolMode::kMean)).get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(200));
+}
+
+}  // namespace
+}  // namespace shardserve::core
