@@ -1,46 +1,16 @@
 #include "core/sharded_table.h"
 
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/safetensors.h"
 #include "core/status_macros.h"
+#include "core/table_init.h"
 
 namespace shardserve::core {
-
-absl::Status TableConfig::Validate() {
-  if (num_rows < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("num_rows: ", num_rows, " must be >= 1"));
-  }
-  if (num_cols < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("num_cols: ", num_cols, " must be >= 1"));
-  }
-  if (padding_idx.has_value()) {
-    if (kind != TableKind::kEmbedding) {
-      return absl::InvalidArgumentError("padding_idx: only embedding tables have one");
-    }
-    const int64_t p = *padding_idx;
-    if (p < -num_rows || p >= num_rows) {
-      return absl::InvalidArgumentError(absl::StrCat("padding_idx: ", p, " is out of range [",
-                                                     -num_rows, ", ", num_rows, ")"));
-    }
-    if (p < 0) padding_idx = p + num_rows;
-  }
-  if (max_norm.has_value()) {
-    if (kind != TableKind::kEmbedding) {
-      return absl::InvalidArgumentError("max_norm: only embedding tables have one");
-    }
-    if (!(*max_norm > 0) || !std::isfinite(*max_norm)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("max_norm: ", *max_norm, " must be a finite number > 0"));
-    }
-  }
-  if (!(norm_type > 0) || !std::isfinite(norm_type)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("norm_type: ", norm_type, " must be a finite number > 0"));
-  }
-  return absl::OkStatus();
-}
 
 ShardedTable::ShardedTable(const TableConfig& config, int rank, LocalKernels& kernels,
                            DeviceBuffer storage)
@@ -93,6 +63,49 @@ absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* b
     } else {
       std::fill(bias_.begin(), bias_.end(), 0.0f);
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardedTable::LoadSeeded(uint64_t seed) {
+  std::vector<float> host(static_cast<size_t>(shard_rows_ * shard_cols_));
+  FillSeededWeight(config_, seed, row_begin_, shard_rows_, col_begin_, shard_cols_, host.data());
+  RETURN_IF_ERROR(kernels_.CopyFromHost(host.data(), storage_.data(),
+                                        static_cast<int64_t>(host.size() * sizeof(float))));
+  if (!bias_.empty()) FillSeededBias(config_, seed, bias_.data());
+  return absl::OkStatus();
+}
+
+absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
+  ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
+  const SafetensorsTensor* weight = file->Find("weight");
+  const std::vector<int64_t> want = {config_.num_rows, config_.num_cols};
+  if (weight == nullptr || weight->dtype != "F32" || weight->shape != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint \"", path, "\": needs tensor \"weight\" F32 [", config_.num_rows, ",",
+        config_.num_cols, "]",
+        weight == nullptr ? ", has none"
+                          : absl::StrCat(", has ", weight->dtype, " [",
+                                         absl::StrJoin(weight->shape, ","), "]")));
+  }
+  std::vector<float> host(static_cast<size_t>(shard_rows_ * shard_cols_));
+  const char* base = weight->data;
+  for (int64_t r = 0; r < shard_rows_; ++r) {
+    std::memcpy(&host[r * shard_cols_],
+                base + ((row_begin_ + r) * config_.num_cols + col_begin_) * sizeof(float),
+                shard_cols_ * sizeof(float));
+  }
+  RETURN_IF_ERROR(kernels_.CopyFromHost(host.data(), storage_.data(),
+                                        static_cast<int64_t>(host.size() * sizeof(float))));
+  if (!bias_.empty()) {
+    const SafetensorsTensor* bias = file->Find("bias");
+    if (bias == nullptr || bias->dtype != "F32" ||
+        bias->shape != std::vector<int64_t>{config_.num_rows}) {
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint \"", path,
+                                                     "\": needs tensor \"bias\" F32 [",
+                                                     config_.num_rows, "]"));
+    }
+    std::memcpy(bias_.data(), bias->data, config_.num_rows * sizeof(float));
   }
   return absl::OkStatus();
 }

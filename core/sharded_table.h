@@ -1,8 +1,6 @@
-// TableConfig and ShardedTable: one rank's shard of an embedding table or linear layer.
+// ShardedTable: one rank's shard of an embedding table or linear layer (TableConfig).
 //
-// A table is a 2-D weight (num_rows x num_cols), row-major: embedding (num_embeddings x dim) or
-// linear (out_features x in_features), sharded by a ChunkShardingSpec. The rank's shard is the
-// sub-matrix of its chunk: rows [row_begin, row_begin + shard_rows) and columns
+// The rank's shard is the sub-matrix of its chunk: rows [row_begin, row_begin + shard_rows) and columns
 // [col_begin, col_begin + shard_cols), held in the LocalKernels' memory. A linear layer's bias is
 // small and every rank keeps all of it on the host.
 //
@@ -20,28 +18,9 @@
 #include "absl/status/statusor.h"
 #include "core/local_kernels.h"
 #include "core/sharding_spec.h"
+#include "core/table_config.h"
 
 namespace shardserve::core {
-
-enum class TableKind { kEmbedding, kLinear };
-
-struct TableConfig {
-  std::string name;
-  TableKind kind = TableKind::kEmbedding;
-  int64_t num_rows = 0;  // num_embeddings, or out_features
-  int64_t num_cols = 0;  // embedding_dim, or in_features
-  ShardingSpec spec = ShardingSpec::Contiguous(1, 1);
-  // Embedding only. padding_idx may be negative (counted from the end, as nn.Embedding does);
-  // Validate() normalises it into [0, num_rows).
-  std::optional<int64_t> padding_idx;
-  std::optional<double> max_norm;
-  double norm_type = 2.0;
-  // Linear only.
-  bool has_bias = true;
-
-  // INVALID_ARGUMENT naming the field, value and bound. Normalises padding_idx.
-  absl::Status Validate();
-};
 
 class ShardedTable {
  public:
@@ -52,6 +31,11 @@ class ShardedTable {
   // Copies this rank's chunk out of the full row-major weight (host memory), and the bias
   // (num_rows floats, linear only; null means zeros).
   absl::Status LoadFromFull(const float* full_weight, const float* bias);
+  // Fills the chunk with the seeded initial values (table_init.h).
+  absl::Status LoadSeeded(uint64_t seed);
+  // Copies the chunk out of a safetensors checkpoint holding "weight" (F32, num_rows x num_cols)
+  // and, for a linear layer with a bias, "bias" (F32, num_rows). INVALID_ARGUMENT on a mismatch.
+  absl::Status LoadCheckpoint(const std::string& path);
   // The shard as a host row-major (shard_rows x shard_cols) matrix.
   absl::StatusOr<std::vector<float>> ReadShard() const;
 

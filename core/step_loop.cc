@@ -316,10 +316,13 @@ void StepLoop::Run() {
           absl::StrCat("group epoch ", epoch(), " failed: ", broken.message()));
       FailAll(batch, status);
       comm.reset();
+      std::deque<std::unique_ptr<StepRequest>> queued;
       {
         absl::MutexLock lock(&mu_);
-        has_group_ = false;
+        has_group_ = false;  // from now on Submit refuses at once
+        queued.swap(queue_);
       }
+      for (auto& r : queued) Answer(*r, status);
       if (options_.on_group_broken) options_.on_group_broken(status);
     }
   }

@@ -39,9 +39,9 @@ struct Fixture {
   TableConfig emb, lin;
   std::vector<float> emb_weight, lin_weight, bias;
   CpuKernels kernels;
-  std::vector<std::unique_ptr<StepLoop>> loops;
-  std::vector<absl::Status> broken = std::vector<absl::Status>(kWorld);
   absl::Mutex mu;
+  std::vector<absl::Status> broken = std::vector<absl::Status>(kWorld);
+  std::vector<std::unique_ptr<StepLoop>> loops;  // last: stopped before what they report into
 
   Fixture() {
     emb.name = "emb";

@@ -1,0 +1,224 @@
+#include "core/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status_macros.h"
+
+namespace shardserve::core {
+namespace {
+
+// A JSON reader just large enough for safetensors headers: objects, arrays, strings, integers
+// (and, in __metadata__, anything else, skipped).
+class HeaderParser {
+ public:
+  explicit HeaderParser(std::string_view text) : text_(text) {}
+
+  absl::Status Error(absl::string_view what) const {
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors header: ", what, " at byte ", pos_));
+  }
+  void Space() {
+    while (pos_ < text_.size() && std::isspace(static_cast<unsigned char>(text_[pos_]))) ++pos_;
+  }
+  bool Eat(char c) {
+    Space();
+    if (pos_ < text_.size() && text_[pos_] == c) {
+      ++pos_;
+      return true;
+    }
+    return false;
+  }
+  bool Peek(char c) {
+    Space();
+    return pos_ < text_.size() && text_[pos_] == c;
+  }
+  absl::StatusOr<std::string> String() {
+    if (!Eat('"')) return Error("expected a string");
+    std::string out;
+    while (pos_ < text_.size() && text_[pos_] != '"') {
+      if (text_[pos_] == '\\' && pos_ + 1 < text_.size()) ++pos_;
+      out.push_back(text_[pos_++]);
+    }
+    if (pos_ >= text_.size()) return Error("unterminated string");
+    ++pos_;
+    return out;
+  }
+  absl::StatusOr<int64_t> Integer() {
+    Space();
+    size_t start = pos_;
+    if (pos_ < text_.size() && text_[pos_] == '-') ++pos_;
+    while (pos_ < text_.size() && std::isdigit(static_cast<unsigned char>(text_[pos_]))) ++pos_;
+    if (start == pos_) return Error("expected an integer");
+    return std::stoll(std::string(text_.substr(start, pos_ - start)));
+  }
+  absl::StatusOr<std::vector<int64_t>> Integers() {
+    if (!Eat('[')) return Error("expected '['");
+    std::vector<int64_t> out;
+    if (Eat(']')) return out;
+    do {
+      ASSIGN_OR_RETURN(int64_t v, Integer());
+      out.push_back(v);
+    } while (Eat(','));
+    if (!Eat(']')) return Error("expected ']'");
+    return out;
+  }
+  absl::Status SkipValue() {
+    Space();
+    if (Peek('"')) return String().status();
+    if (Eat('{')) {
+      if (Eat('}')) return absl::OkStatus();
+      do {
+        RETURN_IF_ERROR(String().status());
+        if (!Eat(':')) return Error("expected ':'");
+        RETURN_IF_ERROR(SkipValue());
+      } while (Eat(','));
+      return Eat('}') ? absl::OkStatus() : Error("expected '}'");
+    }
+    if (Eat('[')) {
+      if (Eat(']')) return absl::OkStatus();
+      do {
+        RETURN_IF_ERROR(SkipValue());
+      } while (Eat(','));
+      return Eat(']') ? absl::OkStatus() : Error("expected ']'");
+    }
+    while (pos_ < text_.size() && std::string_view(",}] \n\t").find(text_[pos_]) == std::string_view::npos) ++pos_;
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string_view text_;
+  size_t pos_ = 0;
+};
+
+int64_t DtypeSize(const std::string& dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL") return 1;
+  return 0;
+}
+
+}  // namespace
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_ != nullptr) munmap(map_, size_);
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat("checkpoint: cannot open \"", path, "\""));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || st.st_size < 8) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint \"", path, "\": too short"));
+  }
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->size_ = static_cast<size_t>(st.st_size);
+  file->map_ = mmap(nullptr, file->size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (file->map_ == MAP_FAILED) {
+    file->map_ = nullptr;
+    return absl::InternalError(absl::StrCat("checkpoint \"", path, "\": mmap failed"));
+  }
+  const char* base = static_cast<const char*>(file->map_);
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, base, 8);
+  if (header_len > file->size_ - 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint \"", path, "\": header length ", header_len, " exceeds the file"));
+  }
+  const char* data = base + 8 + header_len;
+  const int64_t data_size = static_cast<int64_t>(file->size_ - 8 - header_len);
+  HeaderParser p(std::string_view(base + 8, header_len));
+  if (!p.Eat('{')) return p.Error("expected '{'");
+  if (!p.Eat('}')) {
+    do {
+      ASSIGN_OR_RETURN(std::string name, p.String());
+      if (!p.Eat(':')) return p.Error("expected ':'");
+      if (name == "__metadata__") {
+        RETURN_IF_ERROR(p.SkipValue());
+        continue;
+      }
+      if (!p.Eat('{')) return p.Error("expected a tensor object");
+      SafetensorsTensor tensor;
+      std::vector<int64_t> offsets;
+      do {
+        ASSIGN_OR_RETURN(std::string field, p.String());
+        if (!p.Eat(':')) return p.Error("expected ':'");
+        if (field == "dtype") {
+          ASSIGN_OR_RETURN(tensor.dtype, p.String());
+        } else if (field == "shape") {
+          ASSIGN_OR_RETURN(tensor.shape, p.Integers());
+        } else if (field == "data_offsets") {
+          ASSIGN_OR_RETURN(offsets, p.Integers());
+        } else {
+          RETURN_IF_ERROR(p.SkipValue());
+        }
+      } while (p.Eat(','));
+      if (!p.Eat('}')) return p.Error("expected '}'");
+      int64_t elements = 1;
+      for (int64_t d : tensor.shape) elements *= d;
+      const int64_t size = DtypeSize(tensor.dtype);
+      if (offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] ||
+          offsets[1] > data_size || size == 0 || (offsets[1] - offsets[0]) != elements * size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint \"", path, "\": tensor \"", name, "\" has dtype ", tensor.dtype, ", shape [",
+            absl::StrJoin(tensor.shape, ","), "] and data_offsets [", absl::StrJoin(offsets, ","),
+            "], which do not fit ", data_size, " data bytes"));
+      }
+      tensor.data = data + offsets[0];
+      tensor.bytes = offsets[1] - offsets[0];
+      file->tensors_[name] = tensor;
+    } while (p.Eat(','));
+    if (!p.Eat('}')) return p.Error("expected '}'");
+  }
+  return file;
+}
+
+const SafetensorsTensor* SafetensorsFile::Find(const std::string& name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+absl::Status WriteSafetensors(const std::string& path,
+                              const std::vector<SafetensorsEntry>& entries) {
+  std::string header = "{";
+  int64_t offset = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const SafetensorsEntry& e = entries[i];
+    absl::StrAppend(&header, i ? "," : "", "\"", e.name, "\":{\"dtype\":\"", e.dtype,
+                    "\",\"shape\":[", absl::StrJoin(e.shape, ","), "],\"data_offsets\":[", offset,
+                    ",", offset + e.bytes, "]}");
+    offset += e.bytes;
+  }
+  header += "}";
+  while ((8 + header.size()) % 8 != 0) header += ' ';  // align the data
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    const uint64_t len = header.size();
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    for (const SafetensorsEntry& e : entries) {
+      out.write(static_cast<const char*>(e.data), e.bytes);
+    }
+    out.flush();
+    if (!out) return absl::InternalError(absl::StrCat("export: cannot write \"", tmp, "\""));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("export: cannot rename to \"", path, "\""));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve::core

@@ -1,0 +1,57 @@
+// safetensors files (https://github.com/huggingface/safetensors format): an 8-byte little-endian
+// header length, a JSON header {"name": {"dtype", "shape", "data_offsets"}, ...}, then raw data.
+//
+// SafetensorsFile maps a file read-only (mmap) and hands out views of its tensors, so a rank
+// copies only its own slice of a large checkpoint. Thread-compatible; views live as long as the
+// SafetensorsFile. Errors: NOT_FOUND (no file), INVALID_ARGUMENT (malformed: says what and where).
+#ifndef SHARDSERVE_CORE_SAFETENSORS_H_
+#define SHARDSERVE_CORE_SAFETENSORS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace shardserve::core {
+
+struct SafetensorsTensor {
+  std::string dtype;  // "F32", "I64", ...
+  std::vector<int64_t> shape;
+  const char* data = nullptr;
+  int64_t bytes = 0;
+};
+
+class SafetensorsFile {
+ public:
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  ~SafetensorsFile();
+
+  // Null when the file has no tensor of that name.
+  const SafetensorsTensor* Find(const std::string& name) const;
+  const std::map<std::string, SafetensorsTensor>& tensors() const { return tensors_; }
+
+ private:
+  SafetensorsFile() = default;
+  void* map_ = nullptr;
+  size_t size_ = 0;
+  std::map<std::string, SafetensorsTensor> tensors_;
+};
+
+struct SafetensorsEntry {
+  std::string name;
+  std::string dtype;  // "F32"
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  int64_t bytes = 0;
+};
+
+// Writes the tensors to `path` (atomically: a temporary file renamed into place).
+absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries);
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_SAFETENSORS_H_

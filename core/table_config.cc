@@ -1,0 +1,43 @@
+#include "core/table_config.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardserve::core {
+
+absl::Status TableConfig::Validate() {
+  if (num_rows < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("num_rows: ", num_rows, " must be >= 1"));
+  }
+  if (num_cols < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("num_cols: ", num_cols, " must be >= 1"));
+  }
+  if (padding_idx.has_value()) {
+    if (kind != TableKind::kEmbedding) {
+      return absl::InvalidArgumentError("padding_idx: only embedding tables have one");
+    }
+    const int64_t p = *padding_idx;
+    if (p < -num_rows || p >= num_rows) {
+      return absl::InvalidArgumentError(absl::StrCat("padding_idx: ", p, " is out of range [",
+                                                     -num_rows, ", ", num_rows, ")"));
+    }
+    if (p < 0) padding_idx = p + num_rows;
+  }
+  if (max_norm.has_value()) {
+    if (kind != TableKind::kEmbedding) {
+      return absl::InvalidArgumentError("max_norm: only embedding tables have one");
+    }
+    if (!(*max_norm > 0) || !std::isfinite(*max_norm)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("max_norm: ", *max_norm, " must be a finite number > 0"));
+    }
+  }
+  if (!(norm_type > 0) || !std::isfinite(norm_type)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("norm_type: ", norm_type, " must be a finite number > 0"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve::core

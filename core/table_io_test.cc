@@ -1,0 +1,140 @@
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/cpu_kernels.h"
+#include "core/safetensors.h"
+#include "core/sharded_table.h"
+#include "core/table_init.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardserve::core {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string TempPath(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return std::string(dir ? dir : "/tmp") + "/" + name;
+}
+
+TableConfig Embedding(int dim_sharded, int world) {
+  TableConfig t;
+  t.name = "t";
+  t.num_rows = 23;
+  t.num_cols = 7;
+  t.padding_idx = 4;
+  t.spec = ShardingSpec::Contiguous(dim_sharded, world);
+  EXPECT_TRUE(t.Validate().ok());
+  return t;
+}
+
+TEST(SeededInit, FullTableIsTheSameWhateverTheSharding) {
+  CpuKernels kernels;
+  const TableConfig full_config = Embedding(0, 1);
+  std::vector<float> full(23 * 7);
+  FillSeededWeight(full_config, 42, 0, 23, 0, 7, full.data());
+  EXPECT_EQ(full[4 * 7 + 3], 0.0f);  // padding row zero, like nn.Embedding
+  double mean = 0, sq = 0;
+  for (float v : full) mean += v, sq += v * v;
+  EXPECT_GT(sq / full.size(), 0.3);  // roughly N(0, 1), not constant
+  for (int dim : {0, 1}) {
+    for (int world : {2, 3, 5}) {
+      TableConfig config = Embedding(dim, world);
+      ShardLayout layout(config.spec, dim == 0 ? 23 : 7);
+      for (int r = 0; r < world; ++r) {
+        auto table = ShardedTable::Create(config, r, kernels);
+        ASSERT_TRUE(table.ok());
+        ASSERT_TRUE((*table)->LoadSeeded(42).ok());
+        std::vector<float> shard = *(*table)->ReadShard();
+        const auto view = (*table)->shard();
+        for (int64_t i = 0; i < view.rows; ++i) {
+          for (int64_t j = 0; j < view.cols; ++j) {
+            EXPECT_EQ(shard[i * view.cols + j],
+                      full[((*table)->row_begin() + i) * 7 + (*table)->col_begin() + j]);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SeededInit, LinearFollowsKaimingUniformBounds) {
+  TableConfig config;
+  config.kind = TableKind::kLinear;
+  config.num_rows = 8;
+  config.num_cols = 16;
+  std::vector<float> w(8 * 16), b(8);
+  FillSeededWeight(config, 1, 0, 8, 0, 16, w.data());
+  FillSeededBias(config, 1, b.data());
+  for (float v : w) EXPECT_LE(std::abs(v), 0.25f);
+  for (float v : b) EXPECT_LE(std::abs(v), 0.25f);
+  std::vector<float> other(8 * 16);
+  FillSeededWeight(config, 2, 0, 8, 0, 16, other.data());
+  EXPECT_NE(w, other);  // the seed matters
+}
+
+TEST(Safetensors, RoundTripAndShardLoading) {
+  CpuKernels kernels;
+  TableConfig config;
+  config.name = "lin";
+  config.kind = TableKind::kLinear;
+  config.num_rows = 5;
+  config.num_cols = 9;
+  config.spec = *ShardingSpec::Create(1, std::vector<std::string>{"rank:1", "rank:0"});
+  ASSERT_TRUE(config.Validate().ok());
+  std::vector<float> weight(5 * 9), bias(5);
+  for (size_t i = 0; i < weight.size(); ++i) weight[i] = 0.5f * i;
+  for (size_t i = 0; i < bias.size(); ++i) bias[i] = -1.0f * i;
+  const std::string path = TempPath("lin.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"weight", "F32", {5, 9}, weight.data(), 5 * 9 * 4},
+                                      {"bias", "F32", {5}, bias.data(), 5 * 4}})
+                  .ok());
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_NE((*file)->Find("weight"), nullptr);
+  EXPECT_EQ((*file)->Find("weight")->shape, (std::vector<int64_t>{5, 9}));
+  EXPECT_EQ((*file)->Find("missing"), nullptr);
+  for (int rank : {0, 1}) {
+    auto table = ShardedTable::Create(config, rank, kernels);
+    ASSERT_TRUE((*table)->LoadCheckpoint(path).ok());
+    std::vector<float> shard = *(*table)->ReadShard();
+    const auto view = (*table)->shard();
+    for (int64_t i = 0; i < view.rows; ++i) {
+      for (int64_t j = 0; j < view.cols; ++j) {
+        EXPECT_EQ(shard[i * view.cols + j], weight[i * 9 + (*table)->col_begin() + j]);
+      }
+    }
+    EXPECT_EQ((*table)->bias(), bias);
+  }
+}
+
+TEST(Safetensors, RejectsMalformedFilesAndWrongShapes) {
+  EXPECT_EQ(SafetensorsFile::Open(TempPath("nope.safetensors")).status().code(),
+            absl::StatusCode::kNotFound);
+  const std::string bad = TempPath("bad.safetensors");
+  {
+    std::ofstream out(bad, std::ios::binary);
+    const uint64_t len = 1000;
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out << "{}";
+  }
+  EXPECT_THAT(std::string(SafetensorsFile::Open(bad).status().message()),
+              HasSubstr("header length 1000 exceeds the file"));
+  std::vector<float> w(6);
+  const std::string small = TempPath("small.safetensors");
+  ASSERT_TRUE(WriteSafetensors(small, {{"weight", "F32", {2, 3}, w.data(), 24}}).ok());
+  CpuKernels kernels;
+  TableConfig config = Embedding(0, 1);
+  auto table = ShardedTable::Create(config, 0, kernels);
+  absl::Status status = (*table)->LoadCheckpoint(small);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("needs tensor \"weight\" F32 [23,7], has F32 [2,3]"));
+}
+
+}  // namespace
+}  // namespace shardserve::core
