@@ -1,0 +1,194 @@
+#include "client/client.h"
+
+#include <cstring>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "server/grpc_status.h"
+
+namespace shardserve::client {
+namespace {
+
+using server::FromGrpcStatus;
+
+std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(1 << 30);
+  args.SetMaxSendMessageSize(1 << 30);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+}  // namespace
+
+v1::Tensor Int64Tensor(const std::vector<int64_t>& shape, const std::vector<int64_t>& values) {
+  v1::Tensor t;
+  t.set_dtype(v1::INT64);
+  t.mutable_shape()->Assign(shape.begin(), shape.end());
+  t.set_data(values.data(), values.size() * sizeof(int64_t));
+  return t;
+}
+
+v1::Tensor FloatTensor(const std::vector<int64_t>& shape, const std::vector<float>& values) {
+  v1::Tensor t;
+  t.set_dtype(v1::FLOAT32);
+  t.mutable_shape()->Assign(shape.begin(), shape.end());
+  t.set_data(values.data(), values.size() * sizeof(float));
+  return t;
+}
+
+absl::StatusOr<DenseTensor> ToDense(const v1::Tensor& tensor) {
+  DenseTensor out;
+  out.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  int64_t n = 1;
+  for (int64_t d : out.shape) n *= d;
+  if (tensor.dtype() != v1::FLOAT32 ||
+      static_cast<int64_t>(tensor.data().size()) != n * static_cast<int64_t>(sizeof(float))) {
+    return absl::InternalError("response tensor does not match its shape");
+  }
+  out.values.resize(n);
+  if (n > 0) std::memcpy(out.values.data(), tensor.data().data(), n * sizeof(float));
+  return out;
+}
+
+Client::Client(std::string coordinator, ClientOptions options)
+    : coordinator_(std::move(coordinator)), options_(options) {
+  auto channel = Channel(coordinator_);
+  admin_ = v1::AdminService::NewStub(channel);
+  forward_ = v1::DataService::NewStub(channel);
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coordinator,
+                                                        ClientOptions options) {
+  if (coordinator.empty()) return absl::InvalidArgumentError("coordinator address is empty");
+  return std::unique_ptr<Client>(new Client(coordinator, options));
+}
+
+#define SHARDSERVE_ADMIN_CALL(method, request, response)                               \
+  grpc::ClientContext context;                                                          \
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));            \
+  absl::Status status = FromGrpcStatus(admin_->method(&context, request, &response));   \
+  if (!status.ok()) return status
+
+absl::StatusOr<v1::TableInfo> Client::CreateTable(const v1::TableSpec& spec) {
+  v1::CreateTableRequest request;
+  *request.mutable_table() = spec;
+  v1::TableInfo response;
+  SHARDSERVE_ADMIN_CALL(CreateTable, request, response);
+  return response;
+}
+
+absl::Status Client::DropTable(const std::string& name) {
+  v1::DropTableRequest request;
+  request.set_name(name);
+  v1::DropTableResponse response;
+  SHARDSERVE_ADMIN_CALL(DropTable, request, response);
+  absl::MutexLock lock(&mu_);
+  routes_.erase(name);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::TableInfo>> Client::ListTables() {
+  v1::ListTablesRequest request;
+  v1::ListTablesResponse response;
+  SHARDSERVE_ADMIN_CALL(ListTables, request, response);
+  return std::vector<v1::TableInfo>(response.tables().begin(), response.tables().end());
+}
+
+absl::StatusOr<v1::TableInfo> Client::DescribeTable(const std::string& name) {
+  v1::DescribeTableRequest request;
+  request.set_name(name);
+  v1::TableInfo response;
+  SHARDSERVE_ADMIN_CALL(DescribeTable, request, response);
+  return response;
+}
+
+absl::StatusOr<v1::ExportTableResponse> Client::ExportTable(const std::string& name,
+                                                            const std::string& path) {
+  v1::ExportTableRequest request;
+  request.set_name(name);
+  request.set_path(path);
+  v1::ExportTableResponse response;
+  SHARDSERVE_ADMIN_CALL(ExportTable, request, response);
+  return response;
+}
+
+#undef SHARDSERVE_ADMIN_CALL
+
+std::shared_ptr<v1::DataService::Stub> Client::StubFor(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto& stub = stubs_[address];
+  if (stub == nullptr) stub = v1::DataService::NewStub(Channel(address));
+  return stub;
+}
+
+absl::StatusOr<std::string> Client::Route(const std::string& table, bool refresh) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = routes_.find(table);
+    if (!refresh && it != routes_.end() && !it->second.empty()) {
+      return it->second[next_++ % it->second.size()];
+    }
+  }
+  absl::StatusOr<v1::TableInfo> info = DescribeTable(table);
+  if (!info.ok()) return info.status();
+  std::vector<std::string> addresses;
+  std::set<std::string> seen;
+  for (const v1::ShardInfo& shard : info->shards()) {
+    if (!shard.address().empty() && seen.insert(shard.address()).second) {
+      addresses.push_back(shard.address());
+    }
+  }
+  if (addresses.empty()) {
+    return absl::UnavailableError(absl::StrCat("table \"", table, "\" has no workers yet"));
+  }
+  absl::MutexLock lock(&mu_);
+  routes_[table] = addresses;
+  return addresses[next_++ % addresses.size()];
+}
+
+template <typename Request, typename Method>
+absl::StatusOr<DenseTensor> Client::CallData(const Request& request, Method method) {
+  const absl::Time deadline = absl::Now() + options_.deadline;
+  bool refresh = false;
+  absl::Status last = absl::DeadlineExceededError("deadline passed before the first attempt");
+  for (int attempt = 0; attempt < options_.max_attempts && absl::Now() < deadline; ++attempt) {
+    absl::StatusOr<DenseTensor> result = [&]() -> absl::StatusOr<DenseTensor> {
+      std::shared_ptr<v1::DataService::Stub> stub = forward_;
+      if (options_.direct) {
+        absl::StatusOr<std::string> address = Route(request.table(), refresh);
+        if (!address.ok()) return address.status();
+        stub = StubFor(*address);
+      }
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(deadline));
+      v1::TensorResponse response;
+      absl::Status status = FromGrpcStatus(((*stub).*method)(&context, request, &response));
+      if (!status.ok()) return status;
+      return ToDense(response.output());
+    }();
+    if (result.ok() || result.status().code() != absl::StatusCode::kUnavailable) return result;
+    last = result.status();
+    refresh = true;  // the worker may have moved, or the group may be re-forming
+    absl::SleepFor(std::min(options_.backoff * (1 << std::min(attempt, 6)), deadline - absl::Now()));
+  }
+  return last;
+}
+
+absl::StatusOr<DenseTensor> Client::Embedding(const v1::EmbeddingRequest& request) {
+  return CallData(request, &v1::DataService::Stub::Embedding);
+}
+
+absl::StatusOr<DenseTensor> Client::EmbeddingBag(const v1::EmbeddingBagRequest& request) {
+  return CallData(request, &v1::DataService::Stub::EmbeddingBag);
+}
+
+absl::StatusOr<DenseTensor> Client::Linear(const v1::LinearRequest& request) {
+  return CallData(request, &v1::DataService::Stub::Linear);
+}
+
+}  // namespace shardserve::client

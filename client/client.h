@@ -1,0 +1,77 @@
+// shardserve C++ client. Reads the placement map from the coordinator and sends each data call
+// straight to a worker of the table's group (round robin over entry ranks), refreshing the map
+// and retrying, with back-off, only when a call fails with UNAVAILABLE. Every call has a deadline
+// (ClientOptions::deadline). Admin calls go to the coordinator.
+//
+// Thread-safe: share one Client across threads.
+#ifndef SHARDSERVE_CLIENT_CLIENT_H_
+#define SHARDSERVE_CLIENT_CLIENT_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/shardserve.grpc.pb.h"
+
+namespace shardserve::client {
+
+struct ClientOptions {
+  absl::Duration deadline = absl::Seconds(10);  // per call, retries included
+  int max_attempts = 8;
+  absl::Duration backoff = absl::Milliseconds(25);
+  // false: send data calls to the coordinator, which forwards them (one extra hop).
+  bool direct = true;
+};
+
+// A dense float result: shape and row-major values.
+struct DenseTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+v1::Tensor Int64Tensor(const std::vector<int64_t>& shape, const std::vector<int64_t>& values);
+v1::Tensor FloatTensor(const std::vector<int64_t>& shape, const std::vector<float>& values);
+absl::StatusOr<DenseTensor> ToDense(const v1::Tensor& tensor);
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& coordinator,
+                                                         ClientOptions options = {});
+
+  absl::StatusOr<v1::TableInfo> CreateTable(const v1::TableSpec& spec);
+  absl::Status DropTable(const std::string& name);
+  absl::StatusOr<std::vector<v1::TableInfo>> ListTables();
+  absl::StatusOr<v1::TableInfo> DescribeTable(const std::string& name);
+  absl::StatusOr<v1::ExportTableResponse> ExportTable(const std::string& name,
+                                                      const std::string& path);
+
+  absl::StatusOr<DenseTensor> Embedding(const v1::EmbeddingRequest& request);
+  absl::StatusOr<DenseTensor> EmbeddingBag(const v1::EmbeddingBagRequest& request);
+  absl::StatusOr<DenseTensor> Linear(const v1::LinearRequest& request);
+
+ private:
+  Client(std::string coordinator, ClientOptions options);
+  std::shared_ptr<v1::DataService::Stub> StubFor(const std::string& address);
+  // The next worker address for `table` (from the cached placement map, fetched if missing).
+  absl::StatusOr<std::string> Route(const std::string& table, bool refresh);
+  template <typename Request, typename Method>
+  absl::StatusOr<DenseTensor> CallData(const Request& request, Method method);
+
+  const std::string coordinator_;
+  const ClientOptions options_;
+  std::unique_ptr<v1::AdminService::Stub> admin_;
+  std::shared_ptr<v1::DataService::Stub> forward_;
+  absl::Mutex mu_;
+  std::map<std::string, std::vector<std::string>> routes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<v1::DataService::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace shardserve::client
+
+#endif  // SHARDSERVE_CLIENT_CLIENT_H_

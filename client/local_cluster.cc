@@ -1,0 +1,203 @@
+#include "client/local_cluster.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace shardserve::client {
+namespace {
+
+bool IsExecutable(const std::string& path) { return ::access(path.c_str(), X_OK) == 0; }
+
+std::string Dirname(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+}  // namespace
+
+std::string LocalCluster::FindServerDir(const std::string& argv0) {
+  std::vector<std::string> candidates;
+  if (const char* runfiles = std::getenv("RUNFILES_DIR")) {
+    candidates.push_back(absl::StrCat(runfiles, "/shardserve/server"));
+  }
+  if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
+    candidates.push_back(absl::StrCat(srcdir, "/shardserve/server"));
+  }
+  candidates.push_back(argv0 + ".runfiles/shardserve/server");
+  candidates.push_back(Dirname(argv0) + "/../server");
+  for (const std::string& dir : candidates) {
+    if (IsExecutable(dir + "/coordinator_main") && IsExecutable(dir + "/worker_main")) return dir;
+  }
+  return "";
+}
+
+absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(LocalClusterOptions options) {
+  if (options.workers < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--workers: ", options.workers, " must be >= 1"));
+  }
+  if (options.server_dir.empty()) {
+    return absl::NotFoundError("cannot find coordinator_main and worker_main (set --server_dir)");
+  }
+  if (options.work_dir.empty()) {
+    char tmpl[] = "/tmp/shardserve-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("cannot create a work directory");
+    options.work_dir = tmpl;
+  }
+  ::mkdir(options.work_dir.c_str(), 0755);
+  if (options.state_dir.empty()) options.state_dir = options.work_dir + "/state";
+  ::mkdir(options.state_dir.c_str(), 0755);
+  std::unique_ptr<LocalCluster> cluster(new LocalCluster(options));
+  cluster->coordinator_port_ = options.port;
+  cluster->workers_.assign(options.workers, -1);
+  cluster->worker_ports_.assign(options.workers, 0);
+  if (absl::Status s = cluster->StartCoordinator(); !s.ok()) return s;
+  for (int r = 0; r < options.workers; ++r) {
+    if (absl::Status s = cluster->StartWorker(r); !s.ok()) return s;
+  }
+  return cluster;
+}
+
+LocalCluster::~LocalCluster() { Stop(); }
+
+std::string LocalCluster::coordinator_address() const {
+  return absl::StrCat("127.0.0.1:", coordinator_port_);
+}
+
+std::string LocalCluster::worker_address(int rank) const {
+  return absl::StrCat("127.0.0.1:", worker_ports_[rank]);
+}
+
+absl::StatusOr<pid_t> LocalCluster::Spawn(const std::string& binary,
+                                          const std::vector<std::string>& args,
+                                          const std::string& log) {
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the cluster's owner
+    if (::getppid() != parent) ::_exit(1);
+    if (options_.quiet) {
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      if (fd >= 0) {
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+        ::close(fd);
+      }
+    }
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(binary.c_str()));
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(binary.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+absl::StatusOr<int> LocalCluster::WaitForPort(const std::string& path, pid_t pid) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    std::ifstream in(path);
+    int port = 0;
+    if (in >> port && port > 0) return port;
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      return absl::UnavailableError(absl::StrCat("process ", pid, " exited before serving (see ",
+                                                 options_.work_dir, ")"));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("no port in ", path, " after 30 s"));
+}
+
+absl::Status LocalCluster::StartCoordinator() {
+  if (coordinator_ > 0) return absl::FailedPreconditionError("coordinator already running");
+  const std::string port_file = options_.work_dir + "/coordinator.port";
+  ::unlink(port_file.c_str());
+  std::vector<std::string> args = {
+      absl::StrCat("--listen=127.0.0.1:", coordinator_port_),
+      absl::StrCat("--world_size=", options_.workers), "--state_dir=" + options_.state_dir,
+      "--port_file=" + port_file};
+  args.insert(args.end(), options_.coordinator_flags.begin(), options_.coordinator_flags.end());
+  absl::StatusOr<pid_t> pid = Spawn(options_.server_dir + "/coordinator_main", args,
+                                    options_.work_dir + "/coordinator.log");
+  if (!pid.ok()) return pid.status();
+  coordinator_ = *pid;
+  absl::StatusOr<int> port = WaitForPort(port_file, coordinator_);
+  if (!port.ok()) return port.status();
+  coordinator_port_ = *port;
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::StartWorker(int rank) {
+  if (rank < 0 || rank >= options_.workers) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " out of range"));
+  }
+  if (workers_[rank] > 0) return absl::FailedPreconditionError("worker already running");
+  const std::string port_file = absl::StrCat(options_.work_dir, "/worker", rank, ".port");
+  ::unlink(port_file.c_str());
+  std::vector<std::string> args = {"--coordinator=" + coordinator_address(),
+                                   absl::StrCat("--rank=", rank), "--listen=127.0.0.1:0",
+                                   "--port_file=" + port_file};
+  args.insert(args.end(), options_.worker_flags.begin(), options_.worker_flags.end());
+  absl::StatusOr<pid_t> pid = Spawn(options_.server_dir + "/worker_main", args,
+                                    absl::StrCat(options_.work_dir, "/worker", rank, ".log"));
+  if (!pid.ok()) return pid.status();
+  workers_[rank] = *pid;
+  absl::StatusOr<int> port = WaitForPort(port_file, *pid);
+  if (!port.ok()) return port.status();
+  worker_ports_[rank] = *port;
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::KillWorker(int rank, int signal) {
+  if (rank < 0 || rank >= options_.workers || workers_[rank] <= 0) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", rank, " is not running"));
+  }
+  ::kill(workers_[rank], signal);
+  ::waitpid(workers_[rank], nullptr, 0);
+  workers_[rank] = -1;
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::KillCoordinator(int signal) {
+  if (coordinator_ <= 0) return absl::FailedPreconditionError("coordinator is not running");
+  ::kill(coordinator_, signal);
+  ::waitpid(coordinator_, nullptr, 0);
+  coordinator_ = -1;
+  return absl::OkStatus();
+}
+
+void LocalCluster::Stop() {
+  std::vector<pid_t> all = workers_;
+  all.push_back(coordinator_);
+  for (pid_t pid : all) {
+    if (pid > 0) ::kill(pid, SIGTERM);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  for (pid_t pid : all) {
+    if (pid <= 0) continue;
+    while (::waitpid(pid, nullptr, WNOHANG) == 0) {
+      if (absl::Now() > deadline) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
+  workers_.assign(workers_.size(), -1);
+  coordinator_ = -1;
+}
+
+}  // namespace shardserve::client

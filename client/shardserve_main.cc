@@ -1,0 +1,448 @@
+// shardserve: the command-line client, and `up`, a local cluster on this machine.
+//
+//   shardserve up [--workers=2] [--port=50051] [--exit_after_demo] [--no_demo]
+//   shardserve create-table --name=T --kind=embedding|linear --rows=N --cols=D
+//                           [--sharding_dim=1] [--placements=rank:1/cpu,rank:0/cpu | --world=2]
+//                           [--seed=S | --checkpoint=PATH] [--padding_idx=P] [--max_norm=M]
+//                           [--norm_type=2] [--no_bias]
+//   shardserve tables | describe T | drop T | export T PATH
+//   shardserve embedding --table=T --ids='[[1,2],[3,4]]'          (or --ids_file=F)
+//   shardserve bag --table=T --ids='[1,2,3]' --offsets='[0,2]' [--weights=...] [--mode=sum|mean|max]
+//                  [--include_last_offset]
+//   shardserve linear --table=T --input='[[0.1, ...]]'             (or --input_file=F)
+// Data calls go straight to a worker unless --via_coordinator; results print as JSON (or go to
+// --output=F). Every call has a deadline (--deadline_ms).
+#include <signal.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "client/client.h"
+#include "client/json_tensor.h"
+#include "client/local_cluster.h"
+#include "core/safetensors.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
+ABSL_FLAG(int, deadline_ms, 10000, "deadline of each call, retries included");
+ABSL_FLAG(bool, via_coordinator, false, "send data calls through the coordinator");
+// up
+ABSL_FLAG(int, workers, 2, "up: number of CPU workers (ranks)");
+ABSL_FLAG(int, port, 50051, "up: the coordinator's port (0: any free port)");
+ABSL_FLAG(std::string, state_dir, "", "up: coordinator state (default: a temporary directory)");
+ABSL_FLAG(std::string, server_dir, "", "up: where coordinator_main and worker_main are");
+ABSL_FLAG(bool, no_demo, false, "up: do not create the demo tables and run the demo calls");
+ABSL_FLAG(bool, exit_after_demo, false, "up: stop the cluster after the demo");
+// create-table
+ABSL_FLAG(std::string, name, "", "table name");
+ABSL_FLAG(std::string, kind, "embedding", "embedding | linear");
+ABSL_FLAG(int64_t, rows, 0, "num_embeddings, or out_features");
+ABSL_FLAG(int64_t, cols, 0, "embedding_dim, or in_features");
+ABSL_FLAG(int, sharding_dim, 1, "sharded dim of the weight (embedding 1 = col-wise; linear 0 = col-wise)");
+ABSL_FLAG(std::string, placements, "", "comma-separated rank:R/cpu in chunk order");
+ABSL_FLAG(int, world, 0, "with no --placements: rank:0..world-1 in order");
+ABSL_FLAG(uint64_t, seed, 0, "seeded init");
+ABSL_FLAG(std::string, checkpoint, "", "safetensors file to load instead of a seed");
+ABSL_FLAG(std::string, padding_idx, "", "padding_idx (may be negative)");
+ABSL_FLAG(std::string, max_norm, "", "max_norm");
+ABSL_FLAG(double, norm_type, 2.0, "norm_type");
+ABSL_FLAG(bool, no_bias, false, "linear without bias");
+// data calls
+ABSL_FLAG(std::string, table, "", "table of a data call");
+ABSL_FLAG(std::string, ids, "", "ids as a JSON array");
+ABSL_FLAG(std::string, ids_file, "", "file with the ids as a JSON array");
+ABSL_FLAG(std::string, offsets, "", "bag offsets as a JSON array");
+ABSL_FLAG(std::string, weights, "", "per_sample_weights as a JSON array");
+ABSL_FLAG(std::string, mode, "mean", "bag mode: sum | mean | max");
+ABSL_FLAG(bool, include_last_offset, false, "offsets end with the number of ids");
+ABSL_FLAG(std::string, input, "", "linear input as a JSON array");
+ABSL_FLAG(std::string, input_file, "", "file with the linear input as a JSON array");
+ABSL_FLAG(std::string, output, "", "write the result here instead of stdout");
+
+namespace shardserve::client {
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "shardserve: %s\n", status.ToString().c_str());
+  return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> MakeClient(const std::string& address) {
+  ClientOptions options;
+  options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  options.direct = !absl::GetFlag(FLAGS_via_coordinator);
+  return Client::Connect(address, options);
+}
+
+absl::StatusOr<JsonArray> ArrayFlag(const std::string& inline_value, const std::string& file,
+                                    const std::string& name) {
+  std::string text = inline_value;
+  if (!file.empty()) {
+    std::ifstream in(file);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", file));
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    text = buffer.str();
+  }
+  if (text.empty()) return absl::InvalidArgumentError(absl::StrCat("--", name, " is required"));
+  absl::StatusOr<JsonArray> array = ParseJsonArray(text);
+  if (!array.ok()) return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", array.status().message()));
+  return array;
+}
+
+absl::StatusOr<v1::Tensor> IdTensor(const JsonArray& a, const std::string& name) {
+  std::vector<int64_t> values;
+  for (double v : a.values) {
+    if (v != std::floor(v)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", v, " is not an integer"));
+    }
+    values.push_back(static_cast<int64_t>(v));
+  }
+  return Int64Tensor(a.shape, values);
+}
+
+v1::Tensor FloatsTensor(const JsonArray& a) {
+  return FloatTensor(a.shape, std::vector<float>(a.values.begin(), a.values.end()));
+}
+
+int PrintResult(const absl::StatusOr<DenseTensor>& result) {
+  if (!result.ok()) return Fail(result.status());
+  const std::string json = absl::StrCat("{\"shape\": [", absl::StrJoin(result->shape, ", "),
+                                        "], \"values\": ",
+                                        FormatJsonArray(result->shape, result->values), "}\n");
+  if (const std::string path = absl::GetFlag(FLAGS_output); !path.empty()) {
+    std::ofstream(path) << json;
+  } else {
+    std::cout << json;
+  }
+  return 0;
+}
+
+void PrintInfo(const v1::TableInfo& info) {
+  const v1::TableSpec& s = info.spec();
+  std::printf("%-20s %-9s %-11s [%lld x %lld]  sharding dim %d  %s\n", s.name().c_str(),
+              s.kind() == v1::LINEAR ? "linear" : "embedding", info.state().c_str(),
+              static_cast<long long>(s.num_rows()), static_cast<long long>(s.num_cols()),
+              s.sharding().dim(), absl::StrJoin(s.sharding().placements(), ",").c_str());
+  for (const v1::ShardInfo& shard : info.shards()) {
+    std::printf("    rank %d  %-6s %-21s offset %lld size %lld\n", shard.rank(),
+                shard.device().c_str(), shard.address().c_str(),
+                static_cast<long long>(shard.offset()), static_cast<long long>(shard.size()));
+  }
+}
+
+absl::StatusOr<v1::TableSpec> SpecFromFlags() {
+  v1::TableSpec spec;
+  spec.set_name(absl::GetFlag(FLAGS_name));
+  const std::string kind = absl::GetFlag(FLAGS_kind);
+  if (kind != "embedding" && kind != "linear") {
+    return absl::InvalidArgumentError("--kind must be embedding or linear");
+  }
+  spec.set_kind(kind == "linear" ? v1::LINEAR : v1::EMBEDDING);
+  spec.set_num_rows(absl::GetFlag(FLAGS_rows));
+  spec.set_num_cols(absl::GetFlag(FLAGS_cols));
+  spec.set_dtype(v1::FLOAT32);
+  spec.mutable_sharding()->set_dim(absl::GetFlag(FLAGS_sharding_dim));
+  const std::string placements = absl::GetFlag(FLAGS_placements);
+  if (!placements.empty()) {
+    for (absl::string_view p : absl::StrSplit(placements, ',')) {
+      spec.mutable_sharding()->add_placements(std::string(p));
+    }
+  } else {
+    for (int r = 0; r < absl::GetFlag(FLAGS_world); ++r) {
+      spec.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
+    }
+  }
+  if (const std::string p = absl::GetFlag(FLAGS_padding_idx); !p.empty()) {
+    int64_t v;
+    if (!absl::SimpleAtoi(p, &v)) return absl::InvalidArgumentError("--padding_idx: not an integer");
+    spec.set_padding_idx(v);
+  }
+  if (const std::string m = absl::GetFlag(FLAGS_max_norm); !m.empty()) {
+    double v;
+    if (!absl::SimpleAtod(m, &v)) return absl::InvalidArgumentError("--max_norm: not a number");
+    spec.set_max_norm(v);
+  }
+  spec.set_norm_type(absl::GetFlag(FLAGS_norm_type));
+  spec.set_no_bias(absl::GetFlag(FLAGS_no_bias));
+  if (const std::string c = absl::GetFlag(FLAGS_checkpoint); !c.empty()) {
+    spec.set_checkpoint(c);
+  } else {
+    spec.set_seed(absl::GetFlag(FLAGS_seed));
+  }
+  return spec;
+}
+
+// ---- the demo that `up` runs ----
+
+struct Reference {
+  std::vector<float> weight, bias;
+  int64_t rows = 0, cols = 0;
+};
+
+absl::StatusOr<Reference> ReadExport(Client& client, const std::string& table,
+                                     const std::string& path) {
+  absl::StatusOr<v1::ExportTableResponse> exported = client.ExportTable(table, path);
+  if (!exported.ok()) return exported.status();
+  absl::StatusOr<std::unique_ptr<core::SafetensorsFile>> file = core::SafetensorsFile::Open(path);
+  if (!file.ok()) return file.status();
+  Reference ref;
+  const core::SafetensorsTensor* w = (*file)->Find("weight");
+  ref.rows = w->shape[0];
+  ref.cols = w->shape[1];
+  ref.weight.resize(ref.rows * ref.cols);
+  std::memcpy(ref.weight.data(), w->data, w->bytes);
+  if (const core::SafetensorsTensor* b = (*file)->Find("bias")) {
+    ref.bias.resize(b->bytes / 4);
+    std::memcpy(ref.bias.data(), b->data, b->bytes);
+  }
+  return ref;
+}
+
+double MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double{a[i]} - b[i]));
+  return m;
+}
+
+int RunDemo(const std::string& coordinator, const std::string& work_dir, int world) {
+  absl::StatusOr<std::unique_ptr<Client>> direct = MakeClient(coordinator);
+  ClientOptions forwarded_options;
+  forwarded_options.direct = false;
+  absl::StatusOr<std::unique_ptr<Client>> forwarded = Client::Connect(coordinator, forwarded_options);
+  if (!direct.ok() || !forwarded.ok()) return Fail(direct.status());
+  Client& client = **direct;
+
+  v1::TableSpec emb;
+  emb.set_name("demo_embeddings");
+  emb.set_kind(v1::EMBEDDING);
+  emb.set_num_rows(10000);
+  emb.set_num_cols(64);
+  emb.set_padding_idx(0);
+  emb.set_seed(7);
+  emb.mutable_sharding()->set_dim(1);  // col-wise, chunks in reverse rank order
+  for (int r = world - 1; r >= 0; --r) emb.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
+  v1::TableSpec lin;
+  lin.set_name("demo_linear");
+  lin.set_kind(v1::LINEAR);
+  lin.set_num_rows(32);
+  lin.set_num_cols(128);
+  lin.set_seed(11);
+  lin.mutable_sharding()->set_dim(1);  // row-wise: input features split, partial sums reduced
+  for (int r = 0; r < world; ++r) lin.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
+  for (const v1::TableSpec& spec : {emb, lin}) {
+    (void)client.DropTable(spec.name());  // a persisted state dir may have them already
+    absl::StatusOr<v1::TableInfo> info = client.CreateTable(spec);
+    if (!info.ok()) return Fail(info.status());
+    std::printf("created ");
+    PrintInfo(*info);
+  }
+  absl::StatusOr<Reference> e = ReadExport(client, "demo_embeddings", work_dir + "/demo_embeddings.safetensors");
+  absl::StatusOr<Reference> l = ReadExport(client, "demo_linear", work_dir + "/demo_linear.safetensors");
+  if (!e.ok()) return Fail(e.status());
+  if (!l.ok()) return Fail(l.status());
+  int failures = 0;
+  auto check = [&](const std::string& what, const absl::StatusOr<DenseTensor>& got,
+                   const std::vector<float>& want) {
+    const double diff = got.ok() ? MaxDiff(got->values, want) : INFINITY;
+    const bool ok = got.ok() && diff <= 1e-5;
+    failures += ok ? 0 : 1;
+    std::printf("  %-48s %s\n", what.c_str(),
+                ok ? absl::StrCat("ok (max |diff| vs unsharded ", diff, ")").c_str()
+                   : (got.ok() ? absl::StrCat("WRONG (max |diff| ", diff, ")")
+                               : got.status().ToString()).c_str());
+  };
+  const std::vector<int64_t> ids = {1, 42, 9999, 0, 7, 7};
+  std::vector<float> rows;
+  for (int64_t id : ids) rows.insert(rows.end(), e->weight.begin() + id * 64, e->weight.begin() + id * 64 + 64);
+  v1::EmbeddingRequest er;
+  er.set_table("demo_embeddings");
+  *er.mutable_ids() = Int64Tensor({2, 3}, ids);
+  check("Embedding [2,3] direct", client.Embedding(er), rows);
+  check("Embedding [2,3] via coordinator", (*forwarded)->Embedding(er), rows);
+  // Bags [1, 42] [9999, 0(padding), 7] [] mean, 1-D + offsets.
+  v1::EmbeddingBagRequest br;
+  br.set_table("demo_embeddings");
+  *br.mutable_ids() = Int64Tensor({5}, {1, 42, 9999, 0, 7});
+  *br.mutable_offsets() = Int64Tensor({3}, {0, 2, 5});
+  br.set_mode(v1::MEAN);
+  std::vector<float> mean(3 * 64, 0.0f);
+  for (int k = 0; k < 64; ++k) {
+    mean[k] = (e->weight[1 * 64 + k] + e->weight[42 * 64 + k]) / 2;
+    mean[64 + k] = (e->weight[9999 * 64 + k] + e->weight[7 * 64 + k]) / 2;
+  }
+  check("EmbeddingBag mean (offsets, padding, empty bag)", client.EmbeddingBag(br), mean);
+  br.set_mode(v1::SUM);
+  *br.mutable_per_sample_weights() = FloatTensor({5}, {0.5f, 2, 1, 1, -1});
+  std::vector<float> sum(3 * 64, 0.0f);
+  for (int k = 0; k < 64; ++k) {
+    sum[k] = 0.5f * e->weight[1 * 64 + k] + 2 * e->weight[42 * 64 + k];
+    sum[64 + k] = e->weight[9999 * 64 + k] - e->weight[7 * 64 + k];
+  }
+  check("EmbeddingBag sum + per_sample_weights via coord.", (*forwarded)->EmbeddingBag(br), sum);
+  v1::LinearRequest lr;
+  lr.set_table("demo_linear");
+  std::vector<float> x(3 * 128);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.1 * i);
+  *lr.mutable_input() = FloatTensor({3, 128}, x);
+  std::vector<float> y(3 * 32);
+  for (int r = 0; r < 3; ++r) {
+    for (int o = 0; o < 32; ++o) {
+      double acc = l->bias[o];
+      for (int k = 0; k < 128; ++k) acc += double{x[r * 128 + k]} * l->weight[o * 128 + k];
+      y[r * 32 + o] = static_cast<float>(acc);
+    }
+  }
+  check("Linear [3,128] -> [3,32] (row-wise)", client.Linear(lr), y);
+  std::printf("%s: %d-worker cluster answered through the public API; results %s the unsharded ops\n",
+              failures == 0 ? "OK" : "FAILED", world, failures == 0 ? "match" : "do NOT match");
+  return failures == 0 ? 0 : 1;
+}
+
+int Up(const std::string& argv0) {
+  LocalClusterOptions options;
+  options.workers = absl::GetFlag(FLAGS_workers);
+  options.port = absl::GetFlag(FLAGS_port);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.server_dir = absl::GetFlag(FLAGS_server_dir);
+  if (options.server_dir.empty()) options.server_dir = LocalCluster::FindServerDir(argv0);
+  absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
+  if (!cluster.ok()) return Fail(cluster.status());
+  std::printf("coordinator on %s; %d CPU workers:", (*cluster)->coordinator_address().c_str(),
+              options.workers);
+  for (int r = 0; r < options.workers; ++r) std::printf(" %s", (*cluster)->worker_address(r).c_str());
+  std::printf("\n");
+  std::fflush(stdout);
+  if (!absl::GetFlag(FLAGS_no_demo)) {
+    char tmpl[] = "/tmp/shardserve-demo-XXXXXX";
+    const std::string work = ::mkdtemp(tmpl) ? tmpl : "/tmp";
+    const int rc = RunDemo((*cluster)->coordinator_address(), work, options.workers);
+    if (rc != 0 || absl::GetFlag(FLAGS_exit_after_demo)) return rc;
+  }
+  std::printf("serving; try: shardserve tables --coordinator=%s   (Ctrl-C stops the cluster)\n",
+              (*cluster)->coordinator_address().c_str());
+  std::fflush(stdout);
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigprocmask(SIG_BLOCK, &set, nullptr);
+  int sig = 0;
+  sigwait(&set, &sig);
+  std::printf("stopping\n");
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "shardserve <up|create-table|tables|describe|drop|export|embedding|bag|linear> [flags]");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() < 2) {
+    std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage());
+    return 2;
+  }
+  const std::string command = args[1];
+  if (command == "up") return Up(argv[0]);
+  absl::StatusOr<std::unique_ptr<Client>> client = MakeClient(absl::GetFlag(FLAGS_coordinator));
+  if (!client.ok()) return Fail(client.status());
+  Client& c = **client;
+  auto arg = [&](size_t i) -> std::string { return args.size() > i ? args[i] : ""; };
+  if (command == "create-table") {
+    absl::StatusOr<v1::TableSpec> spec = SpecFromFlags();
+    if (!spec.ok()) return Fail(spec.status());
+    absl::StatusOr<v1::TableInfo> info = c.CreateTable(*spec);
+    if (!info.ok()) return Fail(info.status());
+    PrintInfo(*info);
+    return 0;
+  }
+  if (command == "tables") {
+    absl::StatusOr<std::vector<v1::TableInfo>> tables = c.ListTables();
+    if (!tables.ok()) return Fail(tables.status());
+    for (const v1::TableInfo& info : *tables) PrintInfo(info);
+    return 0;
+  }
+  if (command == "describe") {
+    absl::StatusOr<v1::TableInfo> info = c.DescribeTable(arg(2));
+    if (!info.ok()) return Fail(info.status());
+    PrintInfo(*info);
+    return 0;
+  }
+  if (command == "drop") {
+    absl::Status status = c.DropTable(arg(2));
+    return status.ok() ? 0 : Fail(status);
+  }
+  if (command == "export") {
+    absl::StatusOr<v1::ExportTableResponse> r = c.ExportTable(arg(2), arg(3));
+    if (!r.ok()) return Fail(r.status());
+    std::printf("wrote %s (%lld bytes of tensors)\n", r->path().c_str(), static_cast<long long>(r->bytes()));
+    return 0;
+  }
+  const std::string table = absl::GetFlag(FLAGS_table);
+  if (command == "embedding") {
+    absl::StatusOr<JsonArray> ids = ArrayFlag(absl::GetFlag(FLAGS_ids), absl::GetFlag(FLAGS_ids_file), "ids");
+    if (!ids.ok()) return Fail(ids.status());
+    v1::EmbeddingRequest request;
+    request.set_table(table);
+    absl::StatusOr<v1::Tensor> t = IdTensor(*ids, "ids");
+    if (!t.ok()) return Fail(t.status());
+    *request.mutable_ids() = *t;
+    return PrintResult(c.Embedding(request));
+  }
+  if (command == "bag") {
+    absl::StatusOr<JsonArray> ids = ArrayFlag(absl::GetFlag(FLAGS_ids), absl::GetFlag(FLAGS_ids_file), "ids");
+    if (!ids.ok()) return Fail(ids.status());
+    v1::EmbeddingBagRequest request;
+    request.set_table(table);
+    absl::StatusOr<v1::Tensor> t = IdTensor(*ids, "ids");
+    if (!t.ok()) return Fail(t.status());
+    *request.mutable_ids() = *t;
+    if (const std::string o = absl::GetFlag(FLAGS_offsets); !o.empty()) {
+      absl::StatusOr<JsonArray> offsets = ArrayFlag(o, "", "offsets");
+      if (!offsets.ok()) return Fail(offsets.status());
+      absl::StatusOr<v1::Tensor> ot = IdTensor(*offsets, "offsets");
+      if (!ot.ok()) return Fail(ot.status());
+      *request.mutable_offsets() = *ot;
+    }
+    if (const std::string w = absl::GetFlag(FLAGS_weights); !w.empty()) {
+      absl::StatusOr<JsonArray> weights = ArrayFlag(w, "", "weights");
+      if (!weights.ok()) return Fail(weights.status());
+      *request.mutable_per_sample_weights() = FloatsTensor(*weights);
+    }
+    const std::string mode = absl::GetFlag(FLAGS_mode);
+    if (mode != "sum" && mode != "mean" && mode != "max") {
+      return Fail(absl::InvalidArgumentError("--mode must be sum, mean or max"));
+    }
+    request.set_mode(mode == "sum" ? v1::SUM : mode == "max" ? v1::MAX : v1::MEAN);
+    request.set_include_last_offset(absl::GetFlag(FLAGS_include_last_offset));
+    return PrintResult(c.EmbeddingBag(request));
+  }
+  if (command == "linear") {
+    absl::StatusOr<JsonArray> input =
+        ArrayFlag(absl::GetFlag(FLAGS_input), absl::GetFlag(FLAGS_input_file), "input");
+    if (!input.ok()) return Fail(input.status());
+    v1::LinearRequest request;
+    request.set_table(table);
+    *request.mutable_input() = FloatsTensor(*input);
+    return PrintResult(c.Linear(request));
+  }
+  std::fprintf(stderr, "unknown command \"%s\"\n%s\n", command.c_str(), absl::ProgramUsageMessage());
+  return 2;
+}
+
+}  // namespace
+}  // namespace shardserve::client
+
+int main(int argc, char** argv) { return shardserve::client::Main(argc, argv); }

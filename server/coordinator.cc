@@ -1,0 +1,545 @@
+#include "server/coordinator.h"
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
+#include "core/sharding_spec.h"
+#include "core/status_macros.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "server/grpc_status.h"
+#include "server/tensor_codec.h"
+
+namespace shardserve::server {
+namespace {
+
+std::chrono::system_clock::time_point DeadlineOr(const grpc::ServerContext* context,
+                                                 absl::Duration fallback) {
+  const auto deadline = context->deadline();
+  const auto fallback_deadline = absl::ToChronoTime(absl::Now() + fallback);
+  return std::min(deadline, fallback_deadline);
+}
+
+absl::Status CheckCheckpoint(const v1::TableSpec& spec) {
+  ASSIGN_OR_RETURN(std::unique_ptr<core::SafetensorsFile> file,
+                   core::SafetensorsFile::Open(spec.checkpoint()));
+  const core::SafetensorsTensor* weight = file->Find("weight");
+  if (weight == nullptr || weight->dtype != "F32" ||
+      weight->shape != std::vector<int64_t>{spec.num_rows(), spec.num_cols()}) {
+    return absl::InvalidArgumentError(absl::StrCat("table.checkpoint: \"", spec.checkpoint(),
+                                                   "\" needs tensor \"weight\" F32 [",
+                                                   spec.num_rows(), ",", spec.num_cols(), "]"));
+  }
+  if (spec.kind() == v1::LINEAR && !spec.no_bias()) {
+    const core::SafetensorsTensor* bias = file->Find("bias");
+    if (bias == nullptr || bias->dtype != "F32" ||
+        bias->shape != std::vector<int64_t>{spec.num_rows()}) {
+      return absl::InvalidArgumentError(absl::StrCat("table.checkpoint: \"", spec.checkpoint(),
+                                                     "\" needs tensor \"bias\" F32 [",
+                                                     spec.num_rows(), "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+class Coordinator::AdminService final : public v1::AdminService::Service {
+ public:
+  explicit AdminService(Coordinator& c) : c_(c) {}
+
+  grpc::Status CreateTable(grpc::ServerContext* context, const v1::CreateTableRequest* request,
+                           v1::TableInfo* response) override {
+    const v1::TableSpec& spec = request->table();
+    absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, c_.options_.world_size);
+    if (!config.ok()) return ToGrpcStatus(config.status());
+    if (spec.init_case() == v1::TableSpec::kCheckpoint) {
+      if (absl::Status s = CheckCheckpoint(spec); !s.ok()) return ToGrpcStatus(s);
+    }
+    absl::MutexLock lock(&c_.mu_);
+    if (c_.tables_.count(spec.name())) {
+      return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                          absl::StrCat("table \"", spec.name(), "\" already exists"));
+    }
+    v1::TableSpec stored = spec;
+    stored.set_dtype(v1::FLOAT32);
+    if (config->padding_idx) stored.set_padding_idx(*config->padding_idx);  // normalised
+    c_.tables_[spec.name()] = stored;
+    if (absl::Status s = c_.SaveRegistry(); !s.ok()) {
+      c_.tables_.erase(spec.name());
+      return ToGrpcStatus(s);
+    }
+    // Wait (bounded by the caller's deadline) until every rank has loaded it.
+    const std::string name = spec.name();
+    auto ready = [this, &name]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
+      return c_.stop_ || !c_.tables_.count(name) || c_.TableServing(name);
+    };
+    c_.mu_.AwaitWithDeadline(absl::Condition(&ready),
+                             absl::FromChrono(DeadlineOr(context, c_.options_.create_wait)));
+    auto it = c_.tables_.find(name);
+    if (it == c_.tables_.end()) {
+      return grpc::Status(grpc::StatusCode::ABORTED, "table dropped while being created");
+    }
+    *response = c_.InfoOf(it->second);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status DropTable(grpc::ServerContext*, const v1::DropTableRequest* request,
+                         v1::DropTableResponse*) override {
+    absl::MutexLock lock(&c_.mu_);
+    auto it = c_.tables_.find(request->name());
+    if (it == c_.tables_.end()) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("table \"", request->name(), "\" not found"));
+    }
+    const v1::TableSpec old = it->second;
+    c_.tables_.erase(it);
+    if (absl::Status s = c_.SaveRegistry(); !s.ok()) {
+      c_.tables_[old.name()] = old;
+      return ToGrpcStatus(s);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListTables(grpc::ServerContext*, const v1::ListTablesRequest*,
+                          v1::ListTablesResponse* response) override {
+    absl::MutexLock lock(&c_.mu_);
+    for (const auto& [name, spec] : c_.tables_) *response->add_tables() = c_.InfoOf(spec);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status DescribeTable(grpc::ServerContext*, const v1::DescribeTableRequest* request,
+                             v1::TableInfo* response) override {
+    absl::MutexLock lock(&c_.mu_);
+    auto it = c_.tables_.find(request->name());
+    if (it == c_.tables_.end()) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("table \"", request->name(), "\" not found"));
+    }
+    *response = c_.InfoOf(it->second);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ExportTable(grpc::ServerContext* context, const v1::ExportTableRequest* request,
+                           v1::ExportTableResponse* response) override {
+    if (request->path().empty()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "path: must not be empty");
+    }
+    v1::TableSpec spec;
+    std::vector<std::string> addresses;
+    {
+      absl::MutexLock lock(&c_.mu_);
+      auto it = c_.tables_.find(request->name());
+      if (it == c_.tables_.end()) {
+        return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                            absl::StrCat("table \"", request->name(), "\" not found"));
+      }
+      if (!c_.TableServing(request->name())) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat("table \"", request->name(), "\" is not serving"));
+      }
+      spec = it->second;
+      for (const Member& m : c_.members_) addresses.push_back(m.address);
+    }
+    absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, c_.options_.world_size);
+    if (!config.ok()) return ToGrpcStatus(config.status());
+    const int64_t rows = config->num_rows, cols = config->num_cols;
+    std::vector<float> full(rows * cols), bias;
+    core::ShardLayout layout(config->spec, config->spec.dim() == 0 ? rows : cols);
+    for (int rank = 0; rank < c_.options_.world_size; ++rank) {
+      auto stub = v1::internal::WorkerInternal::NewStub(
+          grpc::CreateChannel(addresses[rank], grpc::InsecureChannelCredentials()));
+      grpc::ClientContext call;
+      call.set_deadline(DeadlineOr(context, absl::Minutes(10)));
+      v1::internal::ReadShardRequest read;
+      read.set_table(spec.name());
+      auto reader = stub->ReadShard(&call, read);
+      v1::internal::ReadShardChunk chunk;
+      const int64_t row0 = config->spec.dim() == 0 ? layout.OffsetOfRank(rank) : 0;
+      const int64_t col0 = config->spec.dim() == 1 ? layout.OffsetOfRank(rank) : 0;
+      int64_t row = 0;
+      while (reader->Read(&chunk)) {
+        if (!chunk.bias().empty()) {
+          bias.resize(chunk.bias().size() / sizeof(float));
+          std::memcpy(bias.data(), chunk.bias().data(), chunk.bias().size());
+        }
+        const auto* data = reinterpret_cast<const float*>(chunk.data().data());
+        if (static_cast<int64_t>(chunk.data().size()) != chunk.rows() * chunk.cols() * 4 ||
+            row0 + row + chunk.rows() > rows || col0 + chunk.cols() > cols) {
+          return grpc::Status(grpc::StatusCode::INTERNAL, "export: shard chunk out of bounds");
+        }
+        for (int64_t r = 0; r < chunk.rows(); ++r) {
+          std::memcpy(&full[(row0 + row + r) * cols + col0], data + r * chunk.cols(),
+                      chunk.cols() * sizeof(float));
+        }
+        row += chunk.rows();
+      }
+      grpc::Status status = reader->Finish();
+      if (!status.ok()) {
+        return grpc::Status(status.error_code(), absl::StrCat("export: reading the shard of rank ",
+                                                              rank, ": ", status.error_message()));
+      }
+    }
+    std::vector<core::SafetensorsEntry> entries = {
+        {"weight", "F32", {rows, cols}, full.data(), rows * cols * 4}};
+    if (!bias.empty()) entries.push_back({"bias", "F32", {rows}, bias.data(), rows * 4});
+    if (absl::Status s = core::WriteSafetensors(request->path(), entries); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
+    response->set_path(request->path());
+    response->set_bytes(rows * cols * 4 + static_cast<int64_t>(bias.size()) * 4);
+    return grpc::Status::OK;
+  }
+
+ private:
+  Coordinator& c_;
+};
+
+class Coordinator::InternalService final : public v1::internal::CoordinatorInternal::Service {
+ public:
+  explicit InternalService(Coordinator& c) : c_(c) {}
+
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::internal::HeartbeatRequest* request,
+                         v1::internal::HeartbeatResponse* response) override {
+    absl::MutexLock lock(&c_.mu_);
+    if (request->rank() < 0 || request->rank() >= c_.options_.world_size) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("rank: ", request->rank(), " is out of range [0, ",
+                                       c_.options_.world_size, ")"));
+    }
+    Member& m = c_.members_[request->rank()];
+    if (c_.Alive(m) && m.incarnation != request->incarnation() && m.incarnation != 0) {
+      return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                          absl::StrCat("rank ", request->rank(), " is held by a live worker at ",
+                                       m.address));
+    }
+    if (m.address != request->address()) c_.stubs_.erase(m.address);
+    m.address = request->address();
+    m.device = request->device();
+    m.incarnation = request->incarnation();
+    m.epoch = request->epoch();
+    m.broken = request->group_broken();
+    m.last_seen = absl::Now();
+    m.loaded.assign(request->loaded_tables().begin(), request->loaded_tables().end());
+    c_.Reconcile();
+    response->set_world_size(c_.options_.world_size);
+    response->set_epoch(c_.epoch_);
+    for (int r = 0; r < c_.options_.world_size; ++r) {
+      v1::internal::Member* member = response->add_members();
+      member->set_rank(r);
+      member->set_address(c_.members_[r].address);
+    }
+    for (const auto& [name, spec] : c_.tables_) {
+      *response->add_tables() = spec;
+      if (c_.TableServing(name)) response->add_serving_tables(name);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status RendezvousSet(grpc::ServerContext*, const v1::internal::RendezvousSetRequest* request,
+                             v1::internal::RendezvousSetResponse*) override {
+    absl::MutexLock lock(&c_.mu_);
+    c_.rendezvous_[request->key()] = request->value();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status RendezvousGet(grpc::ServerContext*, const v1::internal::RendezvousGetRequest* request,
+                             v1::internal::RendezvousGetResponse* response) override {
+    absl::MutexLock lock(&c_.mu_);
+    const std::string& key = request->key();
+    auto present = [this, &key]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
+      return c_.stop_ || c_.rendezvous_.count(key) > 0;
+    };
+    if (!c_.mu_.AwaitWithTimeout(absl::Condition(&present),
+                                 absl::Milliseconds(std::min<int64_t>(request->timeout_ms(), 600000))) ||
+        !c_.rendezvous_.count(key)) {
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          absl::StrCat("rendezvous key \"", key, "\" not set in time"));
+    }
+    response->set_value(c_.rendezvous_[key]);
+    return grpc::Status::OK;
+  }
+
+ private:
+  Coordinator& c_;
+};
+
+// The data API for thin clients: each call goes whole to one live worker (one extra hop).
+class Coordinator::ForwardingService final : public v1::DataService::Service {
+ public:
+  explicit ForwardingService(Coordinator& c) : c_(c) {}
+
+  template <typename Request, typename Call>
+  grpc::Status Forward(grpc::ServerContext* context, const Request& request,
+                       v1::TensorResponse* response, Call call) {
+    absl::StatusOr<std::shared_ptr<v1::DataService::Stub>> stub = c_.PickWorker();
+    if (!stub.ok()) return ToGrpcStatus(stub.status());
+    grpc::ClientContext client;
+    client.set_deadline(DeadlineOr(context, absl::Seconds(60)));
+    return call(stub->get(), &client, request, response);
+  }
+
+  grpc::Status Embedding(grpc::ServerContext* context, const v1::EmbeddingRequest* request,
+                         v1::TensorResponse* response) override {
+    return Forward(context, *request, response,
+                   [](v1::DataService::Stub* s, grpc::ClientContext* c, const auto& rq, auto* rs) {
+                     return s->Embedding(c, rq, rs);
+                   });
+  }
+  grpc::Status EmbeddingBag(grpc::ServerContext* context, const v1::EmbeddingBagRequest* request,
+                            v1::TensorResponse* response) override {
+    return Forward(context, *request, response,
+                   [](v1::DataService::Stub* s, grpc::ClientContext* c, const auto& rq, auto* rs) {
+                     return s->EmbeddingBag(c, rq, rs);
+                   });
+  }
+  grpc::Status Linear(grpc::ServerContext* context, const v1::LinearRequest* request,
+                      v1::TensorResponse* response) override {
+    return Forward(context, *request, response,
+                   [](v1::DataService::Stub* s, grpc::ClientContext* c, const auto& rq, auto* rs) {
+                     return s->Linear(c, rq, rs);
+                   });
+  }
+  grpc::Status Stream(grpc::ServerContext* context,
+                      grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override {
+    v1::StreamRequest request;
+    while (stream->Read(&request)) {
+      v1::TensorResponse out;
+      grpc::Status status;
+      switch (request.op_case()) {
+        case v1::StreamRequest::kEmbedding:
+          status = Embedding(context, &request.embedding(), &out);
+          break;
+        case v1::StreamRequest::kEmbeddingBag:
+          status = EmbeddingBag(context, &request.embedding_bag(), &out);
+          break;
+        case v1::StreamRequest::kLinear:
+          status = Linear(context, &request.linear(), &out);
+          break;
+        default:
+          status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                "stream request: set one of embedding, embedding_bag, linear");
+      }
+      v1::StreamResponse response;
+      response.set_id(request.id());
+      if (status.ok()) {
+        *response.mutable_output() = std::move(*out.mutable_output());
+      } else {
+        response.set_code(status.error_code());
+        response.set_message(status.error_message());
+      }
+      if (!stream->Write(response)) break;
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  Coordinator& c_;
+};
+
+Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptions options) {
+  if (options.world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--world_size: ", options.world_size, " must be >= 1"));
+  }
+  std::unique_ptr<Coordinator> c(new Coordinator(std::move(options)));
+  {
+    absl::MutexLock lock(&c->mu_);
+    c->members_.resize(c->options_.world_size);
+  }
+  RETURN_IF_ERROR(c->LoadRegistry());
+  c->admin_ = std::make_unique<AdminService>(*c);
+  c->internal_ = std::make_unique<InternalService>(*c);
+  c->forwarding_ = std::make_unique<ForwardingService>(*c);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(c->options_.listen, grpc::InsecureServerCredentials(), &c->port_);
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(1 << 30);
+  builder.RegisterService(c->admin_.get());
+  builder.RegisterService(c->internal_.get());
+  builder.RegisterService(c->forwarding_.get());
+  c->server_ = builder.BuildAndStart();
+  if (c->server_ == nullptr || c->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("coordinator: cannot listen on ", c->options_.listen));
+  }
+  Coordinator* raw = c.get();
+  c->ticker_ = std::thread([raw] { raw->Tick(); });
+  return c;
+}
+
+Coordinator::~Coordinator() { Shutdown(); }
+
+void Coordinator::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  if (ticker_.joinable()) ticker_.join();
+  if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+}
+
+void Coordinator::Wait() {
+  if (server_) server_->Wait();
+}
+
+absl::Status Coordinator::LoadRegistry() {
+  if (options_.state_dir.empty()) return absl::OkStatus();
+  std::ifstream in(options_.state_dir + "/tables.pb", std::ios::binary);
+  if (!in) return absl::OkStatus();  // first start
+  v1::internal::TableRegistry registry;
+  if (!registry.ParseFromIstream(&in)) {
+    return absl::DataLossError(
+        absl::StrCat("coordinator: cannot parse ", options_.state_dir, "/tables.pb"));
+  }
+  absl::MutexLock lock(&mu_);
+  for (const v1::TableSpec& spec : registry.tables()) tables_[spec.name()] = spec;
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::SaveRegistry() {
+  if (options_.state_dir.empty()) return absl::OkStatus();
+  v1::internal::TableRegistry registry;
+  for (const auto& [name, spec] : tables_) *registry.add_tables() = spec;
+  const std::string path = options_.state_dir + "/tables.pb";
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out || !registry.SerializeToOstream(&out)) {
+      return absl::InternalError(absl::StrCat("coordinator: cannot write ", tmp));
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("coordinator: cannot rename ", tmp));
+  }
+  return absl::OkStatus();
+}
+
+bool Coordinator::Alive(const Member& m) const {
+  return m.incarnation != 0 && absl::Now() - m.last_seen < options_.liveness_timeout;
+}
+
+bool Coordinator::GroupServing() const {
+  if (epoch_ == 0) return false;
+  for (const Member& m : members_) {
+    if (!Alive(m) || m.epoch != epoch_ || m.broken) return false;
+  }
+  return true;
+}
+
+bool Coordinator::TableServing(const std::string& name) const {
+  if (!GroupServing()) return false;
+  for (const Member& m : members_) {
+    if (std::find(m.loaded.begin(), m.loaded.end(), name) == m.loaded.end()) return false;
+  }
+  return true;
+}
+
+void Coordinator::Reconcile() {
+  for (const Member& m : members_) {
+    if (!Alive(m)) return;  // wait for every rank; a dead one comes back with a new incarnation
+  }
+  bool renew = epoch_ == 0;
+  for (int r = 0; r < options_.world_size && !renew; ++r) {
+    const Member& m = members_[r];
+    if (m.incarnation != epoch_incarnations_[r]) renew = true;     // a worker restarted
+    if (m.broken && m.epoch == epoch_) renew = true;               // the group failed
+    if (m.epoch != epoch_ && absl::Now() - epoch_started_ > options_.join_grace) renew = true;
+  }
+  if (!renew) return;
+  // Epochs are wall-clock milliseconds: unique across coordinator restarts too.
+  epoch_ = std::max<uint64_t>(epoch_ + 1, static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())));
+  epoch_started_ = absl::Now();
+  epoch_incarnations_.clear();
+  for (const Member& m : members_) epoch_incarnations_.push_back(m.incarnation);
+  const std::string prefix = absl::StrCat("group/epoch-", epoch_);
+  for (auto it = rendezvous_.begin(); it != rendezvous_.end();) {
+    it = absl::StartsWith(it->first, prefix) ? std::next(it) : rendezvous_.erase(it);
+  }
+  std::fprintf(stderr, "coordinator: group epoch %llu with %d ranks\n",
+               static_cast<unsigned long long>(epoch_), options_.world_size);
+}
+
+v1::TableInfo Coordinator::InfoOf(const v1::TableSpec& spec) const {
+  v1::TableInfo info;
+  *info.mutable_spec() = spec;
+  bool loaded_everywhere = true;
+  for (const Member& m : members_) {
+    if (std::find(m.loaded.begin(), m.loaded.end(), spec.name()) == m.loaded.end()) {
+      loaded_everywhere = false;
+    }
+  }
+  info.set_state(TableServing(spec.name()) ? "SERVING"
+                 : loaded_everywhere       ? "UNAVAILABLE"
+                                           : "LOADING");
+  absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, options_.world_size);
+  if (!config.ok()) return info;
+  core::ShardLayout layout(config->spec,
+                           config->spec.dim() == 0 ? config->num_rows : config->num_cols);
+  for (const core::Placement& p : config->spec.placements()) {
+    v1::ShardInfo* shard = info.add_shards();
+    shard->set_rank(p.rank);
+    shard->set_device(p.device.ToString());
+    shard->set_address(members_[p.rank].address);
+    shard->set_offset(layout.OffsetOfRank(p.rank));
+    shard->set_size(layout.SizeOfRank(p.rank));
+  }
+  return info;
+}
+
+absl::StatusOr<std::shared_ptr<v1::DataService::Stub>> Coordinator::PickWorker() {
+  absl::MutexLock lock(&mu_);
+  if (!GroupServing()) {
+    return absl::UnavailableError("group not formed: waiting for all ranks");
+  }
+  const Member& m = members_[next_worker_++ % members_.size()];
+  auto& stub = stubs_[m.address];
+  if (stub == nullptr) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(1 << 30);
+    args.SetMaxSendMessageSize(1 << 30);
+    stub = v1::DataService::NewStub(
+        grpc::CreateCustomChannel(m.address, grpc::InsecureChannelCredentials(), args));
+  }
+  return stub;
+}
+
+void Coordinator::Tick() {
+  std::map<std::string, bool> last;
+  while (true) {
+    absl::MutexLock lock(&mu_);
+    if (mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(50))) return;
+    Reconcile();
+    grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+    if (health == nullptr) continue;
+    std::map<std::string, bool> now;
+    now[""] = GroupServing();
+    now["shardserve.v1.DataService"] = now[""];
+    for (const auto& [name, spec] : tables_) now["shardserve.v1.table/" + name] = TableServing(name);
+    for (const auto& [name, serving] : last) {
+      if (!now.count(name)) now[name] = false;
+    }
+    for (const auto& [name, serving] : now) {
+      auto it = last.find(name);
+      if (it == last.end() || it->second != serving) health->SetServingStatus(name, serving);
+    }
+    last = now;
+  }
+}
+
+}  // namespace shardserve::server

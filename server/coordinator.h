@@ -1,0 +1,95 @@
+// Coordinator: the control plane. Owns the table registry (persisted in state_dir, so a restart
+// loses nothing), worker membership and heartbeats, group formation (epochs) and the rendezvous
+// store the workers' communicators use, health, and routing: the placement map clients read
+// (DescribeTable) and the forwarding path for thin clients (it serves the data API by passing each
+// call whole to one worker of the group).
+//
+// One group per cluster: `world_size` workers, ranks 0..W-1; every table is placed on it.
+// Thread-safe; gRPC's sync server threads call in.
+#ifndef SHARDSERVE_SERVER_COORDINATOR_H_
+#define SHARDSERVE_SERVER_COORDINATOR_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/server.h"
+#include "proto/internal.grpc.pb.h"
+#include "proto/shardserve.grpc.pb.h"
+
+namespace shardserve::server {
+
+struct CoordinatorOptions {
+  std::string listen = "127.0.0.1:50051";
+  int world_size = 2;
+  std::string state_dir;  // empty: nothing persisted
+  absl::Duration liveness_timeout = absl::Milliseconds(1500);  // missed heartbeats = dead
+  absl::Duration join_grace = absl::Seconds(20);  // epoch not joined by all in time: new epoch
+  absl::Duration create_wait = absl::Seconds(30);  // CreateTable waits this long for SERVING
+};
+
+class Coordinator {
+ public:
+  static absl::StatusOr<std::unique_ptr<Coordinator>> Start(CoordinatorOptions options);
+  ~Coordinator();
+
+  int port() const { return port_; }
+  void Shutdown();
+  void Wait();
+
+ private:
+  class AdminService;
+  class InternalService;
+  class ForwardingService;
+  struct Member {
+    std::string address;
+    std::string device;
+    uint64_t incarnation = 0;
+    uint64_t epoch = 0;
+    bool broken = false;
+    absl::Time last_seen = absl::InfinitePast();
+    std::vector<std::string> loaded;
+  };
+
+  explicit Coordinator(CoordinatorOptions options);
+  absl::Status LoadRegistry();
+  absl::Status SaveRegistry() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the group to a new epoch when it must (see the .cc), and updates health.
+  void Reconcile() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Alive(const Member& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool GroupServing() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool TableServing(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::TableInfo InfoOf(const v1::TableSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A data-service stub of some live worker (round robin).
+  absl::StatusOr<std::shared_ptr<v1::DataService::Stub>> PickWorker();
+  void Tick();
+
+  const CoordinatorOptions options_;
+  std::unique_ptr<AdminService> admin_;
+  std::unique_ptr<InternalService> internal_;
+  std::unique_ptr<ForwardingService> forwarding_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::thread ticker_;
+
+  mutable absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, v1::TableSpec> tables_ ABSL_GUARDED_BY(mu_);
+  std::vector<Member> members_ ABSL_GUARDED_BY(mu_);
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time epoch_started_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> epoch_incarnations_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> rendezvous_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<v1::DataService::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  size_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace shardserve::server
+
+#endif  // SHARDSERVE_SERVER_COORDINATOR_H_

@@ -1,0 +1,53 @@
+// shardserve coordinator: the control plane (tables, membership, rendezvous, routing).
+//
+//   coordinator --listen=127.0.0.1:50051 --world_size=2 [--state_dir=/var/lib/shardserve]
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/synchronization/notification.h"
+#include "server/coordinator.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "API address (port 0: pick a free port)");
+ABSL_FLAG(int, world_size, 2, "number of workers (ranks) in the group");
+ABSL_FLAG(std::string, state_dir, "", "where the table registry is persisted (empty: nowhere)");
+ABSL_FLAG(int, liveness_ms, 1500, "a worker silent this long is considered dead");
+ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
+
+namespace {
+absl::Notification* stop_requested = nullptr;
+void OnSignal(int) {
+  if (stop_requested != nullptr && !stop_requested->HasBeenNotified()) stop_requested->Notify();
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  shardserve::server::CoordinatorOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.world_size = absl::GetFlag(FLAGS_world_size);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.liveness_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_liveness_ms));
+  absl::StatusOr<std::unique_ptr<shardserve::server::Coordinator>> coordinator =
+      shardserve::server::Coordinator::Start(options);
+  if (!coordinator.ok()) {
+    std::fprintf(stderr, "coordinator: %s\n", coordinator.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "coordinator serving on port %d (world size %d)\n", (*coordinator)->port(),
+               options.world_size);
+  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
+    std::ofstream(path + ".tmp") << (*coordinator)->port() << "\n";
+    std::rename((path + ".tmp").c_str(), path.c_str());
+  }
+  absl::Notification stop;
+  stop_requested = &stop;
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  stop.WaitForNotification();
+  (*coordinator)->Shutdown();
+  return 0;
+}

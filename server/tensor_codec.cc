@@ -1,0 +1,172 @@
+#include "server/tensor_codec.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status_macros.h"
+
+namespace shardserve::server {
+namespace {
+
+template <typename T>
+absl::Status Decode(const v1::Tensor& tensor, const std::string& field, v1::DType want,
+                    std::vector<T>* values, std::vector<int64_t>* shape) {
+  if (tensor.dtype() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", v1::DType_Name(tensor.dtype()),
+                                                   " where ", v1::DType_Name(want),
+                                                   " is required"));
+  }
+  shape->assign(tensor.shape().begin(), tensor.shape().end());
+  int64_t n = 1;
+  for (int i = 0; i < tensor.shape_size(); ++i) {
+    const int64_t d = tensor.shape(i);
+    if (d < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", i, "]: ", d, " must be >= 0"));
+    }
+    if (d != 0 && n > (int64_t{1} << 40) / d) {
+      return absl::ResourceExhaustedError(absl::StrCat(field, ".shape [",
+                                                       absl::StrJoin(*shape, ", "), "] is too large"));
+    }
+    n *= d;
+  }
+  if (static_cast<int64_t>(tensor.data().size()) != n * static_cast<int64_t>(sizeof(T))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".data: ", tensor.data().size(), " bytes, but shape [", absl::StrJoin(*shape, ", "),
+        "] x ", sizeof(T), " bytes = ", n * static_cast<int64_t>(sizeof(T))));
+  }
+  values->resize(n);
+  if (n > 0) std::memcpy(values->data(), tensor.data().data(), n * sizeof(T));
+  return absl::OkStatus();
+}
+
+core::PoolMode ModeOf(v1::PoolMode mode) {
+  switch (mode) {
+    case v1::SUM:
+      return core::PoolMode::kSum;
+    case v1::MAX:
+      return core::PoolMode::kMax;
+    default:
+      return core::PoolMode::kMean;
+  }
+}
+
+}  // namespace
+
+absl::Status DecodeInt64(const v1::Tensor& tensor, const std::string& field,
+                         std::vector<int64_t>* values, std::vector<int64_t>* shape) {
+  return Decode(tensor, field, v1::INT64, values, shape);
+}
+
+absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
+                         std::vector<float>* values, std::vector<int64_t>* shape) {
+  return Decode(tensor, field, v1::FLOAT32, values, shape);
+}
+
+void EncodeFloat(const std::vector<int64_t>& shape, const std::vector<float>& values,
+                 v1::Tensor* tensor) {
+  tensor->set_dtype(v1::FLOAT32);
+  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+  tensor->set_data(values.data(), values.size() * sizeof(float));
+}
+
+void EncodeInt64(const std::vector<int64_t>& shape, const std::vector<int64_t>& values,
+                 v1::Tensor* tensor) {
+  tensor->set_dtype(v1::INT64);
+  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+  tensor->set_data(values.data(), values.size() * sizeof(int64_t));
+}
+
+absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int world_size) {
+  core::TableConfig config;
+  if (spec.name().empty()) return absl::InvalidArgumentError("table.name: must not be empty");
+  for (char c : spec.name()) {
+    if (c == '\n' || c == '|' || c == '/' || static_cast<unsigned char>(c) < 0x20) {
+      return absl::InvalidArgumentError(absl::StrCat("table.name: \"", spec.name(),
+                                                     "\" contains a forbidden character"));
+    }
+  }
+  config.name = spec.name();
+  config.kind = spec.kind() == v1::LINEAR ? core::TableKind::kLinear : core::TableKind::kEmbedding;
+  config.num_rows = spec.num_rows();
+  config.num_cols = spec.num_cols();
+  if (spec.dtype() != v1::FLOAT32 && spec.dtype() != v1::DTYPE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("table.dtype: ", v1::DType_Name(spec.dtype()), " is not supported; use FLOAT32"));
+  }
+  std::vector<std::string> placements(spec.sharding().placements().begin(),
+                                      spec.sharding().placements().end());
+  if (static_cast<int>(placements.size()) != world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("table.sharding.placements: ", placements.size(),
+                     " placements, but the cluster has ", world_size, " ranks"));
+  }
+  ASSIGN_OR_RETURN(config.spec, core::ShardingSpec::Create(spec.sharding().dim(), placements));
+  if (spec.has_padding_idx()) config.padding_idx = spec.padding_idx();
+  if (spec.has_max_norm()) config.max_norm = spec.max_norm();
+  if (spec.has_norm_type()) config.norm_type = spec.norm_type();
+  config.has_bias = !spec.no_bias();
+  RETURN_IF_ERROR(config.Validate());
+  if (spec.init_case() == v1::TableSpec::INIT_NOT_SET) {
+    return absl::InvalidArgumentError("table.init: set seed or checkpoint");
+  }
+  return config;
+}
+
+absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
+    const v1::EmbeddingRequest& request, const core::TableConfig& table,
+    const core::InputLimits& limits) {
+  auto r = std::make_unique<core::StepRequest>();
+  r->op = core::StepRequest::Op::kEmbedding;
+  r->table = request.table();
+  RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
+  RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
+    const v1::EmbeddingBagRequest& request, const core::TableConfig& table,
+    const core::InputLimits& limits) {
+  auto r = std::make_unique<core::StepRequest>();
+  r->op = core::StepRequest::Op::kEmbeddingBag;
+  r->table = request.table();
+  r->mode = ModeOf(request.mode());
+  RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
+  std::vector<int64_t> offsets, offsets_shape;
+  const bool has_offsets = request.has_offsets();
+  if (has_offsets) {
+    RETURN_IF_ERROR(DecodeInt64(request.offsets(), "offsets", &offsets, &offsets_shape));
+    if (offsets_shape.size() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("offsets.shape: must be 1-D, has ", offsets_shape.size(), " dims"));
+    }
+  }
+  if (request.has_per_sample_weights()) {
+    std::vector<int64_t> weights_shape;
+    RETURN_IF_ERROR(DecodeFloat(request.per_sample_weights(), "per_sample_weights", &r->weights,
+                                &weights_shape));
+    if (weights_shape != r->shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "per_sample_weights.shape: [", absl::StrJoin(weights_shape, ", "),
+          "] does not match ids.shape [", absl::StrJoin(r->shape, ", "), "]"));
+    }
+    r->has_weights = true;
+  }
+  RETURN_IF_ERROR(
+      core::PrepareRequest(table, limits, *r, offsets, has_offsets, request.include_last_offset()));
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
+    const v1::LinearRequest& request, const core::TableConfig& table,
+    const core::InputLimits& limits) {
+  auto r = std::make_unique<core::StepRequest>();
+  r->op = core::StepRequest::Op::kLinear;
+  r->table = request.table();
+  RETURN_IF_ERROR(DecodeFloat(request.input(), "input", &r->values, &r->shape));
+  RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
+  return r;
+}
+
+}  // namespace shardserve::server

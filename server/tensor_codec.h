@@ -1,0 +1,45 @@
+// Conversions between the wire types (proto/shardserve.proto) and core's types: tensors, table
+// specs, and data requests turned into validated StepRequests. Everything a client sends is checked
+// here or in core's validation: wrong dtype, bytes that do not match shape x dtype size, bad specs
+// give INVALID_ARGUMENT naming the field.
+#ifndef SHARDSERVE_SERVER_TENSOR_CODEC_H_
+#define SHARDSERVE_SERVER_TENSOR_CODEC_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/op_inputs.h"
+#include "core/step_loop.h"
+#include "core/table_config.h"
+#include "proto/shardserve.pb.h"
+
+namespace shardserve::server {
+
+absl::Status DecodeInt64(const v1::Tensor& tensor, const std::string& field,
+                         std::vector<int64_t>* values, std::vector<int64_t>* shape);
+absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
+                         std::vector<float>* values, std::vector<int64_t>* shape);
+void EncodeFloat(const std::vector<int64_t>& shape, const std::vector<float>& values,
+                 v1::Tensor* tensor);
+void EncodeInt64(const std::vector<int64_t>& shape, const std::vector<int64_t>& values,
+                 v1::Tensor* tensor);
+
+// Validates a table spec for a cluster of `world_size` ranks and turns it into a TableConfig.
+absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int world_size);
+
+// Decode + validate a data request against its table: the request is ready for StepLoop::Submit.
+absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
+    const v1::EmbeddingRequest& request, const core::TableConfig& table,
+    const core::InputLimits& limits);
+absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
+    const v1::EmbeddingBagRequest& request, const core::TableConfig& table,
+    const core::InputLimits& limits);
+absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
+    const v1::LinearRequest& request, const core::TableConfig& table,
+    const core::InputLimits& limits);
+
+}  // namespace shardserve::server
+
+#endif  // SHARDSERVE_SERVER_TENSOR_CODEC_H_

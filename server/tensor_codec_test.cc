@@ -1,0 +1,90 @@
+#include "server/tensor_codec.h"
+
+#include <cstring>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardserve::server {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+v1::Tensor Ids(std::vector<int64_t> shape, std::vector<int64_t> values) {
+  v1::Tensor t;
+  t.set_dtype(v1::INT64);
+  t.mutable_shape()->Assign(shape.begin(), shape.end());
+  t.set_data(values.data(), values.size() * 8);
+  return t;
+}
+
+TEST(TensorCodec, DecodesAndChecksBytesAgainstShape) {
+  std::vector<int64_t> values, shape;
+  ASSERT_TRUE(DecodeInt64(Ids({2, 2}, {1, 2, 3, 4}), "ids", &values, &shape).ok());
+  EXPECT_THAT(values, ElementsAre(1, 2, 3, 4));
+  v1::Tensor short_data = Ids({2, 3}, {1, 2, 3, 4});
+  absl::Status status = DecodeInt64(short_data, "ids", &values, &shape);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("ids.data: 32 bytes, but shape [2, 3] x 8 bytes = 48"));
+  v1::Tensor wrong_type = Ids({1}, {1});
+  wrong_type.set_dtype(v1::FLOAT32);
+  EXPECT_THAT(std::string(DecodeInt64(wrong_type, "ids", &values, &shape).message()),
+              HasSubstr("ids.dtype: FLOAT32 where INT64 is required"));
+  v1::Tensor negative = Ids({-1}, {});
+  EXPECT_THAT(std::string(DecodeInt64(negative, "ids", &values, &shape).message()),
+              HasSubstr("ids.shape[0]: -1 must be >= 0"));
+}
+
+TEST(TensorCodec, ValidatesTableSpecs) {
+  v1::TableSpec spec;
+  spec.set_name("t");
+  spec.set_num_rows(10);
+  spec.set_num_cols(4);
+  spec.set_seed(1);
+  spec.mutable_sharding()->set_dim(1);
+  spec.mutable_sharding()->add_placements("rank:1/cpu");
+  spec.mutable_sharding()->add_placements("rank:0/cpu");
+  absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, 2);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->spec.placements()[0].rank, 1);
+  EXPECT_THAT(std::string(ConfigFromSpec(spec, 3).status().message()),
+              HasSubstr("2 placements, but the cluster has 3 ranks"));
+  spec.set_name("a|b");
+  EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()), HasSubstr("forbidden"));
+  spec.set_name("t");
+  spec.clear_seed();
+  EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()), HasSubstr("table.init"));
+}
+
+TEST(TensorCodec, BagRequestBecomesCanonicalStepRequest) {
+  core::TableConfig table;
+  table.name = "t";
+  table.num_rows = 10;
+  table.num_cols = 4;
+  ASSERT_TRUE(table.Validate().ok());
+  v1::EmbeddingBagRequest request;
+  request.set_table("t");
+  *request.mutable_ids() = Ids({4}, {1, 2, 3, 4});
+  *request.mutable_offsets() = Ids({2}, {0, 1});
+  request.set_mode(v1::SUM);
+  auto step = MakeStepRequest(request, table, {});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_THAT((*step)->offsets, ElementsAre(0, 1, 4));
+  EXPECT_EQ((*step)->mode, core::PoolMode::kSum);
+  *request.mutable_offsets() = Ids({2, 1}, {0, 1});
+  EXPECT_THAT(std::string(MakeStepRequest(request, table, {}).status().message()),
+              HasSubstr("offsets.shape: must be 1-D"));
+  *request.mutable_offsets() = Ids({2}, {0, 1});
+  request.set_mode(v1::MAX);
+  v1::Tensor weights;
+  weights.set_dtype(v1::FLOAT32);
+  weights.add_shape(4);
+  weights.set_data(std::string(16, '\0'));
+  *request.mutable_per_sample_weights() = weights;
+  EXPECT_THAT(std::string(MakeStepRequest(request, table, {}).status().message()),
+              HasSubstr("per_sample_weights: only supported with mode sum"));
+}
+
+}  // namespace
+}  // namespace shardserve::server

@@ -1,0 +1,65 @@
+// shardserve worker: one process per device (= one rank).
+//
+//   worker --coordinator=127.0.0.1:50051 --rank=0 [--listen=127.0.0.1:0] [--device=cpu]
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/synchronization/notification.h"
+#include "server/worker.h"
+
+ABSL_FLAG(std::string, coordinator, "", "host:port of the coordinator");
+ABSL_FLAG(int, rank, 0, "this worker's rank in the group");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "data API address (port 0: pick a free port)");
+ABSL_FLAG(std::string, advertise_host, "127.0.0.1", "host peers and clients use to reach this worker");
+ABSL_FLAG(std::string, device, "cpu", "cpu (cuda:N in GPU builds)");
+ABSL_FLAG(int64_t, row_budget, int64_t{1} << 18, "rows (ids, input rows) per rank per step");
+ABSL_FLAG(int, collective_timeout_ms, 10000, "a collective that takes longer fails the step");
+ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
+ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
+
+namespace {
+absl::Notification* stop_requested = nullptr;
+void OnSignal(int) {
+  if (stop_requested != nullptr && !stop_requested->HasBeenNotified()) stop_requested->Notify();
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  shardserve::server::WorkerOptions options;
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.rank = absl::GetFlag(FLAGS_rank);
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
+  options.step.row_budget = absl::GetFlag(FLAGS_row_budget);
+  options.step.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
+  options.gloo.sync_timeout = options.step.collective_timeout;
+  if (options.step.row_budget < 1) {
+    std::fprintf(stderr, "--row_budget must be >= 1\n");
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<shardserve::server::Worker>> worker =
+      shardserve::server::Worker::Start(options);
+  if (!worker.ok()) {
+    std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "worker rank %d serving on %s\n", options.rank, (*worker)->address().c_str());
+  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
+    std::ofstream(path + ".tmp") << (*worker)->port() << "\n";
+    std::rename((path + ".tmp").c_str(), path.c_str());
+  }
+  absl::Notification stop;
+  stop_requested = &stop;
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  stop.WaitForNotification();
+  (*worker)->Shutdown();
+  return 0;
+}
