@@ -68,10 +68,25 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
   return std::unique_ptr<Client>(new Client(coordinator, options));
 }
 
-#define SHARDSERVE_ADMIN_CALL(method, request, response)                               \
-  grpc::ClientContext context;                                                          \
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));            \
-  absl::Status status = FromGrpcStatus(admin_->method(&context, request, &response));   \
+// Admin calls wait (within the deadline) for the coordinator to be reachable, and retry
+// UNAVAILABLE (e.g. a connection that broke while the coordinator restarted).
+template <typename Request, typename Response, typename Method>
+absl::Status Client::CallAdmin(Method method, const Request& request, Response* response) {
+  const absl::Time deadline = absl::Now() + options_.deadline;
+  absl::Status status;
+  for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    context.set_wait_for_ready(true);
+    status = FromGrpcStatus(((*admin_).*method)(&context, request, response));
+    if (status.code() != absl::StatusCode::kUnavailable || absl::Now() >= deadline) break;
+    absl::SleepFor(std::min(options_.backoff * (1 << std::min(attempt, 6)), deadline - absl::Now()));
+  }
+  return status;
+}
+
+#define SHARDSERVE_ADMIN_CALL(method, request, response)                                      \
+  absl::Status status = CallAdmin(&v1::AdminService::Stub::method, request, &response);        \
   if (!status.ok()) return status
 
 absl::StatusOr<v1::TableInfo> Client::CreateTable(const v1::TableSpec& spec) {

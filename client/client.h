@@ -61,6 +61,8 @@ class Client {
   absl::StatusOr<std::string> Route(const std::string& table, bool refresh);
   template <typename Request, typename Method>
   absl::StatusOr<DenseTensor> CallData(const Request& request, Method method);
+  template <typename Request, typename Response, typename Method>
+  absl::Status CallAdmin(Method method, const Request& request, Response* response);
 
   const std::string coordinator_;
   const ClientOptions options_;

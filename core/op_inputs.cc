@@ -48,10 +48,10 @@ absl::Status CheckIds(const TableConfig& table, absl::Span<const int64_t> ids) {
 
 absl::Status CheckKind(const TableConfig& table, TableKind want, absl::string_view op) {
   if (table.kind != want) {
-    return absl::InvalidArgumentError(absl::StrCat("table \"", table.name, "\" is a ",
-                                                   table.kind == TableKind::kLinear ? "linear layer"
-                                                                                    : "embedding table",
-                                                   "; ", op, " does not apply to it"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("table \"", table.name, "\" is ",
+                     table.kind == TableKind::kLinear ? "a linear layer" : "an embedding table",
+                     "; ", op, " does not apply to it"));
   }
   return absl::OkStatus();
 }

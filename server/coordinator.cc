@@ -228,9 +228,11 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     m.device = request->device();
     m.incarnation = request->incarnation();
     m.epoch = request->epoch();
+    if (request->group_broken() && !m.broken) m.broken_since = absl::Now();
     m.broken = request->group_broken();
     m.last_seen = absl::Now();
     m.loaded.assign(request->loaded_tables().begin(), request->loaded_tables().end());
+    m.serving.assign(request->serving_tables().begin(), request->serving_tables().end());
     c_.Reconcile();
     response->set_world_size(c_.options_.world_size);
     response->set_epoch(c_.epoch_);
@@ -241,7 +243,7 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     }
     for (const auto& [name, spec] : c_.tables_) {
       *response->add_tables() = spec;
-      if (c_.TableServing(name)) response->add_serving_tables(name);
+      if (c_.TableReady(name)) response->add_serving_tables(name);
     }
     return grpc::Status::OK;
   }
@@ -442,10 +444,18 @@ bool Coordinator::GroupServing() const {
   return true;
 }
 
-bool Coordinator::TableServing(const std::string& name) const {
+bool Coordinator::TableReady(const std::string& name) const {
   if (!GroupServing()) return false;
   for (const Member& m : members_) {
     if (std::find(m.loaded.begin(), m.loaded.end(), name) == m.loaded.end()) return false;
+  }
+  return true;
+}
+
+bool Coordinator::TableServing(const std::string& name) const {
+  if (!TableReady(name)) return false;
+  for (const Member& m : members_) {
+    if (std::find(m.serving.begin(), m.serving.end(), name) == m.serving.end()) return false;
   }
   return true;
 }
@@ -458,7 +468,11 @@ void Coordinator::Reconcile() {
   for (int r = 0; r < options_.world_size && !renew; ++r) {
     const Member& m = members_[r];
     if (m.incarnation != epoch_incarnations_[r]) renew = true;     // a worker restarted
-    if (m.broken && m.epoch == epoch_) renew = true;               // the group failed
+    // The group failed. Wait one liveness period first: if a peer died, it is then seen as dead
+    // and the group re-forms only once it is back, instead of stalling on a dead rank.
+    if (m.broken && m.epoch == epoch_ && absl::Now() - m.broken_since >= options_.liveness_timeout) {
+      renew = true;
+    }
     if (m.epoch != epoch_ && absl::Now() - epoch_started_ > options_.join_grace) renew = true;
   }
   if (!renew) return;

@@ -30,7 +30,7 @@ struct CoordinatorOptions {
   int world_size = 2;
   std::string state_dir;  // empty: nothing persisted
   absl::Duration liveness_timeout = absl::Milliseconds(1500);  // missed heartbeats = dead
-  absl::Duration join_grace = absl::Seconds(20);  // epoch not joined by all in time: new epoch
+  absl::Duration join_grace = absl::Seconds(8);  // epoch not joined by all in time: new epoch
   absl::Duration create_wait = absl::Seconds(30);  // CreateTable waits this long for SERVING
 };
 
@@ -53,8 +53,10 @@ class Coordinator {
     uint64_t incarnation = 0;
     uint64_t epoch = 0;
     bool broken = false;
+    absl::Time broken_since = absl::InfiniteFuture();
     absl::Time last_seen = absl::InfinitePast();
     std::vector<std::string> loaded;
+    std::vector<std::string> serving;  // tables the worker accepts calls for
   };
 
   explicit Coordinator(CoordinatorOptions options);
@@ -64,6 +66,9 @@ class Coordinator {
   void Reconcile() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Alive(const Member& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool GroupServing() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Loaded on every rank of a formed group: workers may start accepting calls for it.
+  bool TableReady(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ready, and every worker has acknowledged that it accepts calls for it.
   bool TableServing(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::TableInfo InfoOf(const v1::TableSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A data-service stub of some live worker (round robin).

@@ -376,6 +376,7 @@ void Worker::HeartbeatLoop() {
       request.set_epoch(joined_epoch_);
       request.set_group_broken(group_broken_);
       for (const auto& [name, table] : loaded_) request.add_loaded_tables(name);
+      for (const std::string& name : serving_) request.add_serving_tables(name);
     }
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));

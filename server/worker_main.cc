@@ -40,6 +40,8 @@ int main(int argc, char** argv) {
   options.step.row_budget = absl::GetFlag(FLAGS_row_budget);
   options.step.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
   options.gloo.sync_timeout = options.step.collective_timeout;
+  // Joining a group gives up soon: the coordinator then moves everyone to a fresh epoch.
+  options.gloo.connect_timeout = absl::Seconds(5);
   if (options.step.row_budget < 1) {
     std::fprintf(stderr, "--row_budget must be >= 1\n");
     return 2;

@@ -1,0 +1,474 @@
+// End-to-end tests: a real coordinator and W real workers (child processes) on loopback, ports
+// chosen at run time, called through the public API with the C++ client, and every result checked
+// against the unsharded LibTorch op on the full weight (written by the test as a safetensors
+// checkpoint, or read back with ExportTable).
+#include <signal.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ATen/TensorOperators.h"
+#include "ATen/core/Tensor.h"
+#include "ATen/ops/allclose.h"
+#include "ATen/ops/embedding.h"
+#include "ATen/ops/embedding_bag.h"
+#include "ATen/ops/embedding_renorm.h"
+#include "ATen/ops/from_blob.h"
+#include "ATen/ops/linear.h"
+#include "ATen/ops/rand.h"
+#include "ATen/ops/randint.h"
+#include "ATen/ops/randn.h"
+#include "ATen/ops/tensor.h"
+#include "absl/strings/str_cat.h"
+#include "c10/core/InferenceMode.h"
+#include "client/client.h"
+#include "client/local_cluster.h"
+#include "core/safetensors.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "proto/health.grpc.pb.h"
+
+namespace shardserve {
+namespace {
+
+using client::Client;
+using client::ClientOptions;
+using client::DenseTensor;
+using client::LocalCluster;
+using ::testing::HasSubstr;
+
+std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  static int n = 0;
+  const std::string path = absl::StrCat(dir ? dir : "/tmp", "/cluster", ++n);
+  ::mkdir(path.c_str(), 0755);
+  return path;
+}
+
+std::unique_ptr<LocalCluster> StartCluster(int workers) {
+  client::LocalClusterOptions options;
+  options.server_dir = LocalCluster::FindServerDir("");
+  options.workers = workers;
+  options.work_dir = TempDir();
+  options.worker_flags = {"--collective_timeout_ms=3000"};
+  options.coordinator_flags = {"--liveness_ms=600"};
+  absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  return cluster.ok() ? std::move(*cluster) : nullptr;
+}
+
+std::unique_ptr<Client> Connect(const LocalCluster& cluster, bool direct = true) {
+  ClientOptions options;
+  options.direct = direct;
+  options.deadline = absl::Seconds(20);
+  return *Client::Connect(cluster.coordinator_address(), options);
+}
+
+at::Tensor FromDense(const DenseTensor& t) {
+  return at::from_blob(const_cast<float*>(t.values.data()), t.shape, at::kFloat).clone();
+}
+
+v1::Tensor ToProto(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  std::vector<int64_t> shape = c.sizes().vec();
+  if (c.scalar_type() == at::kLong) {
+    return client::Int64Tensor(shape, std::vector<int64_t>(c.data_ptr<int64_t>(),
+                                                           c.data_ptr<int64_t>() + c.numel()));
+  }
+  return client::FloatTensor(shape, std::vector<float>(c.data_ptr<float>(),
+                                                       c.data_ptr<float>() + c.numel()));
+}
+
+// A table with known weights: written to a checkpoint the workers load.
+struct Table {
+  v1::TableSpec spec;
+  at::Tensor weight, bias;
+};
+
+Table MakeTable(const std::string& name, v1::TableKind kind, int64_t rows, int64_t cols, int dim,
+                const std::vector<int>& placement, const std::string& dir) {
+  Table t;
+  t.weight = at::randn({rows, cols});
+  t.spec.set_name(name);
+  t.spec.set_kind(kind);
+  t.spec.set_num_rows(rows);
+  t.spec.set_num_cols(cols);
+  t.spec.mutable_sharding()->set_dim(dim);
+  for (int r : placement) t.spec.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
+  std::vector<core::SafetensorsEntry> entries = {
+      {"weight", "F32", {rows, cols}, t.weight.data_ptr<float>(), rows * cols * 4}};
+  if (kind == v1::LINEAR) {
+    t.bias = at::randn({rows});
+    entries.push_back({"bias", "F32", {rows}, t.bias.data_ptr<float>(), rows * 4});
+  }
+  const std::string path = absl::StrCat(dir, "/", name, ".safetensors");
+  EXPECT_TRUE(core::WriteSafetensors(path, entries).ok());
+  t.spec.set_checkpoint(path);
+  return t;
+}
+
+void ExpectClose(const absl::StatusOr<DenseTensor>& got, const at::Tensor& want,
+                 const std::string& what) {
+  ASSERT_TRUE(got.ok()) << what << ": " << got.status();
+  at::Tensor have = FromDense(*got);
+  ASSERT_EQ(have.sizes(), want.sizes()) << what;
+  EXPECT_TRUE(at::allclose(have, want, 1e-5, 1e-5))
+      << what << ": max |diff| " << (have - want).abs().max().item<float>();
+}
+
+// Runs every op on `t` through `c` and checks it against LibTorch.
+void CheckOps(Client& c, const Table& t, const std::string& label) {
+  c10::InferenceMode guard;
+  const int64_t rows = t.spec.num_rows(), cols = t.spec.num_cols();
+  if (t.spec.kind() == v1::EMBEDDING) {
+    at::Tensor ids = at::randint(0, rows, {3, 2, 4}, at::kLong);
+    v1::EmbeddingRequest er;
+    er.set_table(t.spec.name());
+    *er.mutable_ids() = ToProto(ids);
+    ExpectClose(c.Embedding(er), at::embedding(t.weight, ids), label + " embedding");
+
+    at::Tensor flat = at::randint(0, rows, {10}, at::kLong);
+    at::Tensor offsets = at::tensor(std::vector<int64_t>{0, 3, 3, 7}, at::kLong);
+    at::Tensor psw = at::rand({10});
+    v1::EmbeddingBagRequest br;
+    br.set_table(t.spec.name());
+    *br.mutable_ids() = ToProto(flat);
+    *br.mutable_offsets() = ToProto(offsets);
+    *br.mutable_per_sample_weights() = ToProto(psw);
+    br.set_mode(v1::SUM);
+    ExpectClose(c.EmbeddingBag(br),
+                std::get<0>(at::embedding_bag(t.weight, flat, offsets, false, 0, false, psw)),
+                label + " bag sum+psw");
+    br.clear_per_sample_weights();
+    br.set_mode(v1::MEAN);
+    ExpectClose(c.EmbeddingBag(br), std::get<0>(at::embedding_bag(t.weight, flat, offsets, false, 1)),
+                label + " bag mean");
+    at::Tensor two_d = at::randint(0, rows, {4, 5}, at::kLong);
+    v1::EmbeddingBagRequest mr;
+    mr.set_table(t.spec.name());
+    *mr.mutable_ids() = ToProto(two_d);
+    mr.set_mode(v1::MAX);
+    ExpectClose(c.EmbeddingBag(mr),
+                std::get<0>(at::embedding_bag(t.weight, two_d.reshape({-1}),
+                                              at::tensor(std::vector<int64_t>{0, 5, 10, 15}, at::kLong),
+                                              false, 2)),
+                label + " bag max 2-D");
+  } else {
+    at::Tensor x = at::randn({2, 3, cols});
+    v1::LinearRequest lr;
+    lr.set_table(t.spec.name());
+    *lr.mutable_input() = ToProto(x);
+    ExpectClose(c.Linear(lr), at::linear(x, t.weight, t.bias), label + " linear");
+  }
+}
+
+TEST(Cluster, EveryOpMatchesUnshardedForEveryShardingPlacementAndWorld) {
+  for (int world : {1, 2, 3, 4}) {
+    SCOPED_TRACE(absl::StrCat("W=", world));
+    auto cluster = StartCluster(world);
+    ASSERT_NE(cluster, nullptr);
+    auto direct = Connect(*cluster);
+    auto forwarded = Connect(*cluster, /*direct=*/false);
+    const std::string dir = TempDir();
+    std::vector<int> identity, rotated;
+    for (int r = 0; r < world; ++r) identity.push_back(r);
+    for (int r = 0; r < world; ++r) rotated.push_back((r + world - 1) % world);
+    std::vector<Table> tables = {
+        MakeTable("emb_col", v1::EMBEDDING, 37, 11, 1, rotated, dir),
+        MakeTable("emb_row", v1::EMBEDDING, 37, 11, 0, rotated, dir),
+        MakeTable("emb_tiny", v1::EMBEDDING, 3, 2, 1, identity, dir),  // W > dim: empty chunks
+        MakeTable("lin_col", v1::LINEAR, 9, 13, 0, rotated, dir),
+        MakeTable("lin_row", v1::LINEAR, 9, 13, 1, identity, dir),
+    };
+    for (const Table& t : tables) {
+      absl::StatusOr<v1::TableInfo> info = direct->CreateTable(t.spec);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->state(), "SERVING");
+      ASSERT_EQ(info->shards_size(), world);
+      for (int idx = 0; idx < world; ++idx) {  // placement (chunk) order, with live addresses
+        EXPECT_EQ(info->shards(idx).rank(),
+                  t.spec.name() == "emb_tiny" || t.spec.name() == "lin_row" ? identity[idx] : rotated[idx]);
+        EXPECT_EQ(info->shards(idx).address(), cluster->worker_address(info->shards(idx).rank()));
+      }
+    }
+    for (const Table& t : tables) {
+      CheckOps(*direct, t, absl::StrCat(t.spec.name(), " direct"));
+      CheckOps(*forwarded, t, absl::StrCat(t.spec.name(), " via coordinator"));
+    }
+  }
+}
+
+TEST(Cluster, ConcurrentCallersOnDifferentEntryRanksGetTheirOwnRows) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table emb = MakeTable("emb", v1::EMBEDDING, 500, 16, 1, {2, 0, 1}, dir);
+  Table lin = MakeTable("lin", v1::LINEAR, 8, 16, 1, {0, 1, 2}, dir);  // two tables, one group
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  ASSERT_TRUE(c->CreateTable(lin.spec).ok());
+  std::atomic<int> wrong{0}, done{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 8; ++t) {
+    callers.emplace_back([&, t] {
+      c10::InferenceMode guard;
+      std::mt19937 rng(t);
+      for (int i = 0; i < 15; ++i) {
+        if ((t + i) % 3 == 0) {
+          std::vector<float> x(16);
+          for (float& v : x) v = static_cast<float>(rng() % 100) / 50.0f;
+          at::Tensor xt = at::from_blob(x.data(), {1, 16}).clone();
+          v1::LinearRequest r;
+          r.set_table("lin");
+          *r.mutable_input() = ToProto(xt);
+          auto got = c->Linear(r);
+          if (!got.ok() || !at::allclose(FromDense(*got), at::linear(xt, lin.weight, lin.bias), 1e-5, 1e-5)) ++wrong;
+        } else {
+          std::vector<int64_t> ids(6);
+          for (auto& id : ids) id = rng() % 500;
+          at::Tensor idt = at::tensor(ids, at::kLong).reshape({2, 3});
+          v1::EmbeddingBagRequest r;
+          r.set_table("emb");
+          *r.mutable_ids() = ToProto(idt);
+          r.set_mode(v1::SUM);
+          auto got = c->EmbeddingBag(r);
+          at::Tensor want = std::get<0>(at::embedding_bag(
+              emb.weight, idt.reshape({-1}), at::tensor(std::vector<int64_t>{0, 3}, at::kLong), false, 0));
+          if (!got.ok() || !at::allclose(FromDense(*got), want, 1e-5, 1e-5)) ++wrong;
+        }
+        ++done;
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(done.load(), 8 * 15);
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+TEST(Cluster, StreamPipelinesManyBatchesOnOneStream) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::EMBEDDING, 50, 8, 1, {1, 0}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  auto stub = v1::DataService::NewStub(
+      grpc::CreateChannel(cluster->worker_address(0), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto stream = stub->Stream(&context);
+  std::map<uint64_t, at::Tensor> want;
+  for (uint64_t id = 1; id <= 20; ++id) {
+    at::Tensor ids = at::randint(0, 50, {3}, at::kLong);
+    v1::StreamRequest request;
+    request.set_id(id);
+    request.mutable_embedding()->set_table("emb");
+    *request.mutable_embedding()->mutable_ids() = ToProto(ids);
+    if (id == 7) request.mutable_embedding()->set_table("missing");
+    want[id] = at::embedding(emb.weight, ids);
+    ASSERT_TRUE(stream->Write(request));
+  }
+  stream->WritesDone();
+  v1::StreamResponse response;
+  int answered = 0;
+  while (stream->Read(&response)) {
+    ++answered;
+    if (response.id() == 7) {
+      EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+      EXPECT_THAT(response.message(), HasSubstr("table \"missing\" not found"));
+      continue;
+    }
+    ASSERT_EQ(response.code(), 0) << response.message();
+    ExpectClose(client::ToDense(response.output()), want[response.id()], "stream");
+  }
+  EXPECT_EQ(answered, 20);
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  for (int dim : {0, 1}) {
+    Table t = MakeTable(absl::StrCat("lin", dim), v1::LINEAR, 7, 5, dim, {1, 2, 0}, dir);
+    ASSERT_TRUE(c->CreateTable(t.spec).ok());
+    const std::string out = absl::StrCat(dir, "/export", dim, ".safetensors");
+    auto exported = c->ExportTable(t.spec.name(), out);
+    ASSERT_TRUE(exported.ok()) << exported.status();
+    auto file = core::SafetensorsFile::Open(out);
+    ASSERT_TRUE(file.ok());
+    const core::SafetensorsTensor* w = (*file)->Find("weight");
+    const core::SafetensorsTensor* b = (*file)->Find("bias");
+    ASSERT_NE(w, nullptr);
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(std::memcmp(w->data, t.weight.data_ptr<float>(), 7 * 5 * 4), 0);
+    EXPECT_EQ(std::memcmp(b->data, t.bias.data_ptr<float>(), 7 * 4), 0);
+  }
+}
+
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::string& address,
+                                                            const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  if (!stub->Check(&context, request, &response).ok()) return grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  return response.status();
+}
+
+bool WaitFor(const std::function<bool()>& condition, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (condition()) return true;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return condition();
+}
+
+TEST(Cluster, CoordinatorRestartKeepsTables) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("kept", v1::EMBEDDING, 20, 4, 0, {1, 0}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  ASSERT_TRUE(cluster->KillCoordinator(SIGKILL).ok());
+  ASSERT_TRUE(cluster->StartCoordinator().ok());
+  auto tables = c->ListTables();
+  ASSERT_TRUE(tables.ok()) << tables.status();
+  ASSERT_EQ(tables->size(), 1u);
+  EXPECT_EQ((*tables)[0].spec().name(), "kept");
+  ASSERT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), "shardserve.v1.table/kept") ==
+                                   grpc::health::v1::HealthCheckResponse::SERVING; },
+                      absl::Seconds(20)));
+  CheckOps(*c, emb, "after coordinator restart");
+}
+
+TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  ClientOptions options;
+  options.deadline = absl::Seconds(3);
+  options.max_attempts = 1;  // see the failure itself, not a retry
+  auto once = *Client::Connect(cluster->coordinator_address(), options);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  CheckOps(*c, emb, "before the crash");
+  EXPECT_EQ(Health(cluster->worker_address(0), ""), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  // Calls at the surviving rank fail with UNAVAILABLE well within their deadline: no hang.
+  v1::EmbeddingRequest request;
+  request.set_table("emb");
+  *request.mutable_ids() = client::Int64Tensor({2}, {1, 2});
+  for (int i = 0; i < 3; ++i) {
+    ClientOptions direct_to_rank0 = options;
+    const absl::Time start = absl::Now();
+    auto stub = v1::DataService::NewStub(
+        grpc::CreateChannel(cluster->worker_address(0), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    v1::TensorResponse response;
+    grpc::Status status = stub->Embedding(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  }
+  EXPECT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), "") ==
+                                   grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
+                      absl::Seconds(5)));
+  EXPECT_EQ(Health(cluster->worker_address(0), ""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+
+  ASSERT_TRUE(cluster->StartWorker(1).ok());  // rejoins; a new epoch forms; rank 0 never restarted
+  ASSERT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), "shardserve.v1.table/emb") ==
+                                   grpc::health::v1::HealthCheckResponse::SERVING; },
+                      absl::Seconds(20)));
+  auto fresh = Connect(*cluster);  // new worker address: the client refreshes its map
+  CheckOps(*fresh, emb, "after the restart");
+  CheckOps(*c, emb, "old client after the restart");
+}
+
+TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table emb = MakeTable("emb", v1::EMBEDDING, 10, 4, 1, {1, 0}, dir);
+  emb.spec.set_max_norm(0.5);  // any accepted lookup would renorm stored rows
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  const std::string before = dir + "/before.safetensors";
+  ASSERT_TRUE(c->ExportTable("emb", before).ok());
+
+  auto code_and_message = [](const absl::StatusOr<DenseTensor>& r) {
+    return std::make_pair(r.status().code(), std::string(r.status().message()));
+  };
+  v1::EmbeddingRequest e;
+  e.set_table("emb");
+  *e.mutable_ids() = client::Int64Tensor({3}, {1, 10, 2});
+  EXPECT_EQ(code_and_message(c->Embedding(e)),
+            std::make_pair(absl::StatusCode::kInvalidArgument,
+                           std::string("ids[1]: 10 is out of range [0, 10) of table \"emb\"")));
+  *e.mutable_ids() = client::Int64Tensor({2}, {-1, 2});
+  EXPECT_THAT(code_and_message(c->Embedding(e)).second, HasSubstr("ids[0]: -1 is out of range"));
+  v1::Tensor bad_bytes = client::Int64Tensor({3}, {1, 2, 3});
+  bad_bytes.mutable_data()->resize(20);
+  *e.mutable_ids() = bad_bytes;
+  EXPECT_THAT(code_and_message(c->Embedding(e)).second, HasSubstr("ids.data: 20 bytes, but shape [3]"));
+  e.set_table("nope");
+  *e.mutable_ids() = client::Int64Tensor({1}, {1});
+  EXPECT_EQ(c->Embedding(e).status().code(), absl::StatusCode::kNotFound);
+
+  v1::EmbeddingBagRequest b;
+  b.set_table("emb");
+  *b.mutable_ids() = client::Int64Tensor({4}, {1, 2, 3, 4});
+  *b.mutable_offsets() = client::Int64Tensor({3}, {0, 3, 2});
+  EXPECT_THAT(code_and_message(c->EmbeddingBag(b)).second, HasSubstr("offsets[2]: 2 is less than offsets[1] = 3"));
+  *b.mutable_offsets() = client::Int64Tensor({2}, {0, 2});
+  *b.mutable_per_sample_weights() = client::FloatTensor({4}, {1, 1, 1, 1});
+  b.set_mode(v1::MEAN);
+  EXPECT_THAT(code_and_message(c->EmbeddingBag(b)).second, HasSubstr("per_sample_weights: only supported with mode sum"));
+  v1::LinearRequest l;
+  l.set_table("emb");
+  *l.mutable_input() = client::FloatTensor({1, 4}, {1, 2, 3, 4});
+  EXPECT_THAT(code_and_message(c->Linear(l)).second, HasSubstr("is an embedding table; Linear does not apply"));
+
+  // Bad table specs.
+  v1::TableSpec spec = emb.spec;
+  spec.set_name("other");
+  spec.mutable_sharding()->add_placements("rank:2/cpu");
+  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()), HasSubstr("3 placements, but the cluster has 2"));
+  spec.mutable_sharding()->clear_placements();
+  spec.mutable_sharding()->add_placements("rank:0/cpu");
+  spec.mutable_sharding()->add_placements("rank:0/cpu");
+  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()), HasSubstr("rank 0 appears more than once"));
+  EXPECT_EQ(c->CreateTable(emb.spec).status().code(), absl::StatusCode::kAlreadyExists);
+  spec = emb.spec;
+  spec.set_name("badckpt");
+  spec.set_num_rows(11);
+  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()), HasSubstr("needs tensor \"weight\" F32 [11,4]"));
+  EXPECT_EQ(c->DropTable("nope").code(), absl::StatusCode::kNotFound);
+
+  // Nothing changed: the stored table is as before, and the servers still serve.
+  const std::string after = dir + "/after.safetensors";
+  ASSERT_TRUE(c->ExportTable("emb", after).ok());
+  auto x = core::SafetensorsFile::Open(before), y = core::SafetensorsFile::Open(after);
+  ASSERT_TRUE(x.ok() && y.ok());
+  EXPECT_EQ(std::memcmp((*x)->Find("weight")->data, (*y)->Find("weight")->data, 10 * 4 * 4), 0);
+  auto tables = c->ListTables();
+  ASSERT_TRUE(tables.ok());
+  EXPECT_EQ(tables->size(), 1u);
+  *e.mutable_ids() = client::Int64Tensor({1}, {3});
+  e.set_table("emb");
+  EXPECT_TRUE(c->Embedding(e).ok());
+}
+
+}  // namespace
+}  // namespace shardserve
