@@ -6,13 +6,18 @@
 #include <fstream>
 #include <string>
 
+#include <unistd.h>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/synchronization/notification.h"
 #include "server/worker.h"
 
 ABSL_FLAG(std::string, coordinator, "", "host:port of the coordinator");
 ABSL_FLAG(int, rank, 0, "this worker's rank in the group");
+ABSL_FLAG(bool, rank_from_hostname, false,
+          "take the rank from the hostname's trailing -N (a StatefulSet pod's ordinal)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "data API address (port 0: pick a free port)");
 ABSL_FLAG(std::string, advertise_host, "127.0.0.1", "host peers and clients use to reach this worker");
 ABSL_FLAG(std::string, device, "cpu", "cpu (cuda:N in GPU builds)");
@@ -33,6 +38,16 @@ int main(int argc, char** argv) {
   shardserve::server::WorkerOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.rank = absl::GetFlag(FLAGS_rank);
+  if (absl::GetFlag(FLAGS_rank_from_hostname)) {
+    char host[256] = {0};
+    ::gethostname(host, sizeof(host) - 1);
+    const std::string name(host);
+    const size_t dash = name.rfind('-');
+    if (dash == std::string::npos || !absl::SimpleAtoi(name.substr(dash + 1), &options.rank)) {
+      std::fprintf(stderr, "--rank_from_hostname: hostname \"%s\" does not end in -N\n", host);
+      return 2;
+    }
+  }
   options.listen = absl::GetFlag(FLAGS_listen);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.device = absl::GetFlag(FLAGS_device);
