@@ -10,6 +10,7 @@ packages=(
   libtorch-dev libgloo-dev                                                    # LibTorch, Gloo
   libopenblas0-openmp            # an optimised BLAS for LibTorch's CPU matmuls (linear layers)
   python3-torch                  # the PyTorch reference the benchmarks compare against
+  redis-server libhiredis-dev    # the do-it-yourself baseline of the end-to-end benchmarks
 )
 
 missing=()

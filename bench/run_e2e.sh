@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# End-to-end benchmarks over gRPC on loopback, each against its baseline in the same run:
+#   1. EmbeddingBag 512 x 20 ids per call, concurrency 1/4/16 vs Redis MGET + client-side pooling
+#   2. Embedding of 10 240 ids per call vs Redis MGET
+#   3. response bandwidth, client -> worker, vs a trivial gRPC server returning the same bytes;
+#      and the coordinator-forwarded path
+#   4. 64 concurrent callers with one bag each: step-loop coalescing vs one request per step
+# Shapes: N = 100 000 rows, D = 128, fp32, W = 2 CPU workers, col-wise. ROUNDS interleaved rounds,
+# medians reported.   bench/run_e2e.sh [ROUNDS] [SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-3}
+secs=${2:-5}
+tools/setup.sh
+bazel build -c opt //client:shardserve //client:shardserve-load //server:all //bench:redis_baseline //bench:echo_server >/dev/null 2>&1
+bin=.bazel/bin
+work=$(mktemp -d)
+out=bench/results/e2e_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+mkdir -p bench/results
+: > "$out"
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+redis-server --port 6399 --bind 127.0.0.1 --save '' --appendonly no --daemonize no >"$work/redis.log" 2>&1 &
+pids+=($!)
+$bin/bench/echo_server --port=50099 --dim=128 >"$work/echo.log" 2>&1 &
+pids+=($!)
+start_cluster() {  # port, extra up flags
+  $bin/client/shardserve up --workers=2 --port="$1" --no_demo "${@:2}" >"$work/up$1.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 100); do grep -q serving "$work/up$1.log" 2>/dev/null && break; sleep 0.1; done
+  $bin/client/shardserve create-table --coordinator=127.0.0.1:"$1" --name=bench --rows=100000 \
+    --cols=128 --sharding_dim=1 --world=2 --seed=1 >/dev/null
+}
+start_cluster 50151
+start_cluster 50152 --row_budget=1   # one request per step per rank: no coalescing
+sleep 0.5
+$bin/bench/redis_baseline --port=6399 --load --rows=100000 --dim=128 >/dev/null
+
+record() {  # case, report file
+  echo "{\"case\": \"$1\", \"report\": $(cat "$2")}" >> "$out"
+}
+load() {  # case, port, flags...
+  $bin/client/shardserve-load --coordinator=127.0.0.1:"$2" --table=bench --progress=false \
+    --warmup_s=1 --duration_s="$secs" --report="$work/r.json" "${@:3}" >/dev/null || true
+  record "$1" "$work/r.json"
+}
+redis() {  # case, flags...
+  $bin/bench/redis_baseline --port=6399 --warmup_s=1 --duration_s="$secs" --report="$work/r.json" "${@:2}" >/dev/null || true
+  record "$1" "$work/r.json"
+}
+for ((round = 1; round <= rounds; round++)); do
+  for c in 1 4 16; do
+    load "bag_c$c" 50151 --op=embedding_bag --batch=512 --bag=20 --concurrency=$c
+    redis "bag_c$c" --op=embedding_bag --batch=512 --bag=20 --concurrency=$c
+  done
+  for c in 1 4; do
+    load "emb10240_c$c" 50151 --op=embedding --batch=512 --bag=20 --concurrency=$c
+    redis "emb10240_c$c" --op=embedding --batch=512 --bag=20 --concurrency=$c
+  done
+  $bin/client/shardserve-load --target=127.0.0.1:50099 --rows=100000 --table=bench --op=embedding \
+    --batch=512 --bag=20 --concurrency=4 --progress=false --warmup_s=1 --duration_s="$secs" \
+    --report="$work/r.json" >/dev/null || true
+  sed -i 's/"impl": "shardserve"/"impl": "bare-grpc-echo"/' "$work/r.json"
+  record "bandwidth_c4" "$work/r.json"
+  load "bandwidth_c4" 50151 --op=embedding --batch=512 --bag=20 --concurrency=4
+  load "forwarded_c4" 50151 --op=embedding --batch=512 --bag=20 --concurrency=4 --via_coordinator
+  sed -i 's/"impl": "shardserve"/"impl": "shardserve-via-coordinator"/' "$work/r.json"
+  sed -i '$ d' "$out"; record "bandwidth_c4" "$work/r.json"
+  load "coalesce_64x1" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64
+  load "coalesce_64x1" 50152 --op=embedding_bag --batch=1 --bag=20 --concurrency=64
+  sed -i 's/"impl": "shardserve"/"impl": "shardserve-one-request-per-step"/' "$work/r.json"
+  sed -i '$ d' "$out"; record "coalesce_64x1" "$work/r.json"
+done
+
+/usr/bin/python3 - "$out" <<'PY'
+import json, statistics, sys
+by = {}
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    rep = r["report"]
+    rate_key = next(k for k in rep if k.endswith("_per_s") and k != "calls_per_s")
+    by.setdefault(r["case"], {}).setdefault(rep["impl"], []).append(
+        (rep[rate_key], rep["latency"]["p50_us"], rep["latency"]["p99_us"], rate_key, sum(rep["errors_by_code"].values())))
+print("| case | impl | median rate | p50 (ms) | p99 (ms) | errors | shardserve ÷ impl |")
+print("|---|---|---|---|---|---|---|")
+for case, impls in by.items():
+    ours = statistics.median(x[0] for x in impls.get("shardserve", [(0,)]))
+    for impl, runs in impls.items():
+        rate = statistics.median(x[0] for x in runs)
+        print(f"| {case} | {impl} | {rate:,.0f} {runs[0][3].replace('_per_s','')}/s | "
+              f"{statistics.median(x[1] for x in runs)/1e3:.2f} | {statistics.median(x[2] for x in runs)/1e3:.2f} | "
+              f"{sum(x[4] for x in runs)} | {ours / rate if rate else 0:.2f}x |")
+print(f"\nraw: {sys.argv[1]}")
+PY

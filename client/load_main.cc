@@ -1,0 +1,364 @@
+// shardserve-load: the load tester users size a deployment with.
+//
+// Closed loop (--concurrency callers, each waiting for its answer) or open loop (--qps, Poisson
+// arrivals; latency is measured from each call's intended send time, so a slow server cannot hide
+// its queueing). Ops Embedding / EmbeddingBag / Linear or a --mix; ids uniform or Zipf(--zipf);
+// unary or --stream (pipelined, --pipeline calls in flight per stream); --warmup_s then
+// --duration_s. Prints a live progress line, then a latency summary and errors by status code;
+// --report writes JSON, --svg a chart of latency percentiles and throughput over time.
+//
+//   shardserve-load --coordinator=127.0.0.1:50051 --table=demo_embeddings --op=embedding_bag \
+//       --batch=512 --bag=20 --concurrency=4 --duration_s=10
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "client/client.h"
+#include "client/load_stats.h"
+#include "grpcpp/create_channel.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
+ABSL_FLAG(std::string, target, "", "send to this address only (skips the placement map)");
+ABSL_FLAG(bool, via_coordinator, false, "send data calls to the coordinator (it forwards)");
+ABSL_FLAG(std::string, table, "", "embedding table (embedding, embedding_bag)");
+ABSL_FLAG(std::string, linear_table, "", "linear layer (linear)");
+ABSL_FLAG(std::string, op, "embedding_bag", "embedding | embedding_bag | linear | mix");
+ABSL_FLAG(std::string, mix, "embedding_bag=0.8,embedding=0.1,linear=0.1", "op weights for --op=mix");
+ABSL_FLAG(int64_t, batch, 512, "bags (embedding_bag), id rows (embedding) or input rows (linear) per call");
+ABSL_FLAG(int64_t, bag, 20, "ids per bag / per embedding row");
+ABSL_FLAG(std::string, mode, "sum", "bag mode: sum | mean | max");
+ABSL_FLAG(std::string, dist, "uniform", "ids: uniform | zipf");
+ABSL_FLAG(double, zipf, 1.1, "Zipf exponent for --dist=zipf");
+ABSL_FLAG(int64_t, rows, 0, "with --target: the table's num_rows");
+ABSL_FLAG(int64_t, cols, 0, "with --target: in_features of the linear layer");
+ABSL_FLAG(int, concurrency, 1, "closed loop: concurrent callers");
+ABSL_FLAG(double, qps, 0, "open loop: target calls per second (0: closed loop)");
+ABSL_FLAG(bool, stream, false, "use the Stream RPC (closed loop)");
+ABSL_FLAG(int, pipeline, 1, "--stream: calls in flight per stream");
+ABSL_FLAG(double, warmup_s, 2, "seconds of warm-up, not measured");
+ABSL_FLAG(double, duration_s, 10, "seconds measured");
+ABSL_FLAG(int, deadline_ms, 5000, "deadline of each call");
+ABSL_FLAG(std::string, report, "", "write the JSON report here");
+ABSL_FLAG(std::string, svg, "", "write the latency/throughput chart here");
+ABSL_FLAG(bool, progress, true, "live progress line on stderr");
+ABSL_FLAG(uint64_t, seed, 1, "random seed of the generated requests");
+
+namespace shardserve::client {
+namespace {
+
+enum class Op { kEmbedding, kBag, kLinear };
+
+// Ids from a uniform or Zipf distribution; Zipf's popular ids are scattered over the table.
+class IdSource {
+ public:
+  IdSource(int64_t n, bool zipf, double alpha, uint64_t seed) : n_(n), zipf_(zipf), rng_(seed) {
+    if (!zipf_) return;
+    cdf_.resize(n);
+    double total = 0;
+    for (int64_t k = 0; k < n; ++k) cdf_[k] = (total += 1.0 / std::pow(k + 1.0, alpha));
+    for (double& c : cdf_) c /= total;
+  }
+  int64_t Next() {
+    if (!zipf_) return std::uniform_int_distribution<int64_t>(0, n_ - 1)(rng_);
+    const double u = std::uniform_real_distribution<double>(0, 1)(rng_);
+    const int64_t rank = std::lower_bound(cdf_.begin(), cdf_.end(), u) - cdf_.begin();
+    return static_cast<int64_t>((static_cast<unsigned __int128>(std::min(rank, n_ - 1)) * 2654435761u) % n_);
+  }
+
+ private:
+  int64_t n_;
+  bool zipf_;
+  std::mt19937_64 rng_;
+  std::vector<double> cdf_;
+};
+
+struct Workload {
+  std::vector<Op> schedule;  // ops in mix proportion, cycled
+  std::map<Op, std::vector<v1::StreamRequest>> pool;  // pre-built requests per op
+  int64_t Items(Op op) const {
+    const int64_t b = absl::GetFlag(FLAGS_batch);
+    return op == Op::kEmbedding ? b * absl::GetFlag(FLAGS_bag) : b;
+  }
+};
+
+absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
+  Workload w;
+  std::map<Op, double> weights;
+  const std::string op = absl::GetFlag(FLAGS_op);
+  const std::map<std::string, Op> names = {
+      {"embedding", Op::kEmbedding}, {"embedding_bag", Op::kBag}, {"linear", Op::kLinear}};
+  if (op == "mix") {
+    for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_mix), ',')) {
+      std::vector<std::string> kv = absl::StrSplit(part, '=');
+      double weight = 0;
+      if (kv.size() != 2 || !names.count(kv[0]) || !absl::SimpleAtod(kv[1], &weight) || weight < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("--mix: bad entry \"", part, "\""));
+      }
+      weights[names.at(kv[0])] = weight;
+    }
+  } else if (names.count(op)) {
+    weights[names.at(op)] = 1;
+  } else {
+    return absl::InvalidArgumentError("--op must be embedding, embedding_bag, linear or mix");
+  }
+  for (const auto& [o, weight] : weights) {
+    for (int k = 0; k < static_cast<int>(std::lround(weight * 20)); ++k) w.schedule.push_back(o);
+  }
+  if (w.schedule.empty()) return absl::InvalidArgumentError("--mix: all weights are zero");
+  std::shuffle(w.schedule.begin(), w.schedule.end(), std::mt19937(absl::GetFlag(FLAGS_seed)));
+  const int64_t batch = absl::GetFlag(FLAGS_batch), bag = absl::GetFlag(FLAGS_bag);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  IdSource ids(std::max<int64_t>(rows, 1), absl::GetFlag(FLAGS_dist) == "zipf",
+               absl::GetFlag(FLAGS_zipf), absl::GetFlag(FLAGS_seed));
+  std::mt19937 rng(absl::GetFlag(FLAGS_seed));
+  std::uniform_real_distribution<float> value(-1, 1);
+  constexpr int kPool = 16;
+  for (const auto& [o, weight] : weights) {
+    for (int k = 0; k < kPool; ++k) {
+      v1::StreamRequest r;
+      if (o == Op::kLinear) {
+        std::vector<float> x(batch * in_features);
+        for (float& v : x) v = value(rng);
+        r.mutable_linear()->set_table(absl::GetFlag(FLAGS_linear_table));
+        *r.mutable_linear()->mutable_input() = FloatTensor({batch, in_features}, x);
+      } else {
+        std::vector<int64_t> id(batch * bag);
+        for (int64_t& v : id) v = ids.Next();
+        if (o == Op::kEmbedding) {
+          r.mutable_embedding()->set_table(absl::GetFlag(FLAGS_table));
+          *r.mutable_embedding()->mutable_ids() = Int64Tensor({batch, bag}, id);
+        } else {
+          r.mutable_embedding_bag()->set_table(absl::GetFlag(FLAGS_table));
+          *r.mutable_embedding_bag()->mutable_ids() = Int64Tensor({batch, bag}, id);
+          r.mutable_embedding_bag()->set_mode(mode == "mean" ? v1::MEAN : mode == "max" ? v1::MAX : v1::SUM);
+        }
+      }
+      w.pool[o].push_back(std::move(r));
+    }
+  }
+  return w;
+}
+
+grpc::Status CallUnary(v1::DataService::Stub& stub, const v1::StreamRequest& r, absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::TensorResponse response;
+  switch (r.op_case()) {
+    case v1::StreamRequest::kEmbedding:
+      return stub.Embedding(&context, r.embedding(), &response);
+    case v1::StreamRequest::kEmbeddingBag:
+      return stub.EmbeddingBag(&context, r.embedding_bag(), &response);
+    default:
+      return stub.Linear(&context, r.linear(), &response);
+  }
+}
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> addresses;
+  int64_t rows = absl::GetFlag(FLAGS_rows), in_features = absl::GetFlag(FLAGS_cols);
+  if (!absl::GetFlag(FLAGS_target).empty()) {
+    addresses.push_back(absl::GetFlag(FLAGS_target));
+  } else {
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_coordinator));
+    if (!client.ok()) return 1;
+    for (const std::string& name : {absl::GetFlag(FLAGS_table), absl::GetFlag(FLAGS_linear_table)}) {
+      if (name.empty()) continue;
+      absl::StatusOr<v1::TableInfo> info = (*client)->DescribeTable(name);
+      if (!info.ok()) {
+        std::fprintf(stderr, "shardserve-load: %s\n", info.status().ToString().c_str());
+        return 1;
+      }
+      if (info->spec().kind() == v1::LINEAR) {
+        in_features = info->spec().num_cols();
+      } else {
+        rows = info->spec().num_rows();
+      }
+      for (const v1::ShardInfo& s : info->shards()) {
+        if (std::find(addresses.begin(), addresses.end(), s.address()) == addresses.end()) {
+          addresses.push_back(s.address());
+        }
+      }
+    }
+    if (absl::GetFlag(FLAGS_via_coordinator)) addresses = {absl::GetFlag(FLAGS_coordinator)};
+  }
+  absl::StatusOr<Workload> workload = BuildWorkload(rows, in_features);
+  if (!workload.ok()) {
+    std::fprintf(stderr, "shardserve-load: %s\n", workload.status().ToString().c_str());
+    return 2;
+  }
+  std::vector<std::shared_ptr<v1::DataService::Stub>> stubs;
+  for (const std::string& a : addresses) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(1 << 30);
+    args.SetInt("grpc.use_local_subchannel_pool", 1);
+    stubs.push_back(v1::DataService::NewStub(grpc::CreateCustomChannel(a, grpc::InsecureChannelCredentials(), args)));
+  }
+  const absl::Time start = absl::Now();
+  const absl::Time measure_from = start + absl::Seconds(absl::GetFlag(FLAGS_warmup_s));
+  const absl::Time end = measure_from + absl::Seconds(absl::GetFlag(FLAGS_duration_s));
+  LoadStats stats(start, measure_from);
+  const absl::Duration deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  std::atomic<bool> done{false};
+  std::thread progress([&] {
+    absl::Time next = start + absl::Seconds(1);
+    while (!done) {
+      absl::SleepFor(std::max(absl::ZeroDuration(), std::min(next - absl::Now(), absl::Milliseconds(100))));
+      if (absl::Now() >= next) {
+        if (absl::GetFlag(FLAGS_progress)) std::fprintf(stderr, "%s\n", stats.ProgressLine(absl::Now()).c_str());
+        next += absl::Seconds(1);
+      }
+    }
+  });
+  const Workload& w = *workload;
+  const double qps = absl::GetFlag(FLAGS_qps);
+  if (qps > 0) {
+    // Open loop: Poisson arrivals; each call's latency counts from its intended send time.
+    std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+    std::exponential_distribution<double> gap(qps);
+    std::atomic<int64_t> outstanding{0};
+    absl::Time intended = start;
+    int64_t i = 0;
+    while (intended < end) {
+      intended += absl::Seconds(gap(rng));
+      const absl::Time now = absl::Now();
+      if (intended > now) absl::SleepFor(intended - now);
+      const Op op = w.schedule[i % w.schedule.size()];
+      const v1::StreamRequest& r = w.pool.at(op)[i % w.pool.at(op).size()];
+      const int64_t items = w.Items(op);
+      v1::DataService::Stub& stub = *stubs[i % stubs.size()];
+      ++i;
+      if (outstanding.load() > 20000) {  // the client itself cannot keep up: count, never hide
+        stats.Record(intended, absl::Now(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED), 0);
+        continue;
+      }
+      ++outstanding;
+      auto* context = new grpc::ClientContext();
+      context->set_deadline(absl::ToChronoTime(intended + deadline));
+      auto* response = new v1::TensorResponse();
+      const absl::Time sent = intended;
+      auto callback = [&, context, response, sent, items](grpc::Status status) {
+        stats.Record(sent, absl::Now(), status.error_code(), items);
+        delete context;
+        delete response;
+        --outstanding;
+      };
+      switch (r.op_case()) {
+        case v1::StreamRequest::kEmbedding:
+          stub.async()->Embedding(context, &r.embedding(), response, callback);
+          break;
+        case v1::StreamRequest::kEmbeddingBag:
+          stub.async()->EmbeddingBag(context, &r.embedding_bag(), response, callback);
+          break;
+        default:
+          stub.async()->Linear(context, &r.linear(), response, callback);
+      }
+    }
+    while (outstanding.load() > 0) absl::SleepFor(absl::Milliseconds(5));
+  } else {
+    const int callers = absl::GetFlag(FLAGS_concurrency);
+    const bool stream = absl::GetFlag(FLAGS_stream);
+    const int depth = std::max(1, absl::GetFlag(FLAGS_pipeline));
+    std::vector<std::thread> threads;
+    for (int c = 0; c < callers; ++c) {
+      threads.emplace_back([&, c] {
+        v1::DataService::Stub& stub = *stubs[c % stubs.size()];
+        int64_t i = c * 7919;
+        if (!stream) {
+          while (absl::Now() < end) {
+            const Op op = w.schedule[i % w.schedule.size()];
+            const v1::StreamRequest& r = w.pool.at(op)[i % w.pool.at(op).size()];
+            ++i;
+            const absl::Time sent = absl::Now();
+            grpc::Status status = CallUnary(stub, r, sent + deadline);
+            stats.Record(sent, absl::Now(), status.error_code(), w.Items(op));
+          }
+          return;
+        }
+        // Stream: up to `depth` calls in flight; a reader thread matches answers by id.
+        grpc::ClientContext context;
+        auto rw = stub.Stream(&context);
+        absl::Mutex mu;
+        std::map<uint64_t, std::pair<absl::Time, int64_t>> in_flight;
+        std::thread reader([&] {
+          v1::StreamResponse response;
+          while (rw->Read(&response)) {
+            absl::MutexLock lock(&mu);
+            auto it = in_flight.find(response.id());
+            if (it == in_flight.end()) continue;
+            stats.Record(it->second.first, absl::Now(), response.code(), it->second.second);
+            in_flight.erase(it);
+          }
+        });
+        uint64_t id = 0;
+        while (absl::Now() < end) {
+          {
+            absl::MutexLock lock(&mu);
+            auto room = [&]() { return static_cast<int>(in_flight.size()) < depth; };
+            if (!mu.AwaitWithTimeout(absl::Condition(&room), absl::Milliseconds(100))) continue;
+          }
+          const Op op = w.schedule[i % w.schedule.size()];
+          v1::StreamRequest r = w.pool.at(op)[i % w.pool.at(op).size()];
+          ++i;
+          r.set_id(++id);
+          {
+            absl::MutexLock lock(&mu);
+            in_flight[id] = {absl::Now(), w.Items(op)};
+          }
+          if (!rw->Write(r)) break;
+        }
+        rw->WritesDone();
+        reader.join();
+        grpc::Status status = rw->Finish();
+        if (!status.ok()) stats.Record(absl::Now(), absl::Now(), status.error_code(), 0);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  done = true;
+  progress.join();
+  const std::string item_name = absl::GetFlag(FLAGS_op) == "embedding_bag" ? "bags"
+                                : absl::GetFlag(FLAGS_op) == "embedding"   ? "ids"
+                                : absl::GetFlag(FLAGS_op) == "linear"      ? "rows"
+                                                                            : "items";
+  const Percentiles p = stats.Overall();
+  const double seconds = absl::ToDoubleSeconds(end - measure_from);
+  std::printf("%s %s: %.0f calls/s, %.0f %s/s over %.1f s; latency p50 %.0f us, p90 %.0f us, "
+              "p99 %.0f us, p99.9 %.0f us, max %.0f us\n",
+              absl::GetFlag(FLAGS_op).c_str(), qps > 0 ? "open loop" : "closed loop",
+              stats.calls() / seconds, stats.items() / seconds, item_name.c_str(), seconds, p.p50_us,
+              p.p90_us, p.p99_us, p.p999_us, p.max_us);
+  for (const auto& [code, n] : stats.Errors()) std::printf("  errors with status %d: %lld\n", code, static_cast<long long>(n));
+  const std::string config = absl::StrFormat(
+      "\"impl\": \"shardserve\", \"op\": \"%s\", \"loop\": \"%s\", \"concurrency\": %d, \"qps\": %.1f, "
+      "\"stream\": %s, \"batch\": %d, \"bag\": %d, \"dist\": \"%s\", \"targets\": %d",
+      absl::GetFlag(FLAGS_op), qps > 0 ? "open" : "closed", absl::GetFlag(FLAGS_concurrency), qps,
+      absl::GetFlag(FLAGS_stream) ? "true" : "false", absl::GetFlag(FLAGS_batch),
+      absl::GetFlag(FLAGS_bag), absl::GetFlag(FLAGS_dist), stubs.size());
+  if (const std::string path = absl::GetFlag(FLAGS_report); !path.empty()) {
+    std::ofstream(path) << ReportJson(config, stats, end - measure_from, item_name);
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_svg); !path.empty()) {
+    std::ofstream(path) << TimelineSvg(stats, absl::StrCat("shardserve-load ", absl::GetFlag(FLAGS_op)), item_name);
+  }
+  return stats.Errors().empty() ? 0 : 3;
+}
+
+}  // namespace
+}  // namespace shardserve::client
+
+int main(int argc, char** argv) { return shardserve::client::Main(argc, argv); }
