@@ -153,20 +153,6 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
   return w;
 }
 
-grpc::Status CallUnary(v1::DataService::Stub& stub, const v1::StreamRequest& r, absl::Time deadline) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline));
-  v1::TensorResponse response;
-  switch (r.op_case()) {
-    case v1::StreamRequest::kEmbedding:
-      return stub.Embedding(&context, r.embedding(), &response);
-    case v1::StreamRequest::kEmbeddingBag:
-      return stub.EmbeddingBag(&context, r.embedding_bag(), &response);
-    default:
-      return stub.Linear(&context, r.linear(), &response);
-  }
-}
-
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   std::vector<std::string> addresses;
@@ -274,21 +260,51 @@ int Main(int argc, char** argv) {
     const bool stream = absl::GetFlag(FLAGS_stream);
     const int depth = std::max(1, absl::GetFlag(FLAGS_pipeline));
     std::vector<std::thread> threads;
+    if (!stream) {
+      // Unary closed loop: each caller is a chain of asynchronous calls (the answer to one sends
+      // the next), so hundreds of callers need no thread each.
+      struct Chain {
+        grpc::ClientContext context;
+        v1::TensorResponse response;
+        absl::Time sent;
+        int64_t items = 0;
+      };
+      std::atomic<int> live{callers};
+      std::function<void(int, int64_t)> issue = [&](int c, int64_t i) {
+        if (absl::Now() >= end) {
+          --live;
+          return;
+        }
+        const Op op = w.schedule[i % w.schedule.size()];
+        const v1::StreamRequest& r = w.pool.at(op)[i % w.pool.at(op).size()];
+        auto chain = std::make_shared<Chain>();
+        chain->sent = absl::Now();
+        chain->items = w.Items(op);
+        chain->context.set_deadline(absl::ToChronoTime(chain->sent + deadline));
+        auto callback = [&, c, i, chain](grpc::Status status) {
+          stats.Record(chain->sent, absl::Now(), status.error_code(), chain->items);
+          issue(c, i + 1);
+        };
+        v1::DataService::Stub& stub = *stubs[c % stubs.size()];
+        switch (r.op_case()) {
+          case v1::StreamRequest::kEmbedding:
+            stub.async()->Embedding(&chain->context, &r.embedding(), &chain->response, callback);
+            break;
+          case v1::StreamRequest::kEmbeddingBag:
+            stub.async()->EmbeddingBag(&chain->context, &r.embedding_bag(), &chain->response, callback);
+            break;
+          default:
+            stub.async()->Linear(&chain->context, &r.linear(), &chain->response, callback);
+        }
+      };
+      for (int c = 0; c < callers; ++c) issue(c, c * 7919);
+      while (live.load() > 0) absl::SleepFor(absl::Milliseconds(5));
+    }
     for (int c = 0; c < callers; ++c) {
       threads.emplace_back([&, c] {
         v1::DataService::Stub& stub = *stubs[c % stubs.size()];
         int64_t i = c * 7919;
-        if (!stream) {
-          while (absl::Now() < end) {
-            const Op op = w.schedule[i % w.schedule.size()];
-            const v1::StreamRequest& r = w.pool.at(op)[i % w.pool.at(op).size()];
-            ++i;
-            const absl::Time sent = absl::Now();
-            grpc::Status status = CallUnary(stub, r, sent + deadline);
-            stats.Record(sent, absl::Now(), status.error_code(), w.Items(op));
-          }
-          return;
-        }
+        if (!stream) return;  // unary callers run as asynchronous chains below
         // Stream: up to `depth` calls in flight; a reader thread matches answers by id.
         grpc::ClientContext context;
         auto rw = stub.Stream(&context);

@@ -33,6 +33,9 @@ class SafetensorsFile {
   // Null when the file has no tensor of that name.
   const SafetensorsTensor* Find(const std::string& name) const;
   const std::map<std::string, SafetensorsTensor>& tensors() const { return tensors_; }
+  // Drops the mapped pages of [begin, begin + bytes) from this process's memory (the data stays
+  // readable; it is paged in again on access). Lets a reader stream a large file in bounded RSS.
+  void Release(const char* begin, int64_t bytes) const;
 
  private:
   SafetensorsFile() = default;

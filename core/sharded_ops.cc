@@ -204,20 +204,23 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   const int me = data_.rank();
   const int64_t recv_total = Sum(recv_counts);
   ASSIGN_OR_RETURN(*storage, kernels_.Allocate(recv_total * sizeof(float)));
-  ASSIGN_OR_RETURN(DeviceBuffer blocks, kernels_.Allocate(Sum(send_counts) * sizeof(float)));
+  ASSIGN_OR_RETURN(DeviceBuffer blocks,
+                   kernels_.Allocate((Sum(send_counts) - send_counts[me]) * sizeof(float)));
   ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
                    data_.StartAllToAllV(storage->data(), recv_counts, DataType::kFloat32,
                                         options_.collective_timeout));
-  std::vector<int64_t> offset(world, 0);
-  for (int q = 1; q < world; ++q) offset[q] = offset[q - 1] + send_counts[q - 1];
-  for (int k = 1; k <= world; ++k) {
+  std::vector<int64_t> offset(world, 0);  // peers' blocks only
+  for (int q = 1; q < world; ++q) offset[q] = offset[q - 1] + (q - 1 == me ? 0 : send_counts[q - 1]);
+  for (int k = 1; k < world; ++k) {
     const int dest = (me + k) % world;
     float* block = blocks.floats() + offset[dest];
     RETURN_IF_ERROR(produce(dest, block));
-    if (send_counts[dest] > 0 || dest == me) {
-      RETURN_IF_ERROR(exchange->Send(dest, block, send_counts[dest]));
-    }
+    if (send_counts[dest] > 0) RETURN_IF_ERROR(exchange->Send(dest, block, send_counts[dest]));
   }
+  // This rank's own block goes straight where it would be received (no copy).
+  int64_t own = 0;
+  for (int q = 0; q < me; ++q) own += recv_counts[q];
+  RETURN_IF_ERROR(produce(me, storage->floats() + own));
   RETURN_IF_ERROR(exchange->Wait());
   if (kernels_.host_accessible()) {
     *received = storage->floats();

@@ -1,6 +1,7 @@
 #include "core/sharded_table.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -44,8 +45,12 @@ absl::StatusOr<std::unique_ptr<ShardedTable>> ShardedTable::Create(const TableCo
   const int64_t other = config.spec.dim() == 0 ? config.num_cols : config.num_rows;
   const int64_t bytes = layout.SizeOfRank(rank) * other * static_cast<int64_t>(sizeof(float));
   ASSIGN_OR_RETURN(DeviceBuffer storage, kernels.Allocate(bytes));
-  std::vector<float> zeros(static_cast<size_t>(bytes / sizeof(float)), 0.0f);
-  RETURN_IF_ERROR(kernels.CopyFromHost(zeros.data(), storage.data(), bytes));
+  if (kernels.host_accessible()) {
+    std::memset(storage.data(), 0, bytes);
+  } else {
+    std::vector<float> zeros(static_cast<size_t>(bytes / sizeof(float)), 0.0f);
+    RETURN_IF_ERROR(kernels.CopyFromHost(zeros.data(), storage.data(), bytes));
+  }
   return std::unique_ptr<ShardedTable>(new ShardedTable(config, rank, kernels, std::move(storage)));
 }
 
@@ -68,10 +73,18 @@ absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* b
 }
 
 absl::Status ShardedTable::LoadSeeded(uint64_t seed) {
-  std::vector<float> host(static_cast<size_t>(shard_rows_ * shard_cols_));
-  FillSeededWeight(config_, seed, row_begin_, shard_rows_, col_begin_, shard_cols_, host.data());
-  RETURN_IF_ERROR(kernels_.CopyFromHost(host.data(), storage_.data(),
-                                        static_cast<int64_t>(host.size() * sizeof(float))));
+  // Host-accessible shards are filled in place: loading needs no second copy of the shard.
+  std::vector<float> staging;
+  float* target = storage_.floats();
+  if (!kernels_.host_accessible()) {
+    staging.resize(static_cast<size_t>(shard_rows_ * shard_cols_));
+    target = staging.data();
+  }
+  FillSeededWeight(config_, seed, row_begin_, shard_rows_, col_begin_, shard_cols_, target);
+  if (!staging.empty()) {
+    RETURN_IF_ERROR(kernels_.CopyFromHost(staging.data(), storage_.data(),
+                                          static_cast<int64_t>(staging.size() * sizeof(float))));
+  }
   if (!bias_.empty()) FillSeededBias(config_, seed, bias_.data());
   return absl::OkStatus();
 }
@@ -88,15 +101,29 @@ absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
                           : absl::StrCat(", has ", weight->dtype, " [",
                                          absl::StrJoin(weight->shape, ","), "]")));
   }
-  std::vector<float> host(static_cast<size_t>(shard_rows_ * shard_cols_));
-  const char* base = weight->data;
-  for (int64_t r = 0; r < shard_rows_; ++r) {
-    std::memcpy(&host[r * shard_cols_],
-                base + ((row_begin_ + r) * config_.num_cols + col_begin_) * sizeof(float),
-                shard_cols_ * sizeof(float));
+  std::vector<float> staging;
+  float* target = storage_.floats();
+  if (!kernels_.host_accessible()) {
+    staging.resize(static_cast<size_t>(shard_rows_ * shard_cols_));
+    target = staging.data();
   }
-  RETURN_IF_ERROR(kernels_.CopyFromHost(host.data(), storage_.data(),
-                                        static_cast<int64_t>(host.size() * sizeof(float))));
+  // The file is mapped: copy this rank's slice in chunks of rows, dropping each chunk's pages
+  // once copied, so a large checkpoint passes through in bounded memory.
+  const int64_t row_bytes = config_.num_cols * static_cast<int64_t>(sizeof(float));
+  const char* base = weight->data + row_begin_ * row_bytes;
+  const int64_t chunk_rows = std::max<int64_t>(1, (int64_t{16} << 20) / row_bytes);
+  for (int64_t r0 = 0; r0 < shard_rows_; r0 += chunk_rows) {
+    const int64_t n = std::min(chunk_rows, shard_rows_ - r0);
+    for (int64_t r = r0; r < r0 + n; ++r) {
+      std::memcpy(target + r * shard_cols_, base + r * row_bytes + col_begin_ * sizeof(float),
+                  shard_cols_ * sizeof(float));
+    }
+    file->Release(base + r0 * row_bytes, n * row_bytes);
+  }
+  if (!staging.empty()) {
+    RETURN_IF_ERROR(kernels_.CopyFromHost(staging.data(), storage_.data(),
+                                          static_cast<int64_t>(staging.size() * sizeof(float))));
+  }
   if (!bias_.empty()) {
     const SafetensorsTensor* bias = file->Find("bias");
     if (bias == nullptr || bias->dtype != "F32" ||

@@ -303,8 +303,12 @@ void StepLoop::Run() {
                 break;
             }
             mine_result.shape.push_back(dim);
-            mine_result.values.assign(cursor, cursor + rows * dim);
-            cursor += rows * dim;
+            if (reqs.size() == 1) {
+              mine_result.values = std::move(result->values);  // the common case: no copy
+            } else {
+              mine_result.values.assign(cursor, cursor + rows * dim);
+              cursor += rows * dim;
+            }
             Answer(*r, std::move(mine_result));
           }
         }
