@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# shardserve-load against a real local cluster: closed loop (unary and stream) and open loop runs
+# finish, report calls without errors, and write a JSON report and an SVG chart.
+set -euo pipefail
+root="${TEST_SRCDIR:?}/shardserve"
+tmp="${TEST_TMPDIR:-$(mktemp -d)}"
+"$root/client/shardserve" up --workers=2 --port=0 --no_demo --server_dir="$root/server" >"$tmp/up.log" 2>&1 &
+up=$!
+trap 'kill $up 2>/dev/null || true; wait $up 2>/dev/null || true' EXIT
+for _ in $(seq 300); do grep -q serving "$tmp/up.log" && break; sleep 0.1; done
+coordinator=$(grep -o 'coordinator on [0-9.:]*' "$tmp/up.log" | awk '{print $3}' | tr -d ';')
+[ -n "$coordinator" ] || { cat "$tmp/up.log"; exit 1; }
+"$root/client/shardserve" create-table --coordinator="$coordinator" --name=t --rows=1000 --cols=16 \
+  --world=2 --seed=1 >/dev/null
+"$root/client/shardserve" create-table --coordinator="$coordinator" --name=l --kind=linear --rows=8 \
+  --cols=16 --world=2 --sharding_dim=0 --seed=1 >/dev/null
+check() {  # report file: calls > 0, no errors
+  python3 - "$1" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["calls"] > 0, r
+assert r["errors_by_code"] == {}, r["errors_by_code"]
+assert r["latency"]["p99_us"] >= r["latency"]["p50_us"] > 0, r["latency"]
+print(sys.argv[1], r["calls"], "calls, p50", r["latency"]["p50_us"], "us")
+PY
+}
+load="$root/client/shardserve-load --coordinator=$coordinator --table=t --linear_table=l --warmup_s=0.3 --duration_s=1 --progress=false"
+$load --op=embedding_bag --batch=8 --bag=4 --concurrency=8 --report="$tmp/closed.json" --svg="$tmp/closed.svg"
+check "$tmp/closed.json"
+grep -q "<polyline" "$tmp/closed.svg"
+$load --op=mix --batch=4 --bag=3 --dist=zipf --stream --pipeline=4 --concurrency=2 --report="$tmp/stream.json"
+check "$tmp/stream.json"
+$load --op=embedding --batch=4 --bag=2 --qps=300 --report="$tmp/open.json"
+check "$tmp/open.json"
+echo "load smoke test passed"
