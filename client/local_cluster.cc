@@ -85,6 +85,9 @@ absl::StatusOr<pid_t> LocalCluster::Spawn(const std::string& binary,
   if (pid < 0) return absl::InternalError("fork failed");
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the cluster's owner
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the owner may block signals it sigwaits for
     if (::getppid() != parent) ::_exit(1);
     if (options_.quiet) {
       const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);

@@ -29,11 +29,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/notification.h"
 #include "client/client.h"
 #include "client/json_tensor.h"
 #include "client/local_cluster.h"
 #include "core/safetensors.h"
+#include "server/lifecycle.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
 ABSL_FLAG(int, deadline_ms, 10000, "deadline of each call, retries included");
@@ -339,13 +339,7 @@ int Up(const std::string& argv0) {
   std::printf("serving; try: shardserve tables --coordinator=%s   (Ctrl-C stops the cluster)\n",
               (*cluster)->coordinator_address().c_str());
   std::fflush(stdout);
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  sigprocmask(SIG_BLOCK, &set, nullptr);
-  int sig = 0;
-  sigwait(&set, &sig);
+  server::WaitForShutdownSignal();
   std::printf("stopping\n");
   return 0;
 }
@@ -353,6 +347,7 @@ int Up(const std::string& argv0) {
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "shardserve <up|create-table|tables|describe|drop|export|embedding|bag|linear> [flags]");
+  server::BlockShutdownSignals();  // `up` waits for them (its children start unblocked)
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) {
     std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage());

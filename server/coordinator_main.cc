@@ -1,14 +1,12 @@
 // shardserve coordinator: the control plane (tables, membership, rendezvous, routing).
 //
 //   coordinator --listen=127.0.0.1:50051 --world_size=2 [--state_dir=/var/lib/shardserve]
-#include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/synchronization/notification.h"
+#include "server/lifecycle.h"
 #include "server/coordinator.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "API address (port 0: pick a free port)");
@@ -17,14 +15,8 @@ ABSL_FLAG(std::string, state_dir, "", "where the table registry is persisted (em
 ABSL_FLAG(int, liveness_ms, 1500, "a worker silent this long is considered dead");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
 
-namespace {
-absl::Notification* stop_requested = nullptr;
-void OnSignal(int) {
-  if (stop_requested != nullptr && !stop_requested->HasBeenNotified()) stop_requested->Notify();
-}
-}  // namespace
-
 int main(int argc, char** argv) {
+  shardserve::server::BlockShutdownSignals();
   absl::ParseCommandLine(argc, argv);
   shardserve::server::CoordinatorOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
@@ -39,15 +31,8 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr, "coordinator serving on port %d (world size %d)\n", (*coordinator)->port(),
                options.world_size);
-  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
-    std::ofstream(path + ".tmp") << (*coordinator)->port() << "\n";
-    std::rename((path + ".tmp").c_str(), path.c_str());
-  }
-  absl::Notification stop;
-  stop_requested = &stop;
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
-  stop.WaitForNotification();
+  shardserve::server::WritePortFile(absl::GetFlag(FLAGS_port_file), (*coordinator)->port());
+  shardserve::server::WaitForShutdownSignal();
   (*coordinator)->Shutdown();
   return 0;
 }

@@ -1,9 +1,7 @@
 // shardserve worker: one process per device (= one rank).
 //
 //   worker --coordinator=127.0.0.1:50051 --rank=0 [--listen=127.0.0.1:0] [--device=cpu]
-#include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <string>
 
 #include <unistd.h>
@@ -11,7 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
-#include "absl/synchronization/notification.h"
+#include "server/lifecycle.h"
 #include "server/worker.h"
 
 ABSL_FLAG(std::string, coordinator, "", "host:port of the coordinator");
@@ -26,14 +24,8 @@ ABSL_FLAG(int, collective_timeout_ms, 10000, "a collective that takes longer fai
 ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
 
-namespace {
-absl::Notification* stop_requested = nullptr;
-void OnSignal(int) {
-  if (stop_requested != nullptr && !stop_requested->HasBeenNotified()) stop_requested->Notify();
-}
-}  // namespace
-
 int main(int argc, char** argv) {
+  shardserve::server::BlockShutdownSignals();
   absl::ParseCommandLine(argc, argv);
   shardserve::server::WorkerOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
@@ -68,15 +60,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(stderr, "worker rank %d serving on %s\n", options.rank, (*worker)->address().c_str());
-  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
-    std::ofstream(path + ".tmp") << (*worker)->port() << "\n";
-    std::rename((path + ".tmp").c_str(), path.c_str());
-  }
-  absl::Notification stop;
-  stop_requested = &stop;
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
-  stop.WaitForNotification();
+  shardserve::server::WritePortFile(absl::GetFlag(FLAGS_port_file), (*worker)->port());
+  shardserve::server::WaitForShutdownSignal();
   (*worker)->Shutdown();
   return 0;
 }
