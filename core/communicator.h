@@ -79,10 +79,9 @@ class Communicator {
 
   virtual absl::Status Barrier(absl::Duration timeout) = 0;
 
-  // Gathers one byte message of any size from every rank, sizes not known in advance. Returns a
-  // view per rank (rank order) that stays valid until the next AllGatherMessages call.
-  // Implementations pre-post the receives of the next call, so a message travels without waiting
-  // for its receiver: this is the per-step input exchange of the sharded ops.
+  // Gathers one byte message of any size from every rank, sizes not known in advance, in one
+  // round (no separate size exchange). Returns a view per rank (rank order) that stays valid until
+  // the next AllGatherMessages call. This is the per-step input exchange of the sharded ops.
   virtual absl::StatusOr<std::vector<absl::Span<const char>>> AllGatherMessages(
       absl::Span<const char> mine, absl::Duration timeout) = 0;
 

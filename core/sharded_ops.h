@@ -5,12 +5,14 @@
 // (ragged across ranks, possibly empty). Each rank gets back the unsharded op's result for its own
 // input: F.embedding / F.embedding_bag / F.linear on the full weight.
 //
-// Algorithm: inputs are all-gathered over the control communicator (host memory); each rank runs
-// the local kernel on its shard for every rank's input; results are exchanged over the data
-// communicator (the kernels' memory) - column blocks by all-to-all for column-split weights
-// (embedding dim 1, linear dim 0), partial sums by all-to-all / reduce-scatter for row-split ones
-// (embedding dim 0, linear dim 1), and assembled in placement (column) order. max_norm renorms the
-// stored rows looked up in the step (union over ranks), with norms over full rows.
+// Algorithm: inputs are all-gathered over the control communicator (host memory, one message
+// round); each rank runs the local kernel on its shard for every rank's input; results go back
+// over the data communicator (the kernels' memory) in one split-phase all-to-all, each peer's block
+// sent as soon as it is computed - column blocks for column-split weights (embedding dim 1, linear
+// dim 0), assembled in placement (column) order; partial sums (max for max-mode bags) for
+// row-split ones (embedding-bag and linear dim 1), reduced by the receiver; exactly the owned rows
+// for row-split embedding. max_norm renorms the stored rows looked up in the step (union over
+// ranks), with norms over full rows.
 //
 // A rank whose input fails validation still takes part in the collectives with an empty input (so
 // its peers never wait on it), contributes nothing, and returns the validation error: a rejected
