@@ -28,7 +28,9 @@ int main() {
     time("messages 86 KB", [&] { (void)comm.AllGatherMessages(absl::MakeConstSpan(big), absl::Seconds(10)); });
     std::vector<float> out(65536 * 2);
     time("split all-to-all 2x256KB", [&] {
-      auto ex = comm.StartAllToAllV(out.data(), std::vector<int64_t>{65536, 65536}, DataType::kFloat32, absl::Seconds(10));
+      auto ex = comm.StartAllToAllV(out.data(), std::vector<int64_t>{65536, 65536},
+                                    std::vector<int64_t>{65536, 65536}, DataType::kFloat32,
+                                    absl::Seconds(10));
       (void)(*ex)->Send(1 - rank, send.data() + (1 - rank) * 65536, 65536);
       (void)(*ex)->Send(rank, send.data() + rank * 65536, 65536);
       (void)(*ex)->Wait();

@@ -87,10 +87,11 @@ class Communicator {
 
   // Split-phase all-to-all: posts the receives now (recv_counts[q] elements from rank q, into
   // blocks of `out` in rank order) so peers can send the moment their blocks are ready. The
-  // caller computes its blocks, Send()s each, then Wait()s. send sizes are what peers expect.
+  // caller computes its blocks, Send()s each (send_counts[q] elements to rank q, what q expects),
+  // then Wait()s.
   virtual absl::StatusOr<std::unique_ptr<PendingExchange>> StartAllToAllV(
-      void* out, absl::Span<const int64_t> recv_counts, DataType type,
-      absl::Duration timeout) = 0;
+      void* out, absl::Span<const int64_t> recv_counts, absl::Span<const int64_t> send_counts,
+      DataType type, absl::Duration timeout) = 0;
 
   // Breaks the group: pending and later collectives fail with UNAVAILABLE. Idempotent.
   virtual absl::Status Abort() = 0;

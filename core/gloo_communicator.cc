@@ -335,15 +335,17 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
   return views;
 }
 
-// Receives of at most kSyncLimit bytes are read by the calling thread in Wait(); larger ones are
-// posted on the asynchronous mesh at once. Each Send writes its block straight to the socket.
+// Blocks on the synchronous mesh are read by the calling thread in Wait(); the others are posted
+// on the asynchronous mesh at once. Each Send writes its block straight to the socket.
 class GlooCommunicator::Exchange : public PendingExchange {
  public:
-  Exchange(GlooCommunicator& comm, char* out, std::vector<int64_t> recv_bytes, size_t elem,
-           int slot, uint64_t async_slot, std::chrono::milliseconds timeout)
+  Exchange(GlooCommunicator& comm, char* out, std::vector<int64_t> recv_bytes,
+           std::vector<bool> sync, size_t elem, int slot, uint64_t async_slot,
+           std::chrono::milliseconds timeout)
       : comm_(comm),
         out_(out),
         recv_bytes_(std::move(recv_bytes)),
+        sync_(std::move(sync)),
         offsets_(recv_bytes_.size(), 0),
         elem_(elem),
         slot_(slot),
@@ -357,7 +359,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
   absl::Status Post() {
     return comm_.Guarded("all-to-all (post)", [&] {
       for (int q = 0; q < comm_.world_size_; ++q) {
-        if (q == comm_.rank_ || recv_bytes_[q] <= kSyncLimit) continue;
+        if (q == comm_.rank_ || recv_bytes_[q] == 0 || sync_[q]) continue;
         large_recv_[q] = comm_.context_->createUnboundBuffer(out_ + offsets_[q], recv_bytes_[q]);
         large_recv_[q]->recv(q, async_slot_);
       }
@@ -378,7 +380,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
     }
     if (bytes == 0) return absl::OkStatus();
     return comm_.Guarded("all-to-all (send)", [&] {
-      if (bytes <= kSyncLimit) {
+      if (sync_[peer]) {
         comm_.sync_context_->getPair(peer)
             ->createSendBuffer(slot_, const_cast<void*>(data), bytes)
             ->send(0, bytes);
@@ -411,6 +413,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
   GlooCommunicator& comm_;
   char* out_;
   std::vector<int64_t> recv_bytes_;
+  std::vector<bool> sync_;  // per peer: the synchronous mesh (else the asynchronous one)
   std::vector<int64_t> offsets_;
   size_t elem_;
   int slot_;
@@ -421,15 +424,24 @@ class GlooCommunicator::Exchange : public PendingExchange {
 };
 
 absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAllV(
-    void* out, absl::Span<const int64_t> recv_counts, DataType type, absl::Duration timeout) {
-  if (static_cast<int>(recv_counts.size()) != world_size_) {
+    void* out, absl::Span<const int64_t> recv_counts, absl::Span<const int64_t> send_counts,
+    DataType type, absl::Duration timeout) {
+  if (static_cast<int>(recv_counts.size()) != world_size_ ||
+      static_cast<int>(send_counts.size()) != world_size_) {
     return absl::InternalError("gloo: StartAllToAllV counts must have one entry per rank");
   }
   if (broken_) return Guarded("all-to-all", [] {});
   std::vector<int64_t> bytes(world_size_);
-  for (int q = 0; q < world_size_; ++q) bytes[q] = recv_counts[q] * SizeOf(type);
+  std::vector<bool> sync(world_size_);
+  for (int q = 0; q < world_size_; ++q) {
+    bytes[q] = recv_counts[q] * SizeOf(type);
+    // Both ends of a pair see the same two sizes, so they pick the same path.
+    const int64_t in = bytes[q], out_bytes = send_counts[q] * SizeOf(type);
+    sync[q] = std::max(in, out_bytes) <= kSyncLimit ||
+              (world_size_ == 2 && std::min(in, out_bytes) <= kSyncLimit);
+  }
   auto exchange = std::make_unique<Exchange>(*this, static_cast<char*>(out), std::move(bytes),
-                                             SizeOf(type), NextSyncSlots(1),
+                                             std::move(sync), SizeOf(type), NextSyncSlots(1),
                                              kExchangeSlot | next_async_++, ToChrono(timeout));
   absl::Status status = exchange->Post();
   if (!status.ok()) return status;

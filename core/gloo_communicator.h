@@ -8,7 +8,8 @@
 //    hot path, AllGatherMessages and StartAllToAllV, up to kSyncLimit bytes per message. On a
 //    small machine this saves the hand-offs to and from Gloo's device threads that otherwise
 //    dominate a step. Messages stay below what the sockets buffer, so blocking writes cannot
-//    deadlock; larger ones take the asynchronous path.
+//    deadlock; larger ones take the asynchronous path - except, in a group of two, a large block
+//    whose reverse block is small: the peer then is never blocked writing to us, so it reads.
 // Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
 // marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
 // timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread
@@ -64,8 +65,8 @@ class GlooCommunicator : public Communicator {
   absl::StatusOr<std::vector<absl::Span<const char>>> AllGatherMessages(
       absl::Span<const char> mine, absl::Duration timeout) override;
   absl::StatusOr<std::unique_ptr<PendingExchange>> StartAllToAllV(
-      void* out, absl::Span<const int64_t> recv_counts, DataType type,
-      absl::Duration timeout) override;
+      void* out, absl::Span<const int64_t> recv_counts, absl::Span<const int64_t> send_counts,
+      DataType type, absl::Duration timeout) override;
   absl::Status Abort() override;
 
   using Communicator::AllGatherV;

@@ -140,11 +140,12 @@ TEST(GlooCommunicator, SplitPhaseAllToAllInAnySendOrder) {
     for (int round = 0; round < 3; ++round) {
       // Rank r sends (r + q + round) % 3 int64s to rank q, valued 100*r + q.
       auto count = [&](int from, int to) -> int64_t { return (from + to + round) % 3; };
-      std::vector<int64_t> recv(world);
+      std::vector<int64_t> recv(world), sends(world);
       for (int q = 0; q < world; ++q) recv[q] = count(q, rank);
+      for (int q = 0; q < world; ++q) sends[q] = count(rank, q);
       std::vector<int64_t> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}), -1);
       absl::StatusOr<std::unique_ptr<PendingExchange>> exchange =
-          comm.StartAllToAllV(out.data(), recv, DataType::kInt64, kTimeout);
+          comm.StartAllToAllV(out.data(), recv, sends, DataType::kInt64, kTimeout);
       ASSERT_TRUE(exchange.ok()) << exchange.status();
       std::vector<std::vector<int64_t>> blocks(world);
       for (int q = world - 1; q >= 0; --q) {  // reverse order: peers' blocks need not come in order
@@ -181,7 +182,7 @@ TEST(GlooCommunicator, SilentPeerMakesHotPathFailWithinSyncTimeout) {
         std::vector<float> out(4);
         start = absl::Now();
         auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
-                                            DataType::kFloat32, absl::Seconds(30));
+                                            std::vector<int64_t>{2, 2}, DataType::kFloat32, absl::Seconds(30));
         EXPECT_EQ(exchange.status().code(), absl::StatusCode::kUnavailable);
         EXPECT_LT(absl::Now() - start, absl::Milliseconds(100));
       },
@@ -201,7 +202,7 @@ TEST(GlooCommunicator, SilentPeerMakesExchangeFailWithinSyncTimeout) {
         std::vector<float> out(4), mine(2, 1.0f);
         const absl::Time start = absl::Now();
         auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
-                                            DataType::kFloat32, absl::Seconds(30));
+                                            std::vector<int64_t>{2, 2}, DataType::kFloat32, absl::Seconds(30));
         ASSERT_TRUE(exchange.ok());
         ASSERT_TRUE((*exchange)->Send(0, mine.data(), 2).ok());
         ASSERT_TRUE((*exchange)->Send(1, mine.data(), 2).ok());
@@ -211,13 +212,31 @@ TEST(GlooCommunicator, SilentPeerMakesExchangeFailWithinSyncTimeout) {
       options);
 }
 
+TEST(GlooCommunicator, OneWayLargeBlockInAPairUsesTheSyncPath) {
+  RunGroup(2, [](int rank, GlooCommunicator& comm) {
+    // Rank 1 sends 3 MiB to rank 0 and gets nothing back: it may block writing until rank 0 reads.
+    const int64_t n = 3 << 18;
+    std::vector<float> big(n, 7.0f), out(rank == 0 ? n : 0);
+    const std::vector<int64_t> recv = rank == 0 ? std::vector<int64_t>{0, n} : std::vector<int64_t>{0, 0};
+    const std::vector<int64_t> send = rank == 1 ? std::vector<int64_t>{n, 0} : std::vector<int64_t>{0, 0};
+    auto exchange = comm.StartAllToAllV(out.data(), recv, send, DataType::kFloat32, kTimeout);
+    ASSERT_TRUE(exchange.ok()) << exchange.status();
+    if (rank == 1) ASSERT_TRUE((*exchange)->Send(0, big.data(), n).ok());
+    ASSERT_TRUE((*exchange)->Wait().ok());
+    if (rank == 0) {
+      EXPECT_EQ(out[0], 7.0f);
+      EXPECT_EQ(out[n - 1], 7.0f);
+    }
+  });
+}
+
 TEST(GlooCommunicator, LargeMessagesAndBlocksTakeTheAsyncPath) {
   RunGroup(2, [](int rank, GlooCommunicator& comm) {
     // 3 MiB each way: above the synchronous limit.
     const int64_t n = 3 << 18;
     std::vector<float> mine(n, static_cast<float>(rank + 1)), out(2 * n);
     auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{n, n},
-                                        DataType::kFloat32, kTimeout);
+                                        std::vector<int64_t>{n, n}, DataType::kFloat32, kTimeout);
     ASSERT_TRUE(exchange.ok()) << exchange.status();
     ASSERT_TRUE((*exchange)->Send(1 - rank, mine.data(), n).ok());
     ASSERT_TRUE((*exchange)->Send(rank, mine.data(), n).ok());

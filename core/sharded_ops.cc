@@ -207,7 +207,8 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   ASSIGN_OR_RETURN(DeviceBuffer blocks,
                    kernels_.Allocate((Sum(send_counts) - send_counts[me]) * sizeof(float)));
   ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
-                   data_.StartAllToAllV(storage->data(), recv_counts, DataType::kFloat32,
+                   data_.StartAllToAllV(storage->data(), recv_counts, send_counts,
+                                        DataType::kFloat32,
                                         options_.collective_timeout));
   std::vector<int64_t> offset(world, 0);  // peers' blocks only
   for (int q = 1; q < world; ++q) offset[q] = offset[q - 1] + (q - 1 == me ? 0 : send_counts[q - 1]);
