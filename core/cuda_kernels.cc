@@ -1,0 +1,184 @@
+#include "core/cuda_kernels.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/cuda_kernels_device.h"
+#include "core/status_macros.h"
+
+namespace shardserve::core {
+namespace {
+
+absl::Status Check(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("cuda: ", what, ": ", cudaGetErrorString(error)));
+}
+
+absl::Status Check(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("cublas: ", what, ": status ", static_cast<int>(status)));
+}
+
+}  // namespace
+
+// Device staging buffers for host inputs, one per argument slot, grown as needed.
+struct CudaKernels::Staging {
+  std::vector<void*> buffers = std::vector<void*>(4, nullptr);
+  std::vector<int64_t> sizes = std::vector<int64_t>(4, 0);
+};
+
+CudaKernels::CudaKernels(int device_index)
+    : device_index_(device_index), staging_(std::make_unique<Staging>()) {}
+
+int CudaKernels::DeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
+  return count;
+}
+
+absl::StatusOr<std::unique_ptr<CudaKernels>> CudaKernels::Create(int device_index) {
+  const int count = DeviceCount();
+  if (device_index < 0 || device_index >= count) {
+    return absl::UnavailableError(absl::StrCat("cuda:", device_index, " is not available (",
+                                               count, " GPUs visible)"));
+  }
+  std::unique_ptr<CudaKernels> kernels(new CudaKernels(device_index));
+  RETURN_IF_ERROR(Check(cudaSetDevice(device_index), "set device"));
+  cudaStream_t stream;
+  RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
+  kernels->stream_ = stream;
+  cublasHandle_t handle;
+  RETURN_IF_ERROR(Check(cublasCreate(&handle), "create"));
+  RETURN_IF_ERROR(Check(cublasSetStream(handle, stream), "set stream"));
+  kernels->cublas_ = handle;
+  return kernels;
+}
+
+CudaKernels::~CudaKernels() {
+  for (void* p : staging_->buffers) {
+    if (p != nullptr) cudaFree(p);
+  }
+  if (cublas_ != nullptr) cublasDestroy(static_cast<cublasHandle_t>(cublas_));
+  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+Device CudaKernels::device() const {
+  Device d;
+  d.kind = Device::Kind::kCuda;
+  d.index = device_index_;
+  return d;
+}
+
+void CudaKernels::InitThread() { cudaSetDevice(device_index_); }
+
+absl::StatusOr<DeviceBuffer> CudaKernels::Allocate(int64_t bytes) {
+  void* data = nullptr;
+  if (bytes > 0) {
+    const cudaError_t error = cudaMalloc(&data, bytes);
+    if (error != cudaSuccess) {
+      return absl::ResourceExhaustedError(absl::StrCat("cuda:", device_index_, ": cannot allocate ",
+                                                       bytes, " bytes: ", cudaGetErrorString(error)));
+    }
+  }
+  return DeviceBuffer(data, bytes, [](void* p) { cudaFree(p); });
+}
+
+absl::Status CudaKernels::CopyFromHost(const void* host, void* device, int64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  return Check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device");
+}
+
+absl::Status CudaKernels::CopyToHost(const void* device, void* host, int64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  return Check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "copy to host");
+}
+
+absl::StatusOr<void*> CudaKernels::Upload(int slot, const void* host, int64_t bytes) {
+  if (bytes == 0 || host == nullptr) return nullptr;
+  if (staging_->sizes[slot] < bytes) {
+    if (staging_->buffers[slot] != nullptr) cudaFree(staging_->buffers[slot]);
+    staging_->buffers[slot] = nullptr;
+    staging_->sizes[slot] = 0;
+    RETURN_IF_ERROR(Check(cudaMalloc(&staging_->buffers[slot], bytes * 2), "staging"));
+    staging_->sizes[slot] = bytes * 2;
+  }
+  RETURN_IF_ERROR(Check(cudaMemcpyAsync(staging_->buffers[slot], host, bytes,
+                                        cudaMemcpyHostToDevice,
+                                        static_cast<cudaStream_t>(stream_)),
+                        "upload"));
+  return staging_->buffers[slot];
+}
+
+absl::Status CudaKernels::Sync(const char* what) {
+  RETURN_IF_ERROR(Check(cudaGetLastError(), what));
+  return Check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), what);
+}
+
+absl::Status CudaKernels::GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n,
+                                     float* out) {
+  if (n == 0 || shard.cols == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
+  cuda::LaunchGatherRows(shard.data, shard.cols, static_cast<const int64_t*>(d_ids), n, out, stream_);
+  return Sync("gather rows");
+}
+
+absl::Status CudaKernels::PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
+                                   float empty_max, float* out) {
+  if (bags.num_bags == 0 || shard.cols == 0) return absl::OkStatus();
+  const int64_t num_ids = bags.offsets[bags.num_bags];
+  ASSIGN_OR_RETURN(void* d_ids, Upload(0, bags.ids, num_ids * sizeof(int64_t)));
+  ASSIGN_OR_RETURN(void* d_offsets, Upload(1, bags.offsets, (bags.num_bags + 1) * sizeof(int64_t)));
+  ASSIGN_OR_RETURN(void* d_weights, Upload(2, bags.weights, num_ids * sizeof(float)));
+  cuda::LaunchPoolBags(shard.data, shard.cols, static_cast<const int64_t*>(d_ids),
+                       static_cast<const int64_t*>(d_offsets), static_cast<const float*>(d_weights),
+                       bags.num_bags, static_cast<int>(mode), empty_max, out, stream_);
+  return Sync("pool bags");
+}
+
+absl::Status CudaKernels::RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n,
+                                       double p, double* norms_pow) {
+  if (n == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
+  ASSIGN_OR_RETURN(DeviceBuffer sums, Allocate(n * sizeof(double)));
+  cuda::LaunchRowPowerSums(shard.data, shard.cols, static_cast<const int64_t*>(d_ids), n, p,
+                           static_cast<double*>(sums.data()), stream_);
+  RETURN_IF_ERROR(Sync("row power sums"));
+  return CopyToHost(sums.data(), norms_pow, n * sizeof(double));
+}
+
+absl::Status CudaKernels::ScaleRows(const MatrixView& shard, const int64_t* ids, int64_t n,
+                                    const float* scales) {
+  if (n == 0 || shard.cols == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
+  ASSIGN_OR_RETURN(void* d_scales, Upload(1, scales, n * sizeof(float)));
+  cuda::LaunchScaleRows(shard.data, shard.cols, static_cast<const int64_t*>(d_ids),
+                        static_cast<const float*>(d_scales), n, stream_);
+  return Sync("scale rows");
+}
+
+absl::Status CudaKernels::Linear(const float* x, int64_t rows, int64_t x_stride, int64_t col_begin,
+                                 const MatrixView& weight, const float* bias, float* out) {
+  if (rows == 0 || weight.rows == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(void* d_bias, Upload(1, bias, weight.rows * sizeof(float)));
+  cuda::LaunchBroadcastRows(static_cast<const float*>(d_bias), rows, weight.rows, out, stream_);
+  if (weight.cols > 0) {
+    ASSIGN_OR_RETURN(void* d_x, Upload(0, x, rows * x_stride * sizeof(float)));
+    // Row-major out (rows x o) is column-major (o x rows) = W (o x k) * X^T (k x rows): W's
+    // row-major storage read as column-major is W^T (k x o, ld k), transposed back by OP_T; X's
+    // storage is X^T (x_stride x rows), offset to the shard's input columns.
+    const float alpha = 1.0f, beta = 1.0f;
+    RETURN_IF_ERROR(Check(
+        cublasSgemm(static_cast<cublasHandle_t>(cublas_), CUBLAS_OP_T, CUBLAS_OP_N,
+                    static_cast<int>(weight.rows), static_cast<int>(rows),
+                    static_cast<int>(weight.cols), &alpha, weight.data,
+                    static_cast<int>(weight.cols), static_cast<const float*>(d_x) + col_begin,
+                    static_cast<int>(x_stride), &beta, out, static_cast<int>(weight.rows)),
+        "sgemm"));
+  }
+  return Sync("linear");
+}
+
+}  // namespace shardserve::core

@@ -1,0 +1,60 @@
+// CudaKernels: LocalKernels on one NVIDIA GPU - shards in device memory, our CUDA kernels for
+// gathers, bag pooling and renorm (cuda_kernels_device.cu), cuBLAS for linear layers.
+//
+// Inputs documented as host memory (ids, offsets, weights, linear rows) are uploaded per call
+// into grow-only device staging buffers on the kernels' stream; every call synchronises its
+// stream before returning, so results are ready when it returns. Thread-compatible: the device's
+// executor thread calls InitThread() (binds the device) and then the kernels. Create() returns
+// UNAVAILABLE where there is no usable GPU; calls return INTERNAL on CUDA/cuBLAS errors.
+#ifndef SHARDSERVE_CORE_CUDA_KERNELS_H_
+#define SHARDSERVE_CORE_CUDA_KERNELS_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "core/local_kernels.h"
+
+namespace shardserve::core {
+
+class CudaKernels : public LocalKernels {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaKernels>> Create(int device_index);
+  // Number of GPUs this process can use (0 without a driver or device).
+  static int DeviceCount();
+  ~CudaKernels() override;
+
+  Device device() const override;
+  bool host_accessible() const override { return false; }
+  void InitThread() override;
+
+  absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes) override;
+  absl::Status CopyFromHost(const void* host, void* device, int64_t bytes) override;
+  absl::Status CopyToHost(const void* device, void* host, int64_t bytes) override;
+
+  absl::Status GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n,
+                          float* out) override;
+  absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
+                        float empty_max, float* out) override;
+  absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n, double p,
+                            double* norms_pow) override;
+  absl::Status ScaleRows(const MatrixView& shard, const int64_t* ids, int64_t n,
+                         const float* scales) override;
+  absl::Status Linear(const float* x, int64_t rows, int64_t x_stride, int64_t col_begin,
+                      const MatrixView& weight, const float* bias, float* out) override;
+
+ private:
+  struct Staging;
+  explicit CudaKernels(int device_index);
+  // Uploads `bytes` of host memory into staging slot `slot` (grown as needed).
+  absl::StatusOr<void*> Upload(int slot, const void* host, int64_t bytes);
+  absl::Status Sync(const char* what);
+
+  const int device_index_;
+  void* stream_ = nullptr;  // cudaStream_t
+  void* cublas_ = nullptr;  // cublasHandle_t
+  std::unique_ptr<Staging> staging_;
+};
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_CUDA_KERNELS_H_

@@ -1,0 +1,205 @@
+// CudaKernels against a plain CPU reference on fresh random inputs, for every kernel and option.
+// Needs a GPU: the conformance tests skip where none is visible. (The reference is written out here
+// rather than taken from CpuKernels so the device-check bundle does not carry LibTorch.)
+#include "core/cuda_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardserve::core {
+namespace {
+
+TEST(CudaKernels, CreateIsUnavailableForAMissingDevice) {
+  const int count = CudaKernels::DeviceCount();
+  auto kernels = CudaKernels::Create(count);  // one past the last device
+  EXPECT_EQ(kernels.status().code(), absl::StatusCode::kUnavailable) << kernels.status();
+  EXPECT_EQ(CudaKernels::Create(-1).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// The semantics of LocalKernels, in plain loops.
+class ReferenceKernels : public LocalKernels {
+ public:
+  Device device() const override { return Device(); }
+  bool host_accessible() const override { return true; }
+  void InitThread() override {}
+  absl::StatusOr<DeviceBuffer> Allocate(int64_t) override { return absl::UnimplementedError(""); }
+  absl::Status CopyFromHost(const void*, void*, int64_t) override { return absl::UnimplementedError(""); }
+  absl::Status CopyToHost(const void*, void*, int64_t) override { return absl::UnimplementedError(""); }
+  absl::Status GatherRows(const MatrixView& s, const int64_t* ids, int64_t n, float* out) override {
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < s.cols; ++j) out[i * s.cols + j] = s.data[ids[i] * s.cols + j];
+    }
+    return absl::OkStatus();
+  }
+  absl::Status PoolBags(const MatrixView& s, const BagsView& bags, PoolMode mode, float empty_max,
+                        float* out) override {
+    for (int64_t b = 0; b < bags.num_bags; ++b) {
+      const int64_t begin = bags.offsets[b], end = bags.offsets[b + 1];
+      for (int64_t j = 0; j < s.cols; ++j) {
+        double acc = mode == PoolMode::kMax ? -INFINITY : 0.0;
+        for (int64_t k = begin; k < end; ++k) {
+          const float v = s.data[bags.ids[k] * s.cols + j];
+          if (mode == PoolMode::kMax) {
+            acc = std::max<double>(acc, v);
+          } else {
+            acc += (bags.weights ? bags.weights[k] : 1.0f) * v;
+          }
+        }
+        if (begin == end) acc = mode == PoolMode::kMax ? empty_max : 0.0;
+        else if (mode == PoolMode::kMean) acc /= (end - begin);
+        out[b * s.cols + j] = static_cast<float>(acc);
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status RowPowerSums(const MatrixView& s, const int64_t* ids, int64_t n, double p,
+                            double* out) override {
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = 0;
+      for (int64_t j = 0; j < s.cols; ++j) out[i] += std::pow(std::fabs(double{s.data[ids[i] * s.cols + j]}), p);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status ScaleRows(const MatrixView& s, const int64_t* ids, int64_t n,
+                         const float* scales) override {
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < s.cols; ++j) s.data[ids[i] * s.cols + j] *= scales[i];
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Linear(const float* x, int64_t rows, int64_t stride, int64_t col0, const MatrixView& w,
+                      const float* bias, float* out) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t o = 0; o < w.rows; ++o) {
+        double acc = bias ? bias[o] : 0.0;
+        for (int64_t k = 0; k < w.cols; ++k) acc += double{x[r * stride + col0 + k]} * w.data[o * w.cols + k];
+        out[r * w.rows + o] = static_cast<float>(acc);
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+class CudaConformance : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (CudaKernels::DeviceCount() == 0) GTEST_SKIP() << "no GPU visible";
+    auto created = CudaKernels::Create(0);
+    ASSERT_TRUE(created.ok()) << created.status();
+    gpu_ = std::move(*created);
+    gpu_->InitThread();
+  }
+
+  // A random (rows x cols) matrix on both sides.
+  void MakeShard(int64_t rows, int64_t cols) {
+    host_.resize(rows * cols);
+    for (float& v : host_) v = normal_(rng_);
+    cpu_shard_ = MatrixView{host_.data(), rows, cols};
+    auto buffer = gpu_->Allocate(host_.size() * sizeof(float));
+    ASSERT_TRUE(buffer.ok());
+    device_ = std::move(*buffer);
+    ASSERT_TRUE(gpu_->CopyFromHost(host_.data(), device_.data(), host_.size() * 4).ok());
+    gpu_shard_ = MatrixView{device_.floats(), rows, cols};
+  }
+
+  std::vector<float> Run(int64_t floats, const std::function<absl::Status(LocalKernels&, const MatrixView&, float*)>& op,
+                         bool on_gpu) {
+    std::vector<float> host(floats, -123.0f);
+    if (!on_gpu) {
+      EXPECT_TRUE(op(cpu_, cpu_shard_, host.data()).ok());
+      return host;
+    }
+    auto out = gpu_->Allocate(floats * sizeof(float));
+    EXPECT_TRUE(out.ok());
+    EXPECT_TRUE(op(*gpu_, gpu_shard_, out->floats()).ok());
+    EXPECT_TRUE(gpu_->CopyToHost(out->data(), host.data(), floats * 4).ok());
+    return host;
+  }
+
+  void ExpectNear(const std::vector<float>& a, const std::vector<float>& b) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-4) << "at " << i;
+  }
+
+  std::mt19937 rng_{std::random_device{}()};
+  std::normal_distribution<float> normal_;
+  ReferenceKernels cpu_;
+  std::unique_ptr<CudaKernels> gpu_;
+  std::vector<float> host_;
+  DeviceBuffer device_;
+  MatrixView cpu_shard_, gpu_shard_;
+};
+
+TEST_F(CudaConformance, GatherRowsMatchesCpu) {
+  for (int64_t cols : {1, 7, 64, 130}) {
+    MakeShard(500, cols);
+    std::vector<int64_t> ids(333);
+    for (auto& id : ids) id = rng_() % 500;
+    auto op = [&](LocalKernels& k, const MatrixView& s, float* out) {
+      return k.GatherRows(s, ids.data(), ids.size(), out);
+    };
+    ExpectNear(Run(ids.size() * cols, op, false), Run(ids.size() * cols, op, true));
+  }
+}
+
+TEST_F(CudaConformance, PoolBagsMatchesCpuForEveryModeWithEmptyBagsAndWeights) {
+  MakeShard(300, 33);
+  std::vector<int64_t> ids(400), offsets = {0};
+  std::vector<float> weights(400);
+  for (auto& id : ids) id = rng_() % 300;
+  for (auto& w : weights) w = normal_(rng_);
+  while (offsets.back() < 400) offsets.push_back(std::min<int64_t>(400, offsets.back() + rng_() % 9));
+  const int64_t bags = offsets.size() - 1;
+  for (PoolMode mode : {PoolMode::kSum, PoolMode::kMean, PoolMode::kMax}) {
+    for (bool with_weights : {false, true}) {
+      if (with_weights && mode != PoolMode::kSum) continue;
+      for (float empty_max : {0.0f, -std::numeric_limits<float>::infinity()}) {
+        BagsView view{ids.data(), offsets.data(), with_weights ? weights.data() : nullptr, bags};
+        auto op = [&](LocalKernels& k, const MatrixView& s, float* out) {
+          return k.PoolBags(s, view, mode, empty_max, out);
+        };
+        ExpectNear(Run(bags * 33, op, false), Run(bags * 33, op, true));
+      }
+    }
+  }
+}
+
+TEST_F(CudaConformance, RenormKernelsMatchCpu) {
+  MakeShard(100, 48);
+  std::vector<int64_t> ids = {3, 99, 0, 42};
+  for (double p : {1.0, 2.0, 3.0}) {
+    std::vector<double> cpu(ids.size()), gpu(ids.size());
+    ASSERT_TRUE(cpu_.RowPowerSums(cpu_shard_, ids.data(), ids.size(), p, cpu.data()).ok());
+    ASSERT_TRUE(gpu_->RowPowerSums(gpu_shard_, ids.data(), ids.size(), p, gpu.data()).ok());
+    for (size_t i = 0; i < ids.size(); ++i) EXPECT_NEAR(cpu[i], gpu[i], 1e-6 * std::max(1.0, cpu[i]));
+  }
+  const std::vector<float> scales = {0.5f, 2.0f, 1.0f, -1.0f};
+  ASSERT_TRUE(cpu_.ScaleRows(cpu_shard_, ids.data(), ids.size(), scales.data()).ok());
+  ASSERT_TRUE(gpu_->ScaleRows(gpu_shard_, ids.data(), ids.size(), scales.data()).ok());
+  std::vector<float> back(host_.size());
+  ASSERT_TRUE(gpu_->CopyToHost(device_.data(), back.data(), back.size() * 4).ok());
+  ExpectNear(host_, back);
+}
+
+TEST_F(CudaConformance, LinearMatchesCpuWithAndWithoutBiasAndInputSlices) {
+  MakeShard(24, 10);  // weight: 24 outputs x 10 of the 16 inputs
+  std::vector<float> x(37 * 16), bias(24);
+  for (float& v : x) v = normal_(rng_);
+  for (float& v : bias) v = normal_(rng_);
+  for (const float* b : {static_cast<const float*>(nullptr), static_cast<const float*>(bias.data())}) {
+    auto op = [&](LocalKernels& k, const MatrixView& s, float* out) {
+      return k.Linear(x.data(), 37, 16, 5, s, b, out);
+    };
+    ExpectNear(Run(37 * 24, op, false), Run(37 * 24, op, true));
+  }
+}
+
+}  // namespace
+}  // namespace shardserve::core

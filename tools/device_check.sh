@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Prepares the GPU device check: builds here (no GPU needed), then collects the test binaries and
+# every shared library they load except the C runtime and the CUDA driver into .device/ (ignored
+# by git; carry it to the GPU machine). On the GPU machine run: .device/run.sh
+#   tools/device_check.sh             # prepare
+#   .device/run.sh                    # on the machine with the GPU (< 8 minutes)
+# Today it checks the CUDA kernels against the CPU path on fresh random inputs; the NCCL
+# communicator, a cuda:0 worker end to end and the GPU benchmark are to come (see the README).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/setup.sh
+bazel build -c opt //core:cuda_kernels_test
+rm -rf .device
+mkdir -p .device/bin .device/lib
+cp -L .bazel/bin/core/cuda_kernels_test .device/bin/
+for bin in .device/bin/*; do
+  ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in
+      # The C runtime, the driver and the CUDA libraries come from the GPU machine.
+      libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|libcuda.so*) ;;
+      libcudart.so*|libcublas*.so*|libnccl.so*) ;;
+      *) cp -Ln "$lib" .device/lib/ ;;
+    esac
+  done
+done
+cat > .device/run.sh <<'RUN'
+#!/usr/bin/env bash
+# Runs on the GPU machine: kernel conformance against the CPU path.
+set -uo pipefail
+cd "$(dirname "$0")"
+# CUDA libraries: the toolkit's, else the ones PyTorch's wheels ship.
+cuda_libs=/usr/local/cuda/lib64
+for d in $(python3 -c 'import glob, site; print(" ".join(glob.glob(site.getsitepackages()[0] + "/nvidia/*/lib")))' 2>/dev/null); do
+  cuda_libs="$cuda_libs:$d"
+done
+export LD_LIBRARY_PATH="$PWD/lib:$cuda_libs:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+rc=0
+./bin/cuda_kernels_test --gtest_brief=0 || rc=1
+exit $rc
+RUN
+chmod +x .device/run.sh
+du -sh .device
