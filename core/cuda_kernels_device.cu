@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 
 namespace shardserve::core::cuda {
@@ -96,6 +97,14 @@ __global__ void BroadcastRowsKernel(const float* __restrict__ bias, int64_t rows
   }
 }
 
+template <typename T>
+__global__ void AccumulateKernel(T* __restrict__ acc, const T* __restrict__ in, int64_t n, int op) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    acc[i] = op == 0 ? acc[i] + in[i] : (acc[i] > in[i] ? acc[i] : in[i]);
+  }
+}
+
 // Grids are one block per row/bag; CUDA allows 2^31 - 1 blocks in x.
 dim3 Grid(int64_t n) { return dim3(static_cast<unsigned>(n)); }
 
@@ -130,6 +139,24 @@ void LaunchScaleRows(float* shard, int64_t cols, const int64_t* ids, const float
 void LaunchBroadcastRows(const float* bias, int64_t rows, int64_t cols, float* out, void* stream) {
   if (rows == 0 || cols == 0) return;
   BroadcastRowsKernel<<<Grid(rows), kThreads, 0, S(stream)>>>(bias, rows, cols, out);
+}
+
+void LaunchAccumulate(void* acc, const void* in, int64_t n, int dtype, int op, void* stream) {
+  if (n == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
+  switch (dtype) {
+    case 0:
+      AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<float*>(acc),
+                                                      static_cast<const float*>(in), n, op);
+      break;
+    case 1:
+      AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<double*>(acc),
+                                                      static_cast<const double*>(in), n, op);
+      break;
+    default:
+      AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<long long*>(acc),
+                                                      static_cast<const long long*>(in), n, op);
+  }
 }
 
 }  // namespace shardserve::core::cuda

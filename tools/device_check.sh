@@ -4,15 +4,15 @@
 # by git; carry it to the GPU machine). On the GPU machine run: .device/run.sh
 #   tools/device_check.sh             # prepare
 #   .device/run.sh                    # on the machine with the GPU (< 8 minutes)
-# Today it checks the CUDA kernels against the CPU path on fresh random inputs; the NCCL
-# communicator, a cuda:0 worker end to end and the GPU benchmark are to come (see the README).
+# Today it checks the CUDA kernels against a CPU reference on fresh random inputs and the NCCL
+# communicator with world size 1; a cuda:0 worker end to end and the GPU benchmark are to come.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
-bazel build -c opt //core:cuda_kernels_test
+bazel build -c opt //core:cuda_kernels_test //core:nccl_communicator_test
 rm -rf .device
 mkdir -p .device/bin .device/lib
-cp -L .bazel/bin/core/cuda_kernels_test .device/bin/
+cp -L .bazel/bin/core/cuda_kernels_test .bazel/bin/core/nccl_communicator_test .device/bin/
 for bin in .device/bin/*; do
   ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
@@ -25,7 +25,7 @@ for bin in .device/bin/*; do
 done
 cat > .device/run.sh <<'RUN'
 #!/usr/bin/env bash
-# Runs on the GPU machine: kernel conformance against the CPU path.
+# Runs on the GPU machine: kernel conformance, then NCCL with world size 1.
 set -uo pipefail
 cd "$(dirname "$0")"
 # CUDA libraries: the toolkit's, else the ones PyTorch's wheels ship.
@@ -36,7 +36,8 @@ done
 export LD_LIBRARY_PATH="$PWD/lib:$cuda_libs:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 rc=0
-./bin/cuda_kernels_test --gtest_brief=0 || rc=1
+./bin/cuda_kernels_test || rc=1
+./bin/nccl_communicator_test || rc=1
 exit $rc
 RUN
 chmod +x .device/run.sh
