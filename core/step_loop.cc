@@ -107,9 +107,11 @@ void StepLoop::Stop() {
   for (auto& r : left) Answer(*r, absl::UnavailableError("worker is shutting down"));
 }
 
-void StepLoop::SetGroup(std::unique_ptr<Communicator> comm, uint64_t epoch) {
+void StepLoop::SetGroup(std::unique_ptr<Communicator> control, uint64_t epoch,
+                        std::unique_ptr<Communicator> data) {
   absl::MutexLock lock(&mu_);
-  pending_comm_ = std::move(comm);
+  pending_comm_ = std::move(control);
+  pending_data_ = std::move(data);
   pending_epoch_ = epoch;
 }
 
@@ -158,6 +160,7 @@ void StepLoop::FailAll(std::vector<std::unique_ptr<StepRequest>>& batch,
 void StepLoop::Run() {
   kernels_.InitThread();
   std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Communicator> data;  // null: `comm` carries results too
   absl::Duration idle = absl::ZeroDuration();
   std::vector<std::unique_ptr<StepRequest>> batch;
   while (true) {
@@ -171,6 +174,7 @@ void StepLoop::Run() {
       if (stop_) break;
       if (pending_comm_ != nullptr) {
         comm = std::move(pending_comm_);
+        data = std::move(pending_data_);
         epoch_ = pending_epoch_;
         has_group_ = true;
       }
@@ -224,7 +228,7 @@ void StepLoop::Run() {
         ++busy_steps_;
       }
       broken = [&]() -> absl::Status {
-        ShardedOps ops(*comm, *comm, kernels_,
+        ShardedOps ops(*comm, data != nullptr ? *data : *comm, kernels_,
                        OpOptions{options_.collective_timeout, options_.limits});
         for (const std::string& text : work) {
           ASSIGN_OR_RETURN(Key key, ParseKey(text));
@@ -236,7 +240,8 @@ void StepLoop::Run() {
           }
           if (table == nullptr) {
             // A peer has work for a table this rank does not hold: the group cannot run it.
-            comm->Abort();
+            comm->Abort().IgnoreError();
+            if (data != nullptr) data->Abort().IgnoreError();
             return absl::UnavailableError(
                 absl::StrCat("table \"", key.table, "\" is not loaded on this rank"));
           }
@@ -320,6 +325,7 @@ void StepLoop::Run() {
           absl::StrCat("group epoch ", epoch(), " failed: ", broken.message()));
       FailAll(batch, status);
       comm.reset();
+      data.reset();
       std::deque<std::unique_ptr<StepRequest>> queued;
       {
         absl::MutexLock lock(&mu_);

@@ -74,8 +74,11 @@ class StepLoop {
   void Start();
   void Stop();
 
-  // Hands the loop a freshly formed group (replacing any previous one) for `epoch`.
-  void SetGroup(std::unique_ptr<Communicator> comm, uint64_t epoch);
+  // Hands the loop a freshly formed group (replacing any previous one) for `epoch`. `control`
+  // carries inputs and agreement rounds (host memory); `data`, when given, carries results in the
+  // kernels' memory (e.g. NCCL for GPU kernels) - otherwise `control` does both.
+  void SetGroup(std::unique_ptr<Communicator> control, uint64_t epoch,
+                std::unique_ptr<Communicator> data = nullptr);
   uint64_t epoch() const;
   bool serving() const;  // has a group
 
@@ -103,6 +106,7 @@ class StepLoop {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<std::unique_ptr<StepRequest>> queue_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Communicator> pending_comm_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Communicator> pending_data_ ABSL_GUARDED_BY(mu_);
   uint64_t pending_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   bool has_group_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;

@@ -20,6 +20,11 @@
 #include "server/coordinator_rendezvous.h"
 #include "server/grpc_status.h"
 #include "server/tensor_codec.h"
+#include "core/cpu_kernels.h"
+#ifdef SHARDSERVE_WITH_CUDA
+#include "core/cuda_kernels.h"
+#include "core/nccl_communicator.h"
+#endif
 
 namespace shardserve::server {
 namespace {
@@ -217,6 +222,7 @@ class Worker::InternalService final : public v1::internal::WorkerInternal::Servi
                          grpc::ServerWriter<v1::internal::ReadShardChunk>* writer) override {
     absl::StatusOr<std::shared_ptr<core::ShardedTable>> table = worker_.LoadedTable(request->table());
     if (!table.ok()) return ToGrpcStatus(table.status());
+    worker_.kernels_->InitThread();  // this gRPC thread copies the shard out of the device
     absl::StatusOr<std::vector<float>> shard = (*table)->ReadShard();
     if (!shard.ok()) return ToGrpcStatus(shard.status());
     const core::MatrixView view = (*table)->shard();
@@ -255,12 +261,20 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   if (options.rank < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--rank: ", options.rank, " must be >= 0"));
   }
-  if (options.device != "cpu") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--device: \"", options.device, "\" is not supported by this build; use cpu"));
-  }
+  ASSIGN_OR_RETURN(core::Device device, core::Device::Parse(options.device));
   std::unique_ptr<Worker> worker(new Worker(std::move(options)));
   Worker* w = worker.get();
+  if (device.kind == core::Device::Kind::kCpu) {
+    w->kernels_ = std::make_unique<core::CpuKernels>();
+  } else {
+#ifdef SHARDSERVE_WITH_CUDA
+    ASSIGN_OR_RETURN(w->kernels_, core::CudaKernels::Create(device.index));
+    w->cuda_device_ = device.index;
+#else
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device: ", device.ToString(), " needs a GPU build (bazel build --config=cuda)"));
+#endif
+  }
   core::StepLoop::Options step = w->options_.step;
   step.on_group_broken = [w](const absl::Status& status) {
     std::fprintf(stderr, "worker rank %d: %s\n", w->options_.rank, status.ToString().c_str());
@@ -268,7 +282,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
     w->group_broken_ = true;
     w->UpdateHealth();
   };
-  w->loop_ = std::make_unique<core::StepLoop>(step, w->kernels_);
+  w->loop_ = std::make_unique<core::StepLoop>(step, *w->kernels_);
   w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(
       grpc::CreateChannel(w->options_.coordinator, grpc::InsecureChannelCredentials()));
   w->data_service_ = std::make_unique<DataService>(*w);
@@ -309,7 +323,7 @@ void Worker::Shutdown() {
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
   if (reconcile_thread_.joinable()) reconcile_thread_.join();
   if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-  loop_->Stop();
+  if (loop_) loop_->Stop();  // absent when Start() failed early
 }
 
 void Worker::Wait() {
@@ -395,6 +409,7 @@ void Worker::HeartbeatLoop() {
 }
 
 void Worker::ReconcileLoop() {
+  kernels_->InitThread();  // tables are loaded into the device from this thread
   CoordinatorRendezvous rendezvous(coordinator_);
   while (true) {
     // What to do, decided under the lock; done outside it (loads and group formation block).
@@ -431,7 +446,7 @@ void Worker::ReconcileLoop() {
       absl::Status status = [&]() -> absl::Status {
         ASSIGN_OR_RETURN(core::TableConfig config, ConfigFromSpec(spec, world));
         ASSIGN_OR_RETURN(std::unique_ptr<core::ShardedTable> table,
-                         core::ShardedTable::Create(config, options_.rank, kernels_));
+                         core::ShardedTable::Create(config, options_.rank, *kernels_));
         if (spec.init_case() == v1::TableSpec::kCheckpoint) {
           RETURN_IF_ERROR(table->LoadCheckpoint(spec.checkpoint()));
         } else {
@@ -455,11 +470,26 @@ void Worker::ReconcileLoop() {
     if (epoch != 0) {
       core::GlooOptions gloo = options_.gloo;
       gloo.hostname = options_.advertise_host;
-      absl::StatusOr<std::unique_ptr<core::GlooCommunicator>> comm = core::GlooCommunicator::Create(
-          rendezvous, absl::StrCat("group/epoch-", epoch), options_.rank, world, gloo);
+      const std::string prefix = absl::StrCat("group/epoch-", epoch);
+      absl::StatusOr<std::unique_ptr<core::GlooCommunicator>> comm =
+          core::GlooCommunicator::Create(rendezvous, prefix, options_.rank, world, gloo);
+      // A GPU worker exchanges inputs over Gloo (host) and results over NCCL (device).
+      std::unique_ptr<core::Communicator> data;
+#ifdef SHARDSERVE_WITH_CUDA
+      if (comm.ok() && cuda_device_ >= 0) {
+        absl::StatusOr<std::unique_ptr<core::NcclCommunicator>> nccl =
+            core::NcclCommunicator::Create(rendezvous, prefix + "/nccl", options_.rank, world,
+                                           cuda_device_, gloo.connect_timeout);
+        if (nccl.ok()) {
+          data = std::move(*nccl);
+        } else {
+          comm = nccl.status();
+        }
+      }
+#endif
       absl::MutexLock lock(&mu_);
       if (comm.ok()) {
-        loop_->SetGroup(std::move(*comm), epoch);
+        loop_->SetGroup(std::move(*comm), epoch, std::move(data));
         joined_epoch_ = epoch;
         group_broken_ = false;
         std::fprintf(stderr, "worker rank %d: joined group epoch %llu (W=%d)\n", options_.rank,

@@ -19,7 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/cpu_kernels.h"
+#include "core/local_kernels.h"
 #include "core/gloo_communicator.h"
 #include "core/step_loop.h"
 #include "core/table_config.h"
@@ -33,7 +33,7 @@ struct WorkerOptions {
   std::string coordinator;                // host:port of the coordinator's API
   std::string listen = "127.0.0.1:0";     // data API; port 0 picks a free one
   std::string advertise_host = "127.0.0.1";  // how peers and clients reach this host
-  std::string device = "cpu";
+  std::string device = "cpu";  // or cuda:N in builds with --config=cuda
   int rank = 0;
   absl::Duration heartbeat_interval = absl::Milliseconds(50);
   core::StepLoop::Options step;
@@ -69,7 +69,8 @@ class Worker {
 
   const WorkerOptions options_;
   const uint64_t incarnation_;
-  core::CpuKernels kernels_;
+  std::unique_ptr<core::LocalKernels> kernels_;  // CPU, or one GPU
+  int cuda_device_ = -1;                         // >= 0 for a GPU worker
   std::unique_ptr<core::StepLoop> loop_;
   std::shared_ptr<v1::internal::CoordinatorInternal::Stub> coordinator_;
   std::unique_ptr<DataService> data_service_;

@@ -7,6 +7,11 @@ tools/setup.sh || exit 1
 log=$(mktemp)
 bazel test --nocache_test_results //... "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
+# The GPU build (workers with --device=cuda:N) must keep compiling and linking on every run.
+if [ "$rc" -eq 0 ]; then
+  bazel build --config=cuda //server:worker_main 2>&1 | tail -n 2
+  rc=${PIPESTATUS[0]}
+fi
 passed=$(grep -cE '^//\S+\s+(\(cached\) )?PASSED' "$log")
 failed=$(grep -cE '^//\S+\s+.*(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$log")
 rm -f "$log"
