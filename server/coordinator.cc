@@ -1,5 +1,6 @@
 #include "server/coordinator.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>

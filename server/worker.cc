@@ -1,5 +1,6 @@
 #include "server/worker.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
