@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <exception>
 #include <numeric>
 #include <stdexcept>
@@ -62,10 +63,20 @@ class StoreAdapter : public gloo::rendezvous::Store {
 constexpr uint64_t kMessageSlot = uint64_t{0x40} << 56;
 constexpr uint64_t kExchangeSlot = uint64_t{0x42} << 56;
 constexpr int64_t kLengthBytes = sizeof(int64_t);
-// Largest message the synchronous mesh carries. A pair has at most a few such messages in flight
-// per step, well within what loopback/LAN socket buffers accept without a reader, so a blocking
-// write never waits on a peer that is itself blocked writing.
-constexpr int64_t kSyncLimit = int64_t{1} << 20;
+// Largest message the synchronous mesh carries: 1 MiB, or less where the kernel caps socket send
+// buffers lower (net.core.wmem_max). Gloo sizes a pair's send buffer to the message, so a message
+// within the cap is absorbed by the socket without a reader, and a blocking write never waits on
+// a peer that is itself blocked writing.
+int64_t SyncLimit() {
+  static const int64_t limit = [] {
+    int64_t wmem_max = int64_t{1} << 20;
+    std::ifstream in("/proc/sys/net/core/wmem_max");
+    int64_t value = 0;
+    if (in >> value && value > 0) wmem_max = value;
+    return std::max<int64_t>(std::min<int64_t>(int64_t{1} << 20, wmem_max), 16 << 10);
+  }();
+  return limit;
+}
 
 // A valid address for zero-length buffers (Gloo wants a pointer even when nothing moves).
 char kEmpty[8];
@@ -292,14 +303,14 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
     const uint64_t async_slot = kMessageSlot | next_async_++;
     int64_t length = static_cast<int64_t>(mine.size());
     outgoing_.assign(mine.begin(), mine.end());
-    // Send first (writes of at most kSyncLimit bytes complete into the socket buffers), then read.
+    // Send first (writes of at most SyncLimit() bytes complete into the socket buffers), then read.
     std::unique_ptr<gloo::transport::UnboundBuffer> large;
     for (int q = 0; q < world_size_; ++q) {
       if (q == rank_) continue;
       auto& pair = sync_context_->getPair(q);
       pair->createSendBuffer(slot, &length, kLengthBytes)->send(0, kLengthBytes);
       if (length == 0) continue;
-      if (length <= kSyncLimit) {
+      if (length <= SyncLimit()) {
         pair->createSendBuffer(slot + 1, outgoing_.data(), length)->send(0, length);
       } else {
         if (!large) large = context_->createUnboundBuffer(outgoing_.data(), length);
@@ -315,7 +326,7 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
       if (theirs < 0) throw std::runtime_error(absl::StrCat("bad message length from rank ", q));
       received_[q].resize(theirs);
       if (theirs == 0) continue;
-      if (theirs <= kSyncLimit) {
+      if (theirs <= SyncLimit()) {
         pair->createRecvBuffer(slot + 1, received_[q].data(), theirs)->waitRecv();
       } else {
         auto buffer = context_->createUnboundBuffer(received_[q].data(), theirs);
@@ -437,8 +448,8 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAll
     bytes[q] = recv_counts[q] * SizeOf(type);
     // Both ends of a pair see the same two sizes, so they pick the same path.
     const int64_t in = bytes[q], out_bytes = send_counts[q] * SizeOf(type);
-    sync[q] = std::max(in, out_bytes) <= kSyncLimit ||
-              (world_size_ == 2 && std::min(in, out_bytes) <= kSyncLimit);
+    sync[q] = std::max(in, out_bytes) <= SyncLimit() ||
+              (world_size_ == 2 && std::min(in, out_bytes) <= SyncLimit());
   }
   auto exchange = std::make_unique<Exchange>(*this, static_cast<char*>(out), std::move(bytes),
                                              std::move(sync), SizeOf(type), NextSyncSlots(1),

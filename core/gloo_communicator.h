@@ -5,11 +5,12 @@
 //  - an asynchronous one (Gloo's device thread does the socket I/O) for Gloo's collective
 //    algorithms and for large transfers;
 //  - a synchronous one (the calling thread reads and writes its sockets itself) for the per-step
-//    hot path, AllGatherMessages and StartAllToAllV, up to kSyncLimit bytes per message. On a
-//    small machine this saves the hand-offs to and from Gloo's device threads that otherwise
-//    dominate a step. Messages stay below what the sockets buffer, so blocking writes cannot
-//    deadlock; larger ones take the asynchronous path - except, in a group of two, a large block
-//    whose reverse block is small: the peer then is never blocked writing to us, so it reads.
+//    hot path, AllGatherMessages and StartAllToAllV, up to 1 MiB per message (less where the
+//    kernel caps socket buffers lower). On a small machine this saves the hand-offs to and from
+//    Gloo's device threads that otherwise dominate a step. Messages stay below what the sockets
+//    buffer, so blocking writes cannot deadlock; larger ones take the asynchronous path - except,
+//    in a group of two, a large block whose reverse block is small: the peer then is never
+//    blocked writing to us, so it reads.
 // Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
 // marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
 // timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread

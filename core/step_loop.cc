@@ -91,7 +91,30 @@ StepLoop::StepLoop(Options options, LocalKernels& kernels)
 
 StepLoop::~StepLoop() { Stop(); }
 
-void StepLoop::Start() { thread_ = std::thread([this] { Run(); }); }
+void StepLoop::Start() {
+  {
+    absl::MutexLock lock(&mu_);
+    running_ = true;
+  }
+  thread_ = std::thread([this] { Run(); });
+}
+
+void StepLoop::RunBetweenSteps(const std::function<void()>& fn) {
+  bool done = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (running_ && !stop_) {
+      between_steps_.push_back([&] {
+        fn();
+        absl::MutexLock done_lock(&mu_);
+        done = true;
+      });
+      mu_.Await(absl::Condition(&done));
+      return;
+    }
+  }
+  fn();  // the loop is not running: nothing else touches the shards
+}
 
 void StepLoop::Stop() {
   {
@@ -100,10 +123,14 @@ void StepLoop::Stop() {
   }
   if (thread_.joinable()) thread_.join();
   std::deque<std::unique_ptr<StepRequest>> left;
+  std::deque<std::function<void()>> tasks;
   {
     absl::MutexLock lock(&mu_);
+    running_ = false;
     left.swap(queue_);
+    tasks.swap(between_steps_);
   }
+  for (auto& task : tasks) task();  // callers are waiting for them
   for (auto& r : left) Answer(*r, absl::UnavailableError("worker is shutting down"));
 }
 
@@ -168,10 +195,18 @@ void StepLoop::Run() {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this, &comm]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stop_ || pending_comm_ != nullptr || comm != nullptr;
+        return stop_ || pending_comm_ != nullptr || comm != nullptr || !between_steps_.empty();
       };
       mu_.Await(absl::Condition(&ready));
       if (stop_) break;
+      while (!between_steps_.empty()) {
+        std::function<void()> task = std::move(between_steps_.front());
+        between_steps_.pop_front();
+        mu_.Unlock();
+        task();
+        mu_.Lock();
+      }
+      if (comm == nullptr && pending_comm_ == nullptr) continue;
       if (pending_comm_ != nullptr) {
         comm = std::move(pending_comm_);
         data = std::move(pending_data_);
@@ -216,7 +251,7 @@ void StepLoop::Run() {
       idle = std::min(std::max(idle * 2, absl::Microseconds(50)), options_.max_idle_sleep);
       absl::MutexLock lock(&mu_);
       auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stop_ || !queue_.empty() || pending_comm_ != nullptr;
+        return stop_ || !queue_.empty() || pending_comm_ != nullptr || !between_steps_.empty();
       };
       mu_.AwaitWithTimeout(absl::Condition(&wake), idle);
       continue;

@@ -5,7 +5,8 @@
 // An idle group backs off (sleeps up to Options::max_idle_sleep between rounds) instead of
 // spinning.
 //
-// Thread-safety: Submit, SetGroup, SetTable, DropTable and Stop may be called from any thread;
+// Thread-safety: Submit, SetGroup, SetTable, DropTable, RunBetweenSteps and Stop may be called
+// from any thread;
 // everything else runs on the loop's own thread, which calls LocalKernels::InitThread() first.
 // Requests are answered exactly once, on the loop thread (or at once, on Submit's thread, when
 // refused). A failed collective fails the step's requests with UNAVAILABLE, drops the group and
@@ -89,6 +90,10 @@ class StepLoop {
   // Queues a prepared request. Refuses (answers at once) with UNAVAILABLE when there is no group.
   void Submit(std::unique_ptr<StepRequest> request);
 
+  // Runs `fn` on the loop's thread between steps (so it never races with an op on the shards)
+  // and returns once it ran. Runs it on the calling thread when the loop has stopped.
+  void RunBetweenSteps(const std::function<void()>& fn);
+
   // Steps run so far that carried work (for tests and metrics).
   int64_t busy_steps() const;
 
@@ -111,6 +116,8 @@ class StepLoop {
   bool has_group_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, std::shared_ptr<ShardedTable>> tables_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::function<void()>> between_steps_ ABSL_GUARDED_BY(mu_);
+  bool running_ ABSL_GUARDED_BY(mu_) = false;
   int64_t busy_steps_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -252,5 +252,22 @@ TEST(StepLoop, IdleGroupSleepsInsteadOfSpinning) {
   EXPECT_LT(absl::Now() - start, absl::Milliseconds(200));
 }
 
+TEST(StepLoop, RunBetweenStepsRunsOnTheLoopThreadWhileServing) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "between", store));
+  for (auto& loop : f.loops) loop->Start();
+  std::thread::id ran_on;
+  f.loops[0]->RunBetweenSteps([&] { ran_on = std::this_thread::get_id(); });
+  EXPECT_NE(ran_on, std::this_thread::get_id());
+  EXPECT_NE(ran_on, std::thread::id());
+  auto got = f.Submit(0, BagRequest(f.emb, {1, 2}, 2, PoolMode::kSum)).get();
+  EXPECT_TRUE(got.ok()) << got.status();
+  f.loops[0]->Stop();
+  bool ran = false;
+  f.loops[0]->RunBetweenSteps([&] { ran = true; });  // stopped: runs here
+  EXPECT_TRUE(ran);
+}
+
 }  // namespace
 }  // namespace shardserve::core

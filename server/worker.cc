@@ -223,8 +223,9 @@ class Worker::InternalService final : public v1::internal::WorkerInternal::Servi
                          grpc::ServerWriter<v1::internal::ReadShardChunk>* writer) override {
     absl::StatusOr<std::shared_ptr<core::ShardedTable>> table = worker_.LoadedTable(request->table());
     if (!table.ok()) return ToGrpcStatus(table.status());
-    worker_.kernels_->InitThread();  // this gRPC thread copies the shard out of the device
-    absl::StatusOr<std::vector<float>> shard = (*table)->ReadShard();
+    // Read on the step loop's thread, between steps: never half-way through a renorm.
+    absl::StatusOr<std::vector<float>> shard = absl::UnknownError("not read");
+    worker_.loop().RunBetweenSteps([&] { shard = (*table)->ReadShard(); });
     if (!shard.ok()) return ToGrpcStatus(shard.status());
     const core::MatrixView view = (*table)->shard();
     const int64_t rows_per_chunk =
