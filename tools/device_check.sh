@@ -5,14 +5,17 @@
 #   tools/device_check.sh             # prepare
 #   .device/run.sh                    # on the machine with the GPU (< 8 minutes)
 # Today it checks the CUDA kernels against a CPU reference on fresh random inputs and the NCCL
-# communicator with world size 1; a cuda:0 worker end to end and the GPU benchmark are to come.
+# communicator with world size 1, then runs the GPU benchmark against PyTorch on the same GPU. A
+# cuda:0 worker end to end is still to come (the worker links LibTorch, too big to carry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
-bazel build -c opt //core:cuda_kernels_test //core:nccl_communicator_test
+bazel build -c opt //core:cuda_kernels_test //core:nccl_communicator_test //bench:gpu_bench
 rm -rf .device
 mkdir -p .device/bin .device/lib
-cp -L .bazel/bin/core/cuda_kernels_test .bazel/bin/core/nccl_communicator_test .device/bin/
+cp -L .bazel/bin/core/cuda_kernels_test .bazel/bin/core/nccl_communicator_test \
+  .bazel/bin/bench/gpu_bench .device/bin/
+cp bench/gpu_torch_baseline.py .device/
 for bin in .device/bin/*; do
   ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
@@ -25,7 +28,7 @@ for bin in .device/bin/*; do
 done
 cat > .device/run.sh <<'RUN'
 #!/usr/bin/env bash
-# Runs on the GPU machine: kernel conformance, then NCCL with world size 1.
+# Runs on the GPU machine: kernel conformance, NCCL with world size 1, the GPU benchmark.
 set -uo pipefail
 cd "$(dirname "$0")"
 # CUDA libraries: the toolkit's, else the ones PyTorch's wheels ship.
@@ -38,6 +41,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 rc=0
 ./bin/cuda_kernels_test || rc=1
 ./bin/nccl_communicator_test || rc=1
+# GPU benchmark, shardserve then PyTorch on the same GPU (targets: >= 1.5x PyTorch's bags/s,
+# >= 60 % of copy bandwidth; linear within 10 % of F.linear).
+./bin/gpu_bench || rc=1
+python3 gpu_torch_baseline.py || true
 exit $rc
 RUN
 chmod +x .device/run.sh
