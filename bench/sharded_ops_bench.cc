@@ -13,6 +13,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_format.h"
 #include "core/in_process_group.h"
 #include "core/sharded_ops.h"
@@ -118,6 +119,7 @@ absl::Status Run(const Options& o, double* per_step_s) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // see worker_main.cc
   shardserve::bench::Options o{absl::GetFlag(FLAGS_op),    absl::GetFlag(FLAGS_sharding),
                                absl::GetFlag(FLAGS_mode),  absl::GetFlag(FLAGS_world),
                                absl::GetFlag(FLAGS_iters), absl::GetFlag(FLAGS_warmup),

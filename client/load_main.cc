@@ -155,6 +155,7 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
 
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // see worker_main.cc
   std::vector<std::string> addresses;
   int64_t rows = absl::GetFlag(FLAGS_rows), in_features = absl::GetFlag(FLAGS_cols);
   if (!absl::GetFlag(FLAGS_target).empty()) {
