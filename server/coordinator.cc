@@ -394,6 +394,7 @@ void Coordinator::Shutdown() {
     stop_ = true;
   }
   if (ticker_.joinable()) ticker_.join();
+  if (server_ && server_->GetHealthCheckService()) server_->GetHealthCheckService()->Shutdown();
   if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
 }
 

@@ -324,6 +324,9 @@ void Worker::Shutdown() {
   }
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
   if (reconcile_thread_.joinable()) reconcile_thread_.join();
+  if (server_ && server_->GetHealthCheckService()) {
+    server_->GetHealthCheckService()->Shutdown();  // draining: every service NOT_SERVING
+  }
   if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   if (loop_) loop_->Stop();  // absent when Start() failed early
 }
