@@ -359,6 +359,13 @@ int Main(int argc, char** argv) {
               absl::GetFlag(FLAGS_op).c_str(), qps > 0 ? "open loop" : "closed loop",
               stats.calls() / seconds, stats.items() / seconds, item_name.c_str(), seconds, p.p50_us,
               p.p90_us, p.p99_us, p.p999_us, p.max_us);
+  const auto histogram = stats.Histogram();
+  int64_t most = 1;
+  for (const auto& [le, n] : histogram) most = std::max(most, n);
+  for (const auto& [le, n] : histogram) {  // latency histogram, one row per bucket
+    std::printf("  <= %9.0f us %9lld %s\n", le, static_cast<long long>(n),
+                std::string(static_cast<size_t>(40.0 * n / most), '#').c_str());
+  }
   for (const auto& [code, n] : stats.Errors()) std::printf("  errors with status %d: %lld\n", code, static_cast<long long>(n));
   const std::string config = absl::StrFormat(
       "\"impl\": \"shardserve\", \"op\": \"%s\", \"loop\": \"%s\", \"concurrency\": %d, \"qps\": %.1f, "

@@ -78,6 +78,22 @@ Percentiles LoadStats::Overall() const {
   return ComputePercentiles(std::move(all));
 }
 
+std::vector<std::pair<double, int64_t>> LoadStats::Histogram() const {
+  std::map<int, int64_t> buckets;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [second, samples] : latency_us_) {
+      for (double us : samples) {
+        const int b = us <= 10 ? 0 : static_cast<int>(std::ceil(4 * std::log2(us / 10)));
+        ++buckets[b];
+      }
+    }
+  }
+  std::vector<std::pair<double, int64_t>> out;
+  for (const auto& [b, n] : buckets) out.emplace_back(10 * std::exp2(b / 4.0), n);
+  return out;
+}
+
 std::map<int, int64_t> LoadStats::Errors() const {
   absl::MutexLock lock(&mu_);
   return errors_;
@@ -122,12 +138,17 @@ std::string ReportJson(const std::string& config, const LoadStats& stats, absl::
         "{\"t\": %.0f, \"calls\": %d, \"%s\": %d, \"errors\": %d, \"latency\": %s}", s.t, s.calls,
         item_name, s.items, s.errors, PercentilesJson(s.latency)));
   }
+  std::vector<std::string> histogram;
+  for (const auto& [le, n] : stats.Histogram()) {
+    histogram.push_back(absl::StrFormat("{\"le_us\": %.1f, \"count\": %d}", le, n));
+  }
   return absl::StrCat(
       "{", config, ", \"measured_s\": ", absl::StrFormat("%.3f", seconds),
       ", \"calls\": ", stats.calls(),
       absl::StrFormat(", \"calls_per_s\": %.1f, \"%s_per_s\": %.1f", stats.calls() / seconds,
                       item_name, stats.items() / seconds),
-      ", \"latency\": ", PercentilesJson(stats.Overall()), ", \"errors_by_code\": {",
+      ", \"latency\": ", PercentilesJson(stats.Overall()), ", \"latency_histogram\": [",
+      absl::StrJoin(histogram, ", "), "], \"errors_by_code\": {",
       absl::StrJoin(errors, ", "), "}, \"timeline\": [", absl::StrJoin(timeline, ", "), "]}\n");
 }
 

@@ -39,6 +39,9 @@ class LoadStats {
   // Per-second timeline of the measured period (complete seconds only, unless `all`).
   std::vector<Second> Timeline(bool all = false) const;
   Percentiles Overall() const;
+  // Latency histogram of the measured OK calls: buckets with upper bounds growing by 2^(1/4)
+  // from 10 us; (upper bound in us, count) for non-empty buckets.
+  std::vector<std::pair<double, int64_t>> Histogram() const;
   std::map<int, int64_t> Errors() const;
   int64_t calls() const;
   int64_t items() const;

@@ -38,6 +38,17 @@ TEST(LoadStats, WarmupIsExcludedAndErrorsCountedByCode) {
   const std::string json = ReportJson("\"impl\": \"x\"", stats, absl::Seconds(2), "bags");
   EXPECT_THAT(json, HasSubstr("\"errors_by_code\": {\"14\": 2}"));
   EXPECT_THAT(json, HasSubstr("\"bags_per_s\": 2560.0"));
+  // Histogram: 100..1000 us in 2^(1/4) buckets, counts adding up to the OK calls.
+  int64_t total = 0;
+  double last = 0;
+  for (const auto& [le, n] : stats.Histogram()) {
+    EXPECT_GT(le, last);
+    last = le;
+    total += n;
+  }
+  EXPECT_EQ(total, 10);
+  EXPECT_GE(last, 1000);
+  EXPECT_THAT(json, HasSubstr("\"latency_histogram\": [{\"le_us\": "));
   const std::string svg = TimelineSvg(stats, "t", "bags");
   EXPECT_THAT(svg, HasSubstr("<polyline"));
   EXPECT_THAT(svg, HasSubstr("</svg>"));
