@@ -339,6 +339,10 @@ absl::StatusOr<core::TableConfig> Worker::ServingTable(const std::string& name) 
   absl::MutexLock lock(&mu_);
   auto it = configs_.find(name);
   if (it == configs_.end()) {
+    if (wanted_.count(name)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("table \"", name, "\" is still loading on rank ", options_.rank));
+    }
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
   }
   if (!loop_->serving()) {
