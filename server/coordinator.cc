@@ -80,13 +80,29 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
       c_.tables_.erase(spec.name());
       return ToGrpcStatus(s);
     }
-    // Wait (bounded by the caller's deadline) until every rank has loaded it.
+    // Wait (bounded by the caller's deadline) until every rank has loaded it, or one cannot.
     const std::string name = spec.name();
-    auto ready = [this, &name]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
-      return c_.stop_ || !c_.tables_.count(name) || c_.TableServing(name);
+    auto failure = [this, &name]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) -> const absl::Status* {
+      for (const Member& m : c_.members_) {
+        auto it = m.load_errors.find(name);
+        if (it != m.load_errors.end()) return &it->second;
+      }
+      return nullptr;
+    };
+    auto ready = [this, &name, &failure]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
+      return c_.stop_ || !c_.tables_.count(name) || c_.TableServing(name) || failure() != nullptr;
     };
     c_.mu_.AwaitWithDeadline(absl::Condition(&ready),
                              absl::FromChrono(DeadlineOr(context, c_.options_.create_wait)));
+    if (const absl::Status* error = failure()) {
+      // A rank could not load it: undo the creation, so a failed CreateTable changes nothing.
+      const absl::Status status(error->code(), absl::StrCat("table \"", name,
+                                                            "\" could not be loaded: ",
+                                                            error->message()));
+      c_.tables_.erase(name);
+      if (absl::Status s = c_.SaveRegistry(); !s.ok()) return ToGrpcStatus(s);
+      return ToGrpcStatus(status);
+    }
     auto it = c_.tables_.find(name);
     if (it == c_.tables_.end()) {
       return grpc::Status(grpc::StatusCode::ABORTED, "table dropped while being created");
@@ -234,6 +250,11 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     m.last_seen = absl::Now();
     m.loaded.assign(request->loaded_tables().begin(), request->loaded_tables().end());
     m.serving.assign(request->serving_tables().begin(), request->serving_tables().end());
+    m.load_errors.clear();
+    for (const v1::internal::TableLoadError& e : request->load_errors()) {
+      m.load_errors[e.table()] = absl::Status(static_cast<absl::StatusCode>(e.code()),
+                                              absl::StrCat("rank ", request->rank(), ": ", e.message()));
+    }
     c_.Reconcile();
     response->set_world_size(c_.options_.world_size);
     response->set_epoch(c_.epoch_);

@@ -57,6 +57,7 @@ class Coordinator {
     absl::Time last_seen = absl::InfinitePast();
     std::vector<std::string> loaded;
     std::vector<std::string> serving;  // tables the worker accepts calls for
+    std::map<std::string, absl::Status> load_errors;  // tables it could not load
   };
 
   explicit Coordinator(CoordinatorOptions options);

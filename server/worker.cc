@@ -400,6 +400,12 @@ void Worker::HeartbeatLoop() {
       request.set_group_broken(group_broken_);
       for (const auto& [name, table] : loaded_) request.add_loaded_tables(name);
       for (const std::string& name : serving_) request.add_serving_tables(name);
+      for (const auto& [name, error] : load_errors_) {
+        v1::internal::TableLoadError* e = request.add_load_errors();
+        e->set_table(name);
+        e->set_code(static_cast<int>(error.code()));
+        e->set_message(std::string(error.message()));
+      }
     }
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
@@ -434,6 +440,9 @@ void Worker::ReconcileLoop() {
       }
       for (const auto& [name, table] : loaded_) {
         if (!wanted_.count(name)) to_drop.push_back(name);
+      }
+      for (auto it = load_errors_.begin(); it != load_errors_.end();) {
+        it = wanted_.count(it->first) ? std::next(it) : load_errors_.erase(it);  // dropped: forget
       }
       world = world_size_;
       const bool need_group = target_epoch_ != 0 && target_epoch_ != loop_->epoch() &&
@@ -473,7 +482,7 @@ void Worker::ReconcileLoop() {
         std::fprintf(stderr, "worker rank %d: loading table \"%s\" failed: %s\n", options_.rank,
                      spec.name().c_str(), status.ToString().c_str());
         absl::MutexLock lock(&mu_);
-        load_errors_[spec.name()] = status.ToString();
+        load_errors_[spec.name()] = status;
       }
     }
     if (epoch != 0) {

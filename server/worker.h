@@ -90,7 +90,7 @@ class Worker {
   std::map<std::string, v1::TableSpec> wanted_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, core::TableConfig> configs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<core::ShardedTable>> loaded_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> load_errors_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, absl::Status> load_errors_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> serving_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> health_names_ ABSL_GUARDED_BY(mu_);
 };

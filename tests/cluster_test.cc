@@ -455,6 +455,19 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   spec.set_num_rows(11);
   EXPECT_THAT(std::string(c->CreateTable(spec).status().message()), HasSubstr("needs tensor \"weight\" F32 [11,4]"));
   EXPECT_EQ(c->DropTable("nope").code(), absl::StatusCode::kNotFound);
+  // A table no worker can hold: CreateTable reports the workers' error and leaves nothing behind.
+  v1::TableSpec huge;
+  huge.set_name("huge");
+  huge.set_num_rows(int64_t{1} << 40);
+  huge.set_num_cols(1 << 12);
+  huge.set_seed(1);
+  huge.mutable_sharding()->set_dim(0);
+  huge.mutable_sharding()->add_placements("rank:0/cpu");
+  huge.mutable_sharding()->add_placements("rank:1/cpu");
+  absl::StatusOr<v1::TableInfo> created = c->CreateTable(huge);
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kResourceExhausted) << created.status();
+  EXPECT_THAT(std::string(created.status().message()), HasSubstr("could not be loaded"));
+  EXPECT_THAT(std::string(created.status().message()), HasSubstr("cannot allocate"));
 
   // Nothing changed: the stored table is as before, and the servers still serve.
   const std::string after = dir + "/after.safetensors";
