@@ -38,7 +38,7 @@ for init in "--checkpoint=$work/big.safetensors" "--seed=3"; do
   $bin/client/shardserve create-table --coordinator=127.0.0.1:50191 --name=big --rows=$rows --cols=$cols \
     --sharding_dim=1 --world=2 $init --deadline_ms=600000 >/dev/null
   end=$(date +%s.%N)
-  echo "table from ${init%%=*}: serving after $(echo "$end - $start" | bc) s"; rss
+  echo "table from ${init%%=*}: serving after $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b - a}') s"; rss
   $bin/client/shardserve drop big --coordinator=127.0.0.1:50191
   sleep 1
 done
