@@ -234,10 +234,10 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   return absl::OkStatus();
 }
 
-std::vector<float> ShardedOps::AssembleColumns(const ShardLayout& layout, int64_t rows,
-                                               const float* blocks) {
+FloatBuffer ShardedOps::AssembleColumns(const ShardLayout& layout, int64_t rows,
+                                        const float* blocks) {
   const int64_t width = layout.n();
-  std::vector<float> out(rows * width);
+  FloatBuffer out(rows * width);  // every element is written below
   for (int q = 0; q < layout.world_size(); ++q) {
     const int64_t cols = layout.SizeOfRank(q);
     const int64_t col0 = layout.OffsetOfRank(q);

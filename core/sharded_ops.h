@@ -70,8 +70,8 @@ class ShardedOps {
                         std::vector<float>* staging, const float** received,
                         DeviceBuffer* storage);
   // Places column blocks (block q: `rows` rows of rank q's columns) at each rank's column offset.
-  static std::vector<float> AssembleColumns(const ShardLayout& layout, int64_t rows,
-                                            const float* blocks);
+  static FloatBuffer AssembleColumns(const ShardLayout& layout, int64_t rows,
+                                     const float* blocks);
 
   Communicator& control_;
   Communicator& data_;

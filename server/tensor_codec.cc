@@ -64,7 +64,7 @@ absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
   return Decode(tensor, field, v1::FLOAT32, values, shape);
 }
 
-void EncodeFloat(const std::vector<int64_t>& shape, const std::vector<float>& values,
+void EncodeFloat(const std::vector<int64_t>& shape, absl::Span<const float> values,
                  v1::Tensor* tensor) {
   tensor->set_dtype(v1::FLOAT32);
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());

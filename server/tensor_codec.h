@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "core/op_inputs.h"
 #include "core/step_loop.h"
 #include "core/table_config.h"
@@ -21,7 +22,7 @@ absl::Status DecodeInt64(const v1::Tensor& tensor, const std::string& field,
                          std::vector<int64_t>* values, std::vector<int64_t>* shape);
 absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
                          std::vector<float>* values, std::vector<int64_t>* shape);
-void EncodeFloat(const std::vector<int64_t>& shape, const std::vector<float>& values,
+void EncodeFloat(const std::vector<int64_t>& shape, absl::Span<const float> values,
                  v1::Tensor* tensor);
 void EncodeInt64(const std::vector<int64_t>& shape, const std::vector<int64_t>& values,
                  v1::Tensor* tensor);
