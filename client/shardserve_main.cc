@@ -1,6 +1,7 @@
 // shardserve: the command-line client, and `up`, a local cluster on this machine.
 //
 //   shardserve up [--workers=2] [--port=50051] [--exit_after_demo] [--no_demo] [--row_budget=N]
+//                 [--device=cpu|cuda:0]
 //   shardserve create-table --name=T --kind=embedding|linear --rows=N --cols=D
 //                           [--sharding_dim=1] [--placements=rank:1/cpu,rank:0/cpu | --world=2]
 //                           [--seed=S | --checkpoint=PATH] [--padding_idx=P] [--max_norm=M]
@@ -46,6 +47,7 @@ ABSL_FLAG(std::string, server_dir, "", "up: where coordinator_main and worker_ma
 ABSL_FLAG(bool, no_demo, false, "up: do not create the demo tables and run the demo calls");
 ABSL_FLAG(bool, exit_after_demo, false, "up: stop the cluster after the demo");
 ABSL_FLAG(int64_t, row_budget, 0, "up: workers' rows per step (0: their default)");
+ABSL_FLAG(std::string, device, "cpu", "up: the workers' --device (cuda:0 with one GPU and --workers=1)");
 // create-table
 ABSL_FLAG(std::string, name, "", "table name");
 ABSL_FLAG(std::string, kind, "embedding", "embedding | linear");
@@ -320,13 +322,16 @@ int Up(const std::string& argv0) {
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.server_dir = absl::GetFlag(FLAGS_server_dir);
   if (options.server_dir.empty()) options.server_dir = LocalCluster::FindServerDir(argv0);
+  if (const std::string device = absl::GetFlag(FLAGS_device); device != "cpu") {
+    options.worker_flags.push_back("--device=" + device);
+  }
   if (const int64_t budget = absl::GetFlag(FLAGS_row_budget); budget > 0) {
     options.worker_flags.push_back(absl::StrCat("--row_budget=", budget));
   }
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
   if (!cluster.ok()) return Fail(cluster.status());
-  std::printf("coordinator on %s; %d CPU workers:", (*cluster)->coordinator_address().c_str(),
-              options.workers);
+  std::printf("coordinator on %s; %d %s workers:", (*cluster)->coordinator_address().c_str(),
+              options.workers, absl::GetFlag(FLAGS_device).c_str());
   for (int r = 0; r < options.workers; ++r) std::printf(" %s", (*cluster)->worker_address(r).c_str());
   std::printf("\n");
   std::fflush(stdout);

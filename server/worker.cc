@@ -21,7 +21,9 @@
 #include "server/coordinator_rendezvous.h"
 #include "server/grpc_status.h"
 #include "server/tensor_codec.h"
+#ifndef SHARDSERVE_GPU_ONLY
 #include "core/cpu_kernels.h"
+#endif
 #ifdef SHARDSERVE_WITH_CUDA
 #include "core/cuda_kernels.h"
 #include "core/nccl_communicator.h"
@@ -267,7 +269,12 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   std::unique_ptr<Worker> worker(new Worker(std::move(options)));
   Worker* w = worker.get();
   if (device.kind == core::Device::Kind::kCpu) {
+#ifdef SHARDSERVE_GPU_ONLY
+    return absl::InvalidArgumentError(
+        "--device: this GPU-only worker (no LibTorch) serves cuda:N devices only");
+#else
     w->kernels_ = std::make_unique<core::CpuKernels>();
+#endif
   } else {
 #ifdef SHARDSERVE_WITH_CUDA
     ASSIGN_OR_RETURN(w->kernels_, core::CudaKernels::Create(device.index));

@@ -4,19 +4,23 @@
 # by git; carry it to the GPU machine). On the GPU machine run: .device/run.sh
 #   tools/device_check.sh             # prepare
 #   .device/run.sh                    # on the machine with the GPU (< 8 minutes)
-# Today it checks the CUDA kernels against a CPU reference on fresh random inputs and the NCCL
-# communicator with world size 1, then runs the GPU benchmark against PyTorch on the same GPU. A
-# cuda:0 worker end to end is still to come (the worker links LibTorch, too big to carry).
+# It checks the CUDA kernels against a CPU reference on fresh random inputs, the NCCL communicator
+# with world size 1, a cuda:0 worker end to end (GPU-only worker build, no LibTorch), then runs the
+# GPU benchmark against PyTorch on the same GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
-bazel build -c opt //core:cuda_kernels_test //core:nccl_communicator_test //bench:gpu_bench
+bazel build -c opt //core:cuda_kernels_test //core:nccl_communicator_test //bench:gpu_bench \
+  //server:worker_gpu_main //server:coordinator_main //client:shardserve
 rm -rf .device
-mkdir -p .device/bin .device/lib
+mkdir -p .device/bin .device/lib .device/server
 cp -L .bazel/bin/core/cuda_kernels_test .bazel/bin/core/nccl_communicator_test \
-  .bazel/bin/bench/gpu_bench .device/bin/
+  .bazel/bin/bench/gpu_bench .bazel/bin/client/shardserve .device/bin/
+# The end-to-end check runs a GPU-only worker (no LibTorch) under the name `up` looks for.
+cp -L .bazel/bin/server/worker_gpu_main .device/server/worker_main
+cp -L .bazel/bin/server/coordinator_main .device/server/
 cp bench/gpu_torch_baseline.py .device/
-for bin in .device/bin/*; do
+for bin in .device/bin/* .device/server/*; do
   ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
       # The C runtime, the driver and the CUDA libraries come from the GPU machine.
@@ -28,7 +32,8 @@ for bin in .device/bin/*; do
 done
 cat > .device/run.sh <<'RUN'
 #!/usr/bin/env bash
-# Runs on the GPU machine: kernel conformance, NCCL with world size 1, the GPU benchmark.
+# Runs on the GPU machine: kernel conformance, NCCL with world size 1, a cuda:0 worker end to end,
+# the GPU benchmark.
 set -uo pipefail
 cd "$(dirname "$0")"
 # CUDA libraries: the toolkit's, else the ones PyTorch's wheels ship.
@@ -41,6 +46,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 rc=0
 ./bin/cuda_kernels_test || rc=1
 ./bin/nccl_communicator_test || rc=1
+# A worker serving tables on cuda:0 end to end: coordinator + 1 GPU worker, the demo's calls
+# through the public API checked against the unsharded result.
+timeout 180 ./bin/shardserve up --workers=1 --port=0 --device=cuda:0 --exit_after_demo \
+  --server_dir="$PWD/server" || rc=1
 # GPU benchmark, shardserve then PyTorch on the same GPU (targets: >= 1.5x PyTorch's bags/s,
 # >= 60 % of copy bandwidth; linear within 10 % of F.linear).
 ./bin/gpu_bench || rc=1
