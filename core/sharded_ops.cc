@@ -27,6 +27,20 @@ std::vector<int64_t> Scaled(const std::vector<int64_t>& v, int64_t factor) {
   return out;
 }
 
+// Reduces the W blocks of `size` floats that arrived from every rank (sum, or max) into one.
+FloatBuffer ReduceBlocks(const float* blocks, int world, int64_t size, ReduceOp op) {
+  FloatBuffer out(blocks, blocks + size);
+  for (int q = 1; q < world; ++q) {
+    const float* block = blocks + q * size;
+    if (op == ReduceOp::kMax) {
+      for (int64_t i = 0; i < size; ++i) out[i] = std::max(out[i], block[i]);
+    } else {
+      for (int64_t i = 0; i < size; ++i) out[i] += block[i];
+    }
+  }
+  return out;
+}
+
 // Bags of one source re-expressed over local shard rows, keeping only the ids `local_row` maps to
 // a row (>= 0): ids of other shards and padding ids drop out of the bag.
 struct LocalBags {
@@ -378,16 +392,9 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
     const int64_t size = mine.num_bags * dim;
     RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), dim), std::vector<int64_t>(world, size), pool,
                              &staging, &received, &storage));
-    result.values.assign(received, received + size);
     const bool max_mode = mine.mode == PoolMode::kMax;
-    for (int q = 1; q < world; ++q) {
-      const float* block = received + q * size;
-      if (max_mode) {
-        for (int64_t i = 0; i < size; ++i) result.values[i] = std::max(result.values[i], block[i]);
-      } else {
-        for (int64_t i = 0; i < size; ++i) result.values[i] += block[i];
-      }
-    }
+    result.values =
+        ReduceBlocks(received, world, size, max_mode ? ReduceOp::kMax : ReduceOp::kSum);
     if (mine.mode != PoolMode::kSum) {
       // Count the ids that took part in each bag (padding excluded) to finish mean and max.
       for (int64_t b = 0; b < mine.num_bags; ++b) {
@@ -418,7 +425,7 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
   const int64_t in = config.num_cols, out_features = config.num_rows;
   ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kRows, {}, nullptr, nullptr,
                                             PoolMode::kSum, input.values));
-  std::vector<int64_t> rows_of = Scaled(g.NumIds(), 1);
+  std::vector<int64_t> rows_of = g.NumIds();  // values per source -> rows
   for (int64_t& r : rows_of) r /= in;
   const int64_t my_rows = rows_of[me];
 
@@ -452,11 +459,7 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
                                  nullptr, block);
         },
         &staging, &received, &storage));
-    result.values.assign(received, received + size);
-    for (int q = 1; q < world; ++q) {
-      const float* block = received + q * size;
-      for (int64_t i = 0; i < size; ++i) result.values[i] += block[i];
-    }
+    result.values = ReduceBlocks(received, world, size, ReduceOp::kSum);
     if (bias != nullptr) {
       for (int64_t r = 0; r < my_rows; ++r) {
         for (int64_t j = 0; j < out_features; ++j) result.values[r * out_features + j] += bias[j];

@@ -229,8 +229,10 @@ void StepLoop::Run() {
                 batch.end());
 
     // Agreement round: every rank learns which (table, op) work any rank has.
-    std::set<std::string> mine;
-    for (const auto& r : batch) mine.insert(KeyOf(*r));
+    std::vector<std::string> keys;  // keys[i] is batch[i]'s
+    keys.reserve(batch.size());
+    for (const auto& r : batch) keys.push_back(KeyOf(*r));
+    const std::set<std::string> mine(keys.begin(), keys.end());
     const std::string message = absl::StrJoin(mine, "\n");
     absl::StatusOr<std::vector<absl::Span<const char>>> views = comm->AllGatherMessages(
         absl::MakeConstSpan(message.data(), message.size()), options_.collective_timeout);
@@ -281,8 +283,8 @@ void StepLoop::Run() {
                 absl::StrCat("table \"", key.table, "\" is not loaded on this rank"));
           }
           std::vector<StepRequest*> reqs;
-          for (auto& r : batch) {
-            if (KeyOf(*r) == text) reqs.push_back(r.get());
+          for (size_t i = 0; i < batch.size(); ++i) {
+            if (keys[i] == text) reqs.push_back(batch[i].get());
           }
           // Concatenate this rank's requests into one input (empty when it has none).
           std::vector<int64_t> ids, offsets = {0};
