@@ -7,6 +7,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "core/process_setup.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
@@ -54,6 +55,7 @@ class Echo final : public shardserve::v1::DataService::CallbackService {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shardserve::core::SetUpServingProcess();  // the same malloc settings as the workers
   absl::ParseCommandLine(argc, argv);
   Echo echo;
   grpc::ServerBuilder builder;

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/load_stats.h"
+#include "core/process_setup.h"
 
 ABSL_FLAG(int, port, 6399, "redis-server port on 127.0.0.1");
 ABSL_FLAG(bool, load, false, "store the table (seeded values) and exit");
@@ -70,6 +71,7 @@ int Load() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shardserve::core::SetUpServingProcess();  // the same malloc settings as shardserve-load
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_load)) return Load();
   const int64_t rows = absl::GetFlag(FLAGS_rows), dim = absl::GetFlag(FLAGS_dim);

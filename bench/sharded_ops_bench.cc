@@ -13,9 +13,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_format.h"
 #include "core/in_process_group.h"
+#include "core/process_setup.h"
 #include "core/sharded_ops.h"
 
 ABSL_FLAG(std::string, op, "embedding_bag", "embedding | embedding_bag | linear");
@@ -119,7 +119,7 @@ absl::Status Run(const Options& o, double* per_step_s) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // see worker_main.cc
+  shardserve::core::SetUpServingProcess();
   shardserve::bench::Options o{absl::GetFlag(FLAGS_op),    absl::GetFlag(FLAGS_sharding),
                                absl::GetFlag(FLAGS_mode),  absl::GetFlag(FLAGS_world),
                                absl::GetFlag(FLAGS_iters), absl::GetFlag(FLAGS_warmup),

@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/load_stats.h"
+#include "core/process_setup.h"
 #include "grpcpp/create_channel.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
@@ -155,7 +156,7 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
 
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // see worker_main.cc
+  core::SetUpServingProcess();
   std::vector<std::string> addresses;
   int64_t rows = absl::GetFlag(FLAGS_rows), in_features = absl::GetFlag(FLAGS_cols);
   if (!absl::GetFlag(FLAGS_target).empty()) {

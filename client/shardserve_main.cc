@@ -33,6 +33,7 @@
 #include "client/client.h"
 #include "client/json_tensor.h"
 #include "client/local_cluster.h"
+#include "core/process_setup.h"
 #include "core/safetensors.h"
 #include "server/lifecycle.h"
 
@@ -352,6 +353,7 @@ int Up(const std::string& argv0) {
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "shardserve <up|create-table|tables|describe|drop|export|embedding|bag|linear> [flags]");
+  core::SetUpServingProcess();
   server::BlockShutdownSignals();  // `up` waits for them (its children start unblocked)
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) {

@@ -6,7 +6,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/synchronization/mutex.h"
+#include "core/process_setup.h"
 #include "server/lifecycle.h"
 #include "server/coordinator.h"
 
@@ -18,9 +18,7 @@ ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
 
 int main(int argc, char** argv) {
   shardserve::server::BlockShutdownSignals();
-  // Debian's Abseil tracks lock order on every Mutex acquisition (a debugging aid); the serving
-  // hot path takes mutexes per request, so switch the tracking off.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  shardserve::core::SetUpServingProcess();
   absl::ParseCommandLine(argc, argv);
   shardserve::server::CoordinatorOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
