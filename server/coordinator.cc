@@ -14,6 +14,7 @@
 #include "core/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
@@ -24,7 +25,7 @@
 namespace shardserve::server {
 namespace {
 
-std::chrono::system_clock::time_point DeadlineOr(const grpc::ServerContext* context,
+std::chrono::system_clock::time_point DeadlineOr(const grpc::ServerContextBase* context,
                                                  absl::Duration fallback) {
   const auto deadline = context->deadline();
   const auto fallback_deadline = absl::ToChronoTime(absl::Now() + fallback);
@@ -240,7 +241,7 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
                           absl::StrCat("rank ", request->rank(), " is held by a live worker at ",
                                        m.address));
     }
-    if (m.address != request->address()) c_.stubs_.erase(m.address);
+    if (m.address != request->address()) c_.channels_.erase(m.address);
     m.address = request->address();
     m.device = request->device();
     m.incarnation = request->incarnation();
@@ -298,62 +299,62 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
   Coordinator& c_;
 };
 
-// The data API for thin clients: each call goes whole to one live worker (one extra hop).
-class Coordinator::ForwardingService final : public v1::DataService::Service {
+// The data API for thin clients: each call goes whole to one live worker (one extra hop). Unary
+// calls pass through as raw bytes, never parsed or copied here, and hold no thread while the
+// worker answers; a malformed request gets the worker's INVALID_ARGUMENT.
+class Coordinator::ForwardingService final
+    : public v1::DataService::WithRawCallbackMethod_Embedding<
+          v1::DataService::WithRawCallbackMethod_EmbeddingBag<
+              v1::DataService::WithRawCallbackMethod_Linear<v1::DataService::Service>>> {
  public:
   explicit ForwardingService(Coordinator& c) : c_(c) {}
 
-  template <typename Request, typename Call>
-  grpc::Status Forward(grpc::ServerContext* context, const Request& request,
-                       v1::TensorResponse* response, Call call) {
-    absl::StatusOr<std::shared_ptr<v1::DataService::Stub>> stub = c_.PickWorker();
-    if (!stub.ok()) return ToGrpcStatus(stub.status());
-    grpc::ClientContext client;
-    client.set_deadline(DeadlineOr(context, absl::Seconds(60)));
-    return call(stub->get(), &client, request, response);
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const char* method,
+                                    const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = c_.PickWorker();
+    if (!channel.ok()) {
+      reactor->Finish(ToGrpcStatus(channel.status()));
+      return reactor;
+    }
+    struct Call {
+      explicit Call(std::shared_ptr<grpc::Channel> channel) : stub(std::move(channel)) {}
+      grpc::GenericStub stub;
+      grpc::ClientContext client;
+    };
+    auto* call = new Call(*std::move(channel));
+    call->client.set_deadline(DeadlineOr(context, absl::Seconds(60)));
+    call->stub.UnaryCall(&call->client, method, grpc::StubOptions(), request, response,
+                         [reactor, call](grpc::Status status) {
+                           delete call;
+                           reactor->Finish(status);
+                         });
+    return reactor;
   }
 
-  grpc::Status Embedding(grpc::ServerContext* context, const v1::EmbeddingRequest* request,
-                         v1::TensorResponse* response) override {
-    return Forward(context, *request, response,
-                   [](v1::DataService::Stub* s, grpc::ClientContext* c, const auto& rq, auto* rs) {
-                     return s->Embedding(c, rq, rs);
-                   });
+  grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* context,
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override {
+    return Forward(context, "/shardserve.v1.DataService/Embedding", request, response);
   }
-  grpc::Status EmbeddingBag(grpc::ServerContext* context, const v1::EmbeddingBagRequest* request,
-                            v1::TensorResponse* response) override {
-    return Forward(context, *request, response,
-                   [](v1::DataService::Stub* s, grpc::ClientContext* c, const auto& rq, auto* rs) {
-                     return s->EmbeddingBag(c, rq, rs);
-                   });
+  grpc::ServerUnaryReactor* EmbeddingBag(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override {
+    return Forward(context, "/shardserve.v1.DataService/EmbeddingBag", request, response);
   }
-  grpc::Status Linear(grpc::ServerContext* context, const v1::LinearRequest* request,
-                      v1::TensorResponse* response) override {
-    return Forward(context, *request, response,
-                   [](v1::DataService::Stub* s, grpc::ClientContext* c, const auto& rq, auto* rs) {
-                     return s->Linear(c, rq, rs);
-                   });
+  grpc::ServerUnaryReactor* Linear(grpc::CallbackServerContext* context,
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override {
+    return Forward(context, "/shardserve.v1.DataService/Linear", request, response);
   }
+
+  // Each request of the stream is answered by one worker call, in order.
   grpc::Status Stream(grpc::ServerContext* context,
                       grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override {
     v1::StreamRequest request;
     while (stream->Read(&request)) {
       v1::TensorResponse out;
-      grpc::Status status;
-      switch (request.op_case()) {
-        case v1::StreamRequest::kEmbedding:
-          status = Embedding(context, &request.embedding(), &out);
-          break;
-        case v1::StreamRequest::kEmbeddingBag:
-          status = EmbeddingBag(context, &request.embedding_bag(), &out);
-          break;
-        case v1::StreamRequest::kLinear:
-          status = Linear(context, &request.linear(), &out);
-          break;
-        default:
-          status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                "stream request: set one of embedding, embedding_bag, linear");
-      }
+      const grpc::Status status = ForwardOne(context, request, &out);
       v1::StreamResponse response;
       response.set_id(request.id());
       if (status.ok()) {
@@ -368,6 +369,27 @@ class Coordinator::ForwardingService final : public v1::DataService::Service {
   }
 
  private:
+  grpc::Status ForwardOne(grpc::ServerContext* context, const v1::StreamRequest& request,
+                          v1::TensorResponse* out) {
+    if (request.op_case() == v1::StreamRequest::OP_NOT_SET) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "stream request: set one of embedding, embedding_bag, linear");
+    }
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = c_.PickWorker();
+    if (!channel.ok()) return ToGrpcStatus(channel.status());
+    std::unique_ptr<v1::DataService::Stub> stub = v1::DataService::NewStub(*channel);
+    grpc::ClientContext client;
+    client.set_deadline(DeadlineOr(context, absl::Seconds(60)));
+    switch (request.op_case()) {
+      case v1::StreamRequest::kEmbedding:
+        return stub->Embedding(&client, request.embedding(), out);
+      case v1::StreamRequest::kEmbeddingBag:
+        return stub->EmbeddingBag(&client, request.embedding_bag(), out);
+      default:
+        return stub->Linear(&client, request.linear(), out);
+    }
+  }
+
   Coordinator& c_;
 };
 
@@ -539,21 +561,20 @@ v1::TableInfo Coordinator::InfoOf(const v1::TableSpec& spec) const {
   return info;
 }
 
-absl::StatusOr<std::shared_ptr<v1::DataService::Stub>> Coordinator::PickWorker() {
+absl::StatusOr<std::shared_ptr<grpc::Channel>> Coordinator::PickWorker() {
   absl::MutexLock lock(&mu_);
   if (!GroupServing()) {
     return absl::UnavailableError("group not formed: waiting for all ranks");
   }
   const Member& m = members_[next_worker_++ % members_.size()];
-  auto& stub = stubs_[m.address];
-  if (stub == nullptr) {
+  auto& channel = channels_[m.address];
+  if (channel == nullptr) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(1 << 30);
     args.SetMaxSendMessageSize(1 << 30);
-    stub = v1::DataService::NewStub(
-        grpc::CreateCustomChannel(m.address, grpc::InsecureChannelCredentials(), args));
+    channel = grpc::CreateCustomChannel(m.address, grpc::InsecureChannelCredentials(), args);
   }
-  return stub;
+  return channel;
 }
 
 void Coordinator::Tick() {

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/server.h"
 #include "proto/internal.grpc.pb.h"
 #include "proto/shardserve.grpc.pb.h"
@@ -72,8 +73,8 @@ class Coordinator {
   // Ready, and every worker has acknowledged that it accepts calls for it.
   bool TableServing(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::TableInfo InfoOf(const v1::TableSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A data-service stub of some live worker (round robin).
-  absl::StatusOr<std::shared_ptr<v1::DataService::Stub>> PickWorker();
+  // A channel to some live worker's data service (round robin).
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> PickWorker();
   void Tick();
 
   const CoordinatorOptions options_;
@@ -92,7 +93,7 @@ class Coordinator {
   absl::Time epoch_started_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> epoch_incarnations_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> rendezvous_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<v1::DataService::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   size_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

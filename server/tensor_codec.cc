@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/slice.h"
 
 namespace shardserve::server {
 namespace {
@@ -52,6 +54,13 @@ core::PoolMode ModeOf(v1::PoolMode mode) {
   }
 }
 
+// Protobuf's length-delimited field key (wire type 2) and base-128 varints.
+void AppendLengthKey(int field, std::string* out) { out->push_back(static_cast<char>(field << 3 | 2)); }
+void AppendVarint(uint64_t value, std::string* out) {
+  for (; value >= 0x80; value >>= 7) out->push_back(static_cast<char>(value | 0x80));
+  out->push_back(static_cast<char>(value));
+}
+
 }  // namespace
 
 absl::Status DecodeInt64(const v1::Tensor& tensor, const std::string& field,
@@ -69,6 +78,43 @@ void EncodeFloat(const std::vector<int64_t>& shape, absl::Span<const float> valu
   tensor->set_dtype(v1::FLOAT32);
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
   tensor->set_data(values.data(), values.size() * sizeof(float));
+}
+
+grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result) {
+  v1::Tensor head;  // every field of the Tensor but its data
+  head.set_dtype(v1::FLOAT32);
+  head.mutable_shape()->Assign(result.shape.begin(), result.shape.end());
+  const size_t data_bytes = result.values.size() * sizeof(float);
+  std::string data_key;  // proto3 leaves an empty bytes field out
+  if (data_bytes > 0) {
+    AppendLengthKey(v1::Tensor::kDataFieldNumber, &data_key);
+    AppendVarint(data_bytes, &data_key);
+  }
+  std::string prefix;
+  AppendLengthKey(v1::TensorResponse::kOutputFieldNumber, &prefix);
+  AppendVarint(head.ByteSizeLong() + data_key.size() + data_bytes, &prefix);
+  head.AppendToString(&prefix);
+  prefix += data_key;
+  if (data_bytes == 0) {
+    grpc::Slice only(prefix);
+    return grpc::ByteBuffer(&only, 1);
+  }
+  auto* values = new core::FloatBuffer(std::move(result.values));
+  const grpc::Slice slices[] = {
+      grpc::Slice(prefix),
+      grpc::Slice(values->data(), data_bytes,
+                  [](void* owner) { delete static_cast<core::FloatBuffer*>(owner); }, values)};
+  return grpc::ByteBuffer(slices, 2);
+}
+
+absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message) {
+  grpc::ByteBuffer shared(raw);  // the reader consumes its buffer; this one shares the slices
+  grpc::ProtoBufferReader reader(&shared);
+  if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the request is not a valid ", message->GetTypeName(), " message"));
+  }
+  return absl::OkStatus();
 }
 
 void EncodeInt64(const std::vector<int64_t>& shape, const std::vector<int64_t>& values,

@@ -14,6 +14,8 @@
 #include "core/op_inputs.h"
 #include "core/step_loop.h"
 #include "core/table_config.h"
+#include "google/protobuf/message_lite.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "proto/shardserve.pb.h"
 
 namespace shardserve::server {
@@ -24,6 +26,14 @@ absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
                          std::vector<float>* values, std::vector<int64_t>* shape);
 void EncodeFloat(const std::vector<int64_t>& shape, absl::Span<const float> values,
                  v1::Tensor* tensor);
+// A TensorResponse holding `result` in protobuf's wire format (the very bytes
+// TensorResponse::SerializeAsString() gives), with the values referenced where they lie, not
+// copied: the buffer owns them and frees them once gRPC has sent them.
+grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result);
+
+// Parses a request that arrived as raw bytes: INVALID_ARGUMENT if they are not a `message`.
+absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message);
+
 void EncodeInt64(const std::vector<int64_t>& shape, const std::vector<int64_t>& values,
                  v1::Tensor* tensor);
 

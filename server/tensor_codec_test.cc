@@ -1,8 +1,12 @@
 #include "server/tensor_codec.h"
 
 #include <cstring>
+#include <random>
+#include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 
 namespace shardserve::server {
@@ -84,6 +88,52 @@ TEST(TensorCodec, BagRequestBecomesCanonicalStepRequest) {
   *request.mutable_per_sample_weights() = weights;
   EXPECT_THAT(std::string(MakeStepRequest(request, table, {}).status().message()),
               HasSubstr("per_sample_weights: only supported with mode sum"));
+}
+
+std::string Bytes(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buffer.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return bytes;
+}
+
+// The hand-written wire encoding must be exactly what protobuf writes, for any shape and size
+// (varint lengths of 1 to 4 bytes, empty data).
+TEST(TensorCodec, ResponseWireBytesMatchProtobuf) {
+  std::mt19937 rng(7);
+  for (const std::vector<int64_t>& shape :
+       std::vector<std::vector<int64_t>>{{3}, {2, 3}, {0, 128}, {1, 31}, {40, 128}, {10240, 128}, {2, 3, 5}}) {
+    core::DenseResult result;
+    result.shape = shape;
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    result.values.resize(n);
+    for (float& v : result.values) v = std::uniform_real_distribution<float>(-1, 1)(rng);
+    v1::TensorResponse expected;
+    EncodeFloat(shape, result.values, expected.mutable_output());
+    const std::string wire = Bytes(EncodeTensorResponse(std::move(result)));
+    EXPECT_EQ(wire, expected.SerializeAsString()) << "shape size " << shape.size() << ", n " << n;
+    v1::TensorResponse parsed;
+    ASSERT_TRUE(parsed.ParseFromString(wire));
+    EXPECT_EQ(parsed.output().data(), expected.output().data());
+  }
+}
+
+TEST(TensorCodec, ParsesRawRequestsAndRejectsGarbage) {
+  v1::EmbeddingRequest request;
+  request.set_table("t");
+  *request.mutable_ids() = Ids({2}, {5, 6});
+  const std::string wire = request.SerializeAsString();
+  grpc::Slice slice(wire);
+  v1::EmbeddingRequest parsed;
+  ASSERT_TRUE(ParseRaw(grpc::ByteBuffer(&slice, 1), &parsed).ok());
+  EXPECT_EQ(parsed.table(), "t");
+  EXPECT_EQ(parsed.ids().data(), request.ids().data());
+  grpc::Slice garbage(std::string("\xff\xff\xff"));
+  const absl::Status status = ParseRaw(grpc::ByteBuffer(&garbage, 1), &parsed);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("not a valid shardserve.v1.EmbeddingRequest"));
 }
 
 }  // namespace

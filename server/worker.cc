@@ -45,16 +45,25 @@ std::string TableHealthName(const std::string& table) {
 }  // namespace
 
 // The data API, on gRPC's callback API: handlers validate, enqueue and return; the StepLoop
-// finishes each call.
-class Worker::DataService final : public v1::DataService::CallbackService {
+// finishes each call. The unary methods take and give raw bytes so that a result goes out
+// without being copied into a response message (EncodeTensorResponse); on the wire they are the
+// same messages.
+class Worker::DataService final
+    : public v1::DataService::WithRawCallbackMethod_Embedding<
+          v1::DataService::WithRawCallbackMethod_EmbeddingBag<
+              v1::DataService::WithRawCallbackMethod_Linear<
+                  v1::DataService::WithCallbackMethod_Stream<v1::DataService::Service>>>> {
  public:
   explicit DataService(Worker& worker) : worker_(worker) {}
 
   template <typename Request>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const Request* request,
-                                  v1::TensorResponse* response) {
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw,
+                                  grpc::ByteBuffer* response) {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    absl::StatusOr<std::unique_ptr<core::StepRequest>> step = Prepare(*request);
+    Request request;
+    const absl::Status parsed = ParseRaw(*raw, &request);
+    absl::StatusOr<std::unique_ptr<core::StepRequest>> step =
+        parsed.ok() ? Prepare(request) : parsed;
     if (!step.ok()) {
       reactor->Finish(ToGrpcStatus(step.status()));
       return reactor;
@@ -65,7 +74,7 @@ class Worker::DataService final : public v1::DataService::CallbackService {
         reactor->Finish(ToGrpcStatus(result.status()));
         return;
       }
-      EncodeFloat(result->shape, result->values, response->mutable_output());
+      *response = EncodeTensorResponse(*std::move(result));
       reactor->Finish(grpc::Status::OK);
     };
     worker_.loop().Submit(std::move(*step));
@@ -79,19 +88,19 @@ class Worker::DataService final : public v1::DataService::CallbackService {
   }
 
   grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* context,
-                                      const v1::EmbeddingRequest* request,
-                                      v1::TensorResponse* response) override {
-    return Unary(context, request, response);
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override {
+    return Unary<v1::EmbeddingRequest>(context, request, response);
   }
   grpc::ServerUnaryReactor* EmbeddingBag(grpc::CallbackServerContext* context,
-                                         const v1::EmbeddingBagRequest* request,
-                                         v1::TensorResponse* response) override {
-    return Unary(context, request, response);
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override {
+    return Unary<v1::EmbeddingBagRequest>(context, request, response);
   }
   grpc::ServerUnaryReactor* Linear(grpc::CallbackServerContext* context,
-                                   const v1::LinearRequest* request,
-                                   v1::TensorResponse* response) override {
-    return Unary(context, request, response);
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override {
+    return Unary<v1::LinearRequest>(context, request, response);
   }
 
   // Pipelines many requests on one stream: each read is validated and queued at once, responses

@@ -30,7 +30,9 @@
 #include "client/local_cluster.h"
 #include "core/safetensors.h"
 #include "gmock/gmock.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "proto/health.grpc.pb.h"
 
@@ -435,6 +437,25 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   *b.mutable_per_sample_weights() = client::FloatTensor({4}, {1, 1, 1, 1});
   b.set_mode(v1::MEAN);
   EXPECT_THAT(code_and_message(c->EmbeddingBag(b)).second, HasSubstr("per_sample_weights: only supported with mode sum"));
+  // Bytes that are not a request message at all, straight to a worker and to the coordinator.
+  for (const std::string& address : {cluster->worker_address(0), cluster->coordinator_address()}) {
+    grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::Slice garbage(std::string("\xff\xff\xff\xff"));
+    grpc::ByteBuffer request(&garbage, 1), response;
+    absl::Notification done;
+    grpc::Status status;
+    stub.UnaryCall(&context, "/shardserve.v1.DataService/Embedding", {}, &request, &response,
+                   [&](grpc::Status s) {
+                     status = s;
+                     done.Notify();
+                   });
+    done.WaitForNotification();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << address;
+    EXPECT_THAT(status.error_message(), HasSubstr("not a valid shardserve.v1.EmbeddingRequest"));
+  }
+
   v1::LinearRequest l;
   l.set_table("emb");
   *l.mutable_input() = client::FloatTensor({1, 4}, {1, 2, 3, 4});
