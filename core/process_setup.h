@@ -7,10 +7,11 @@ namespace shardserve::core {
 
 // - Switches off Abseil's lock-order tracking, which Debian's build runs on every Mutex
 //   acquisition (a debugging aid that cost 4-5 % of a worker's CPU on the hot path).
-// - Keeps message-sized buffers (up to 32 MiB) in malloc's heaps instead of fresh mmaps, and
-//   lets up to 64 MiB of freed heap stay mapped. glibc's default maps each large buffer anew and
-//   returns it on free, so every multi-megabyte request, response or result is page-faulted in
-//   again: with 5 MB responses that was most of the client's and the server's time.
+// - Keeps message-sized buffers (up to 32 MiB) in malloc's heap instead of fresh mmaps, lets up
+//   to 64 MiB of freed heap stay mapped, and uses one heap for all threads. glibc's default maps
+//   each large buffer anew and returns it on free, so every multi-megabyte request, response or
+//   result is page-faulted in again: with 5 MB responses that was most of the client's and the
+//   server's time.
 void SetUpServingProcess();
 
 }  // namespace shardserve::core
