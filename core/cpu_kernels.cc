@@ -95,7 +95,7 @@ absl::Status CpuKernels::CopyToHost(const void* device, void* host, int64_t byte
 }
 
 absl::Status CpuKernels::GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n,
-                                    float* out) {
+                                    float* out, int64_t out_stride) {
   if (n == 0 || shard.cols == 0) return absl::OkStatus();
   // A row copy per id, with the rows a few ids ahead prefetched: the rows are scattered over a
   // shard far larger than the caches, so each copy would otherwise wait on memory (10-30 % faster
@@ -116,7 +116,7 @@ absl::Status CpuKernels::GatherRows(const MatrixView& shard, const int64_t* ids,
       return absl::InternalError(absl::StrCat("cpu kernel gather rows: row ", id,
                                               " is outside the shard's ", shard.rows, " rows"));
     }
-    std::memcpy(out + i * shard.cols, shard.data + id * shard.cols, row_bytes);
+    std::memcpy(out + i * out_stride, shard.data + id * shard.cols, row_bytes);
   }
   return absl::OkStatus();
 }

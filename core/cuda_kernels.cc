@@ -118,7 +118,10 @@ absl::Status CudaKernels::Sync(const char* what) {
 }
 
 absl::Status CudaKernels::GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n,
-                                     float* out) {
+                                     float* out, int64_t out_stride) {
+  if (out_stride != shard.cols) {
+    return absl::UnimplementedError("cuda gather rows: strided output is not supported");
+  }
   if (n == 0 || shard.cols == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
   cuda::LaunchGatherRows(shard.data, shard.cols, static_cast<const int64_t*>(d_ids), n, out, stream_);

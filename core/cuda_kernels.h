@@ -32,7 +32,7 @@ class CudaKernels : public LocalKernels {
   absl::Status CopyToHost(const void* device, void* host, int64_t bytes) override;
 
   absl::Status GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n,
-                          float* out) override;
+                          float* out, int64_t out_stride) override;
   absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
                         float empty_max, float* out) override;
   absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n, double p,

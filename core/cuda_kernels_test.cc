@@ -32,9 +32,10 @@ class ReferenceKernels : public LocalKernels {
   absl::StatusOr<DeviceBuffer> Allocate(int64_t) override { return absl::UnimplementedError(""); }
   absl::Status CopyFromHost(const void*, void*, int64_t) override { return absl::UnimplementedError(""); }
   absl::Status CopyToHost(const void*, void*, int64_t) override { return absl::UnimplementedError(""); }
-  absl::Status GatherRows(const MatrixView& s, const int64_t* ids, int64_t n, float* out) override {
+  absl::Status GatherRows(const MatrixView& s, const int64_t* ids, int64_t n, float* out,
+                          int64_t out_stride) override {
     for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < s.cols; ++j) out[i * s.cols + j] = s.data[ids[i] * s.cols + j];
+      for (int64_t j = 0; j < s.cols; ++j) out[i * out_stride + j] = s.data[ids[i] * s.cols + j];
     }
     return absl::OkStatus();
   }
@@ -143,7 +144,7 @@ TEST_F(CudaConformance, GatherRowsMatchesCpu) {
     std::vector<int64_t> ids(333);
     for (auto& id : ids) id = rng_() % 500;
     auto op = [&](LocalKernels& k, const MatrixView& s, float* out) {
-      return k.GatherRows(s, ids.data(), ids.size(), out);
+      return k.GatherRows(s, ids.data(), ids.size(), out, s.cols);
     };
     ExpectNear(Run(ids.size() * cols, op, false), Run(ids.size() * cols, op, true));
   }

@@ -88,9 +88,10 @@ class LocalKernels {
   virtual absl::Status CopyFromHost(const void* host, void* device, int64_t bytes) = 0;
   virtual absl::Status CopyToHost(const void* device, void* host, int64_t bytes) = 0;
 
-  // out[i, :] = shard[ids[i], :] for i < n. ids (host) are local rows in range.
+  // out[i * out_stride + j] = shard[ids[i], j] for i < n, j < shard.cols. ids (host) are local
+  // rows in range; out_stride >= shard.cols (GPU kernels: out_stride == shard.cols only).
   virtual absl::Status GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n,
-                                  float* out) = 0;
+                                  float* out, int64_t out_stride) = 0;
 
   // out[b, :] = pooled shard rows of bag b: sum (weighted by bags.weights when given), mean or
   // max. An empty bag gives 0, except in max mode, where it gives `empty_max`.

@@ -250,17 +250,23 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
 
 FloatBuffer ShardedOps::AssembleColumns(const ShardLayout& layout, int64_t rows,
                                         const float* blocks) {
+  FloatBuffer out(rows * layout.n());  // every element is written below
+  PlaceColumns(layout, rows, blocks, /*skip=*/-1, out.data());
+  return out;
+}
+
+void ShardedOps::PlaceColumns(const ShardLayout& layout, int64_t rows, const float* blocks,
+                              int skip, float* out) {
   const int64_t width = layout.n();
-  FloatBuffer out(rows * width);  // every element is written below
   for (int q = 0; q < layout.world_size(); ++q) {
+    if (q == skip) continue;
     const int64_t cols = layout.SizeOfRank(q);
     const int64_t col0 = layout.OffsetOfRank(q);
     for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(&out[r * width + col0], blocks + r * cols, cols * sizeof(float));
+      std::memcpy(out + r * width + col0, blocks + r * cols, cols * sizeof(float));
     }
     blocks += rows * cols;
   }
-  return out;
 }
 
 absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
@@ -284,15 +290,30 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
   DenseResult result;
   if (config.spec.dim() == 1) {
     // Every rank holds a column chunk of every row: look up each source's ids, swap column blocks.
-    std::vector<int64_t> recv(world);
+    // Host kernels write this rank's own columns straight into the result.
+    const bool direct = kernels_.host_accessible();
+    std::vector<int64_t> send = Scaled(g.NumIds(), shard.cols), recv(world);
     for (int q = 0; q < world; ++q) recv[q] = mine.num_ids * layout.SizeOfRank(q);
+    if (direct) {
+      send[me] = recv[me] = 0;
+      result.values.resize(mine.num_ids * dim);
+    }
     RETURN_IF_ERROR(Exchange(
-        Scaled(g.NumIds(), shard.cols), recv,
+        send, recv,
         [&](int dest, float* block) {
-          return kernels_.GatherRows(shard, g.sources[dest].ids, g.sources[dest].num_ids, block);
+          const Gathered::Source& s = g.sources[dest];
+          if (direct && dest == me) {
+            return kernels_.GatherRows(shard, s.ids, s.num_ids,
+                                       result.values.data() + layout.OffsetOfRank(me), dim);
+          }
+          return kernels_.GatherRows(shard, s.ids, s.num_ids, block, shard.cols);
         },
         &staging, &received, &storage));
-    result.values = AssembleColumns(layout, mine.num_ids, received);
+    if (direct) {
+      PlaceColumns(layout, mine.num_ids, received, me, result.values.data());
+    } else {
+      result.values = AssembleColumns(layout, mine.num_ids, received);
+    }
   } else {
     // Row chunks: each rank sends every source exactly the rows it owns of that source's ids.
     std::vector<int64_t> send(world, 0), recv(world, 0);
@@ -308,7 +329,7 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
     RETURN_IF_ERROR(Exchange(
         Scaled(send, dim), Scaled(recv, dim),
         [&](int dest, float* block) {
-          return kernels_.GatherRows(shard, local_rows[dest].data(), send[dest], block);
+          return kernels_.GatherRows(shard, local_rows[dest].data(), send[dest], block, dim);
         },
         &staging, &received, &storage));
     std::vector<int64_t> cursor(world, 0);  // next row of each owner's block

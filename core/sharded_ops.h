@@ -72,6 +72,10 @@ class ShardedOps {
   // Places column blocks (block q: `rows` rows of rank q's columns) at each rank's column offset.
   static FloatBuffer AssembleColumns(const ShardLayout& layout, int64_t rows,
                                      const float* blocks);
+  // The same into `out` (rows x layout.n()), for the blocks of every rank but `skip` (-1: none),
+  // which `blocks` holds in rank order.
+  static void PlaceColumns(const ShardLayout& layout, int64_t rows, const float* blocks, int skip,
+                           float* out);
 
   Communicator& control_;
   Communicator& data_;
