@@ -46,6 +46,9 @@ class PendingExchange {
   // block for this rank itself is copied into place. Call once per peer whose count is non-zero;
   // `data` must stay valid until Wait() returns.
   virtual absl::Status Send(int peer, const void* data, int64_t count) = 0;
+  // Host memory to compute the block for `peer` (count elements) in, so that Send(peer, it,
+  // count) moves nothing (the peer reads it from there), or null: compute it anywhere.
+  virtual void* SendBuffer(int peer, int64_t count) { return nullptr; }
   // Waits until every block has arrived and every send has left.
   virtual absl::Status Wait() = 0;
 };

@@ -1,18 +1,27 @@
 #include "core/gloo_communicator.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
 #include <exception>
 #include <numeric>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/status_macros.h"
 #include "gloo/allgatherv.h"
 #include "gloo/allreduce.h"
 #include "gloo/alltoallv.h"
@@ -108,6 +117,119 @@ void Dispatch(DataType type, Fn&& fn) {
 
 }  // namespace
 
+// This rank's outbox and the peers' outboxes it maps (see the header). An outbox is a header page
+// (a random nonce) and then one slot of `block_bytes` per peer, in rank order without the owner.
+struct GlooCommunicator::SharedMemory {
+  static constexpr size_t kHeader = 4096;
+
+  SharedMemory(int rank, int world_size)
+      : rank(rank), peer_outbox(world_size, nullptr), peer_size(world_size, 0),
+        peer_block_bytes(world_size, 0), peer_reads_mine(world_size, false) {}
+  ~SharedMemory() {
+    if (outbox != nullptr) ::munmap(outbox, outbox_size);
+    if (fd >= 0) ::close(fd);
+    for (size_t q = 0; q < peer_outbox.size(); ++q) {
+      if (peer_outbox[q] != nullptr) ::munmap(const_cast<char*>(peer_outbox[q]), peer_size[q]);
+    }
+  }
+
+  static size_t SlotIndex(int peer, int owner) { return peer < owner ? peer : peer - 1; }
+  // Where this rank puts its block for `peer`, if that block goes through shared memory.
+  char* SlotFor(int peer, int64_t bytes) const {
+    if (!peer_reads_mine[peer] || bytes <= 0 || bytes > block_bytes) return nullptr;
+    return outbox + kHeader + SlotIndex(peer, rank) * block_bytes;
+  }
+  // Where `peer` puts its block for this rank, if that block goes through shared memory.
+  const char* SlotFrom(int peer, int64_t bytes) const {
+    if (peer_outbox[peer] == nullptr || bytes <= 0 || bytes > peer_block_bytes[peer]) return nullptr;
+    return peer_outbox[peer] + kHeader + SlotIndex(rank, peer) * peer_block_bytes[peer];
+  }
+
+  const int rank;
+  int64_t block_bytes = 0;
+  int fd = -1;
+  char* outbox = nullptr;
+  size_t outbox_size = 0;
+  std::vector<const char*> peer_outbox;   // null: that peer's blocks come over the sockets
+  std::vector<size_t> peer_size;
+  std::vector<int64_t> peer_block_bytes;
+  std::vector<bool> peer_reads_mine;      // the peer maps this rank's outbox
+};
+
+// Creates this rank's outbox, maps every peer's that this process can reach and that carries the
+// nonce its owner published, and learns which peers map this rank's. Every rank publishes its keys
+// whatever happens (peers wait for them); a peer that cannot be mapped only means "use the
+// sockets"; a failing store fails the group. Null when no peer shares memory with this rank.
+absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator::ConnectSharedMemory(
+    RendezvousStore& store, const std::string& prefix, int rank, int world_size,
+    int64_t block_bytes, absl::Duration timeout) {
+  auto shm = std::make_unique<SharedMemory>(rank, world_size);
+  const uint64_t nonce = std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32) ^
+                         static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  std::string mine = "none";
+  if (block_bytes > 0 && world_size > 1) {
+    shm->block_bytes = block_bytes;
+    shm->outbox_size = SharedMemory::kHeader + static_cast<size_t>(world_size - 1) * block_bytes;
+    shm->fd = ::memfd_create("shardserve-exchange", MFD_CLOEXEC);
+    if (shm->fd >= 0 && ::ftruncate(shm->fd, static_cast<off_t>(shm->outbox_size)) == 0) {
+      void* base = ::mmap(nullptr, shm->outbox_size, PROT_READ | PROT_WRITE, MAP_SHARED, shm->fd, 0);
+      if (base != MAP_FAILED) {
+        shm->outbox = static_cast<char*>(base);
+        std::memcpy(shm->outbox, &nonce, sizeof(nonce));
+        mine = absl::StrCat(::getpid(), " ", shm->fd, " ", nonce, " ", block_bytes);
+      }
+    }
+  }
+  const std::string key = prefix + "/shm/";
+  RETURN_IF_ERROR(store.Set(absl::StrCat(key, rank), mine));
+  std::string mapped(world_size, '0');
+  for (int q = 0; q < world_size; ++q) {
+    if (q == rank) continue;
+    ASSIGN_OR_RETURN(const std::string theirs, store.Get(absl::StrCat(key, q), timeout));
+    std::vector<std::string> f = absl::StrSplit(theirs, ' ');
+    int64_t pid = 0, fd = 0, peer_block = 0;
+    uint64_t peer_nonce = 0;
+    if (f.size() != 4 || !absl::SimpleAtoi(f[0], &pid) || !absl::SimpleAtoi(f[1], &fd) ||
+        !absl::SimpleAtoi(f[2], &peer_nonce) || !absl::SimpleAtoi(f[3], &peer_block) ||
+        peer_block <= 0) {
+      continue;
+    }
+    const int peer_fd = ::open(absl::StrCat("/proc/", pid, "/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
+    if (peer_fd < 0) continue;
+    struct stat st;
+    const size_t size = SharedMemory::kHeader + static_cast<size_t>(world_size - 1) * peer_block;
+    void* base = MAP_FAILED;
+    if (::fstat(peer_fd, &st) == 0 && static_cast<size_t>(st.st_size) == size) {
+      base = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, peer_fd, 0);
+    }
+    ::close(peer_fd);
+    if (base == MAP_FAILED) continue;
+    uint64_t seen = 0;
+    std::memcpy(&seen, base, sizeof(seen));
+    if (seen != peer_nonce) {  // another process's memory: not our peer's
+      ::munmap(base, size);
+      continue;
+    }
+    shm->peer_outbox[q] = static_cast<const char*>(base);
+    shm->peer_size[q] = size;
+    shm->peer_block_bytes[q] = peer_block;
+    mapped[q] = '1';
+  }
+  // Which peers map this rank's outbox. (Once every peer has said, nobody opens it again.)
+  const std::string ok_key = prefix + "/shm-mapped/";
+  RETURN_IF_ERROR(store.Set(absl::StrCat(ok_key, rank), mapped));
+  bool any = false;
+  for (int q = 0; q < world_size; ++q) {
+    if (q == rank) continue;
+    ASSIGN_OR_RETURN(const std::string theirs, store.Get(absl::StrCat(ok_key, q), timeout));
+    shm->peer_reads_mine[q] = shm->outbox != nullptr &&
+                              theirs.size() == static_cast<size_t>(world_size) && theirs[rank] == '1';
+    any = any || shm->peer_reads_mine[q] || shm->peer_outbox[q] != nullptr;
+  }
+  if (!any) shm.reset();
+  return shm;
+}
+
 GlooCommunicator::GlooCommunicator(std::shared_ptr<gloo::Context> context,
                                    std::shared_ptr<gloo::Context> sync_context, int rank,
                                    int world_size)
@@ -148,8 +270,14 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     for (int q = 0; q < world_size; ++q) {
       if (q != rank) sync_context->getPair(q)->setSync(true, /*busyPoll=*/false);
     }
-    return std::unique_ptr<GlooCommunicator>(
+    absl::StatusOr<std::unique_ptr<SharedMemory>> shm =
+        ConnectSharedMemory(store, key_prefix, rank, world_size,
+                            options.shared_memory_block_bytes, options.connect_timeout);
+    if (!shm.ok()) throw std::runtime_error(std::string(shm.status().message()));
+    std::unique_ptr<GlooCommunicator> comm(
         new GlooCommunicator(std::move(context), std::move(sync_context), rank, world_size));
+    comm->shm_ = *std::move(shm);
+    return comm;
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("gloo: rank ", rank, " of ", world_size,
                                                " could not join group \"", key_prefix,
@@ -347,15 +475,18 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
 }
 
 // Blocks on the synchronous mesh are read by the calling thread in Wait(); the others are posted
-// on the asynchronous mesh at once. Each Send writes its block straight to the socket.
+// on the asynchronous mesh at once. Each Send writes its block straight to the socket, or, between
+// peers that share memory, into the peer's slot of this rank's outbox and announces it with its
+// size (slot `slot`); the peer copies it out in its Wait() and acknowledges (slot `slot` + 1).
 class GlooCommunicator::Exchange : public PendingExchange {
  public:
   Exchange(GlooCommunicator& comm, char* out, std::vector<int64_t> recv_bytes,
-           std::vector<bool> sync, size_t elem, int slot, uint64_t async_slot,
-           std::chrono::milliseconds timeout)
+           std::vector<int64_t> send_bytes, std::vector<bool> sync, size_t elem, int slot,
+           uint64_t async_slot, std::chrono::milliseconds timeout)
       : comm_(comm),
         out_(out),
         recv_bytes_(std::move(recv_bytes)),
+        send_bytes_(std::move(send_bytes)),
         sync_(std::move(sync)),
         offsets_(recv_bytes_.size(), 0),
         elem_(elem),
@@ -370,7 +501,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
   absl::Status Post() {
     return comm_.Guarded("all-to-all (post)", [&] {
       for (int q = 0; q < comm_.world_size_; ++q) {
-        if (q == comm_.rank_ || recv_bytes_[q] == 0 || sync_[q]) continue;
+        if (q == comm_.rank_ || recv_bytes_[q] == 0 || sync_[q] || From(q) != nullptr) continue;
         large_recv_[q] = comm_.context_->createUnboundBuffer(out_ + offsets_[q], recv_bytes_[q]);
         large_recv_[q]->recv(q, async_slot_);
       }
@@ -390,8 +521,16 @@ class GlooCommunicator::Exchange : public PendingExchange {
       return absl::OkStatus();
     }
     if (bytes == 0) return absl::OkStatus();
+    if (bytes != send_bytes_[peer]) {
+      return absl::InternalError("gloo: exchange block for a peer has the wrong size");
+    }
     return comm_.Guarded("all-to-all (send)", [&] {
-      if (sync_[peer]) {
+      if (char* slot = To(peer)) {
+        if (slot != data) std::memcpy(slot, data, bytes);
+        int64_t announced = bytes;
+        comm_.sync_context_->getPair(peer)->createSendBuffer(slot_, &announced, kLengthBytes)
+            ->send(0, kLengthBytes);
+      } else if (sync_[peer]) {
         comm_.sync_context_->getPair(peer)
             ->createSendBuffer(slot_, const_cast<void*>(data), bytes)
             ->send(0, bytes);
@@ -402,11 +541,30 @@ class GlooCommunicator::Exchange : public PendingExchange {
     });
   }
 
+  void* SendBuffer(int peer, int64_t count) override {
+    if (peer < 0 || peer >= comm_.world_size_ || peer == comm_.rank_ ||
+        count * static_cast<int64_t>(elem_) != send_bytes_[peer]) {
+      return nullptr;
+    }
+    return To(peer);
+  }
+
   absl::Status Wait() override {
     return comm_.Guarded("all-to-all", [&] {
       for (int q = 0; q < comm_.world_size_; ++q) {
         if (q == comm_.rank_ || recv_bytes_[q] == 0) continue;
-        if (large_recv_[q]) {
+        if (const char* slot = From(q)) {
+          auto& pair = comm_.sync_context_->getPair(q);
+          int64_t announced = 0;
+          pair->createRecvBuffer(slot_, &announced, kLengthBytes)->waitRecv();
+          if (announced != recv_bytes_[q]) {
+            throw std::runtime_error(absl::StrCat("rank ", q, " announced ", announced,
+                                                  " bytes where ", recv_bytes_[q], " were due"));
+          }
+          std::memcpy(out_ + offsets_[q], slot, recv_bytes_[q]);
+          int64_t done = announced;
+          pair->createSendBuffer(slot_ + 1, &done, kLengthBytes)->send(0, kLengthBytes);
+        } else if (large_recv_[q]) {
           if (!large_recv_[q]->waitRecv(timeout_)) throw std::runtime_error("receive aborted");
         } else {
           comm_.sync_context_->getPair(q)
@@ -417,13 +575,29 @@ class GlooCommunicator::Exchange : public PendingExchange {
       for (auto& buffer : large_send_) {
         if (buffer && !buffer->waitSend(timeout_)) throw std::runtime_error("send aborted");
       }
+      // The outbox slots are free again once every peer has copied its block out.
+      for (int q = 0; q < comm_.world_size_; ++q) {
+        if (q == comm_.rank_ || To(q) == nullptr) continue;
+        int64_t done = 0;
+        comm_.sync_context_->getPair(q)->createRecvBuffer(slot_ + 1, &done, kLengthBytes)->waitRecv();
+      }
     });
   }
 
  private:
+  // This rank's outbox slot for its block to `peer` / the slot of `peer`'s block for this rank,
+  // where that block goes through shared memory; else null.
+  char* To(int peer) const {
+    return comm_.shm_ ? comm_.shm_->SlotFor(peer, send_bytes_[peer]) : nullptr;
+  }
+  const char* From(int peer) const {
+    return comm_.shm_ ? comm_.shm_->SlotFrom(peer, recv_bytes_[peer]) : nullptr;
+  }
+
   GlooCommunicator& comm_;
   char* out_;
   std::vector<int64_t> recv_bytes_;
+  std::vector<int64_t> send_bytes_;
   std::vector<bool> sync_;  // per peer: the synchronous mesh (else the asynchronous one)
   std::vector<int64_t> offsets_;
   size_t elem_;
@@ -442,21 +616,32 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAll
     return absl::InternalError("gloo: StartAllToAllV counts must have one entry per rank");
   }
   if (broken_) return Guarded("all-to-all", [] {});
-  std::vector<int64_t> bytes(world_size_);
+  std::vector<int64_t> bytes(world_size_), send_bytes(world_size_);
   std::vector<bool> sync(world_size_);
   for (int q = 0; q < world_size_; ++q) {
     bytes[q] = recv_counts[q] * SizeOf(type);
-    // Both ends of a pair see the same two sizes, so they pick the same path.
-    const int64_t in = bytes[q], out_bytes = send_counts[q] * SizeOf(type);
+    send_bytes[q] = send_counts[q] * SizeOf(type);
+    // Both ends of a pair see the same two sizes (and the same outbox limits), so they pick the
+    // same path. A block through shared memory puts only its announcement on the socket.
+    int64_t in = bytes[q], out_bytes = send_bytes[q];
+    if (shm_ && q != rank_) {
+      if (shm_->SlotFrom(q, in) != nullptr) in = kLengthBytes;
+      if (shm_->SlotFor(q, out_bytes) != nullptr) out_bytes = kLengthBytes;
+    }
     sync[q] = std::max(in, out_bytes) <= SyncLimit() ||
               (world_size_ == 2 && std::min(in, out_bytes) <= SyncLimit());
   }
-  auto exchange = std::make_unique<Exchange>(*this, static_cast<char*>(out), std::move(bytes),
-                                             std::move(sync), SizeOf(type), NextSyncSlots(1),
-                                             kExchangeSlot | next_async_++, ToChrono(timeout));
+  auto exchange = std::make_unique<Exchange>(
+      *this, static_cast<char*>(out), std::move(bytes), std::move(send_bytes), std::move(sync),
+      SizeOf(type), NextSyncSlots(2), kExchangeSlot | next_async_++, ToChrono(timeout));
   absl::Status status = exchange->Post();
   if (!status.ok()) return status;
   return exchange;
+}
+
+bool GlooCommunicator::SharesMemoryWith(int peer) const {
+  return shm_ != nullptr && peer >= 0 && peer < world_size_ && peer != rank_ &&
+         shm_->peer_reads_mine[peer] && shm_->peer_outbox[peer] != nullptr;
 }
 
 absl::Status GlooCommunicator::Abort() {

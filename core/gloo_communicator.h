@@ -11,6 +11,12 @@
 //    buffer, so blocking writes cannot deadlock; larger ones take the asynchronous path - except,
 //    in a group of two, a large block whose reverse block is small: the peer then is never
 //    blocked writing to us, so it reads.
+// Peers that can map each other's memory (one host, one PID namespace) pass exchange blocks
+// through shared memory instead: each rank has an outbox (a memfd with one slot per peer) that
+// its peers map read-only; a block is computed in the peer's slot (PendingExchange::SendBuffer),
+// announced with a small message on the synchronous mesh, copied out by the peer, and
+// acknowledged before the sender's Wait() returns. Whether a peer really sees the same memory is
+// checked with a random nonce when the group forms, so other peers keep using the sockets.
 // Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
 // marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
 // timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread
@@ -40,6 +46,10 @@ struct GlooOptions {
   absl::Duration connect_timeout = absl::Seconds(30);
   // Longest wait on the synchronous hot path (AllGatherMessages, StartAllToAllV).
   absl::Duration sync_timeout = absl::Seconds(30);
+  // Exchange blocks of up to this many bytes go through shared memory between peers that can map
+  // each other's (larger ones take the sockets); 0 keeps every block on the sockets. Memory: the
+  // outbox is sparse; it holds on to the largest block sent to each peer so far.
+  int64_t shared_memory_block_bytes = int64_t{64} << 20;
 };
 
 class GlooCommunicator : public Communicator {
@@ -70,6 +80,9 @@ class GlooCommunicator : public Communicator {
       DataType type, absl::Duration timeout) override;
   absl::Status Abort() override;
 
+  // Whether exchange blocks between this rank and `peer` go through shared memory.
+  bool SharesMemoryWith(int peer) const;
+
   using Communicator::AllGatherV;
   using Communicator::AllReduce;
   using Communicator::AllToAllV;
@@ -77,6 +90,7 @@ class GlooCommunicator : public Communicator {
 
  private:
   class Exchange;
+  struct SharedMemory;
 
   GlooCommunicator(std::shared_ptr<gloo::Context> context,
                    std::shared_ptr<gloo::Context> sync_context, int rank, int world_size);
@@ -85,6 +99,9 @@ class GlooCommunicator : public Communicator {
   absl::Status Guarded(const char* what, Body&& body);
   // The next Buffer slots of the synchronous mesh (the same sequence on every rank).
   int NextSyncSlots(int n);
+  static absl::StatusOr<std::unique_ptr<SharedMemory>> ConnectSharedMemory(
+      RendezvousStore& store, const std::string& prefix, int rank, int world_size,
+      int64_t block_bytes, absl::Duration timeout);
 
   // Declared first: destroyed last, after every buffer that refers to them.
   std::shared_ptr<gloo::Context> context_;
@@ -99,6 +116,7 @@ class GlooCommunicator : public Communicator {
   std::vector<std::vector<char>> received_;  // AllGatherMessages views point here
   std::vector<char> outgoing_;
   std::vector<char> scratch_;  // reduce-scatter receive space
+  std::unique_ptr<SharedMemory> shm_;  // null when no peer shares memory
 };
 
 }  // namespace shardserve::core

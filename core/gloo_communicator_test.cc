@@ -162,6 +162,56 @@ TEST(GlooCommunicator, SplitPhaseAllToAllInAnySendOrder) {
   });
 }
 
+// Ranks of one process share memory: exchange blocks up to the slot size go through the peers'
+// outboxes (written in place through SendBuffer, or copied in by Send), larger ones over the
+// sockets, in the same exchange; with the slot size 0 everything takes the sockets.
+TEST(GlooCommunicator, ExchangeBlocksGoThroughSharedMemoryUpToTheSlotSize) {
+  for (const int64_t slot_bytes : {int64_t{0}, int64_t{64}, int64_t{64} << 20}) {
+    GlooOptions options;
+    options.shared_memory_block_bytes = slot_bytes;
+    const int world = 3;
+    RunGroup(
+        world,
+        [&](int rank, GlooCommunicator& comm) {
+          for (int q = 0; q < world; ++q) {
+            if (q != rank) EXPECT_EQ(comm.SharesMemoryWith(q), slot_bytes > 0) << "peer " << q;
+          }
+          for (int round = 0; round < 4; ++round) {
+            // Rank r sends 3 * ((r + q + round) % 4) * 5 floats to q: 0, 60 or 120 bytes, ...
+            auto count = [&](int from, int to) -> int64_t { return 15 * ((from + to + round) % 4); };
+            std::vector<int64_t> recv(world), sends(world);
+            for (int q = 0; q < world; ++q) recv[q] = count(q, rank);
+            for (int q = 0; q < world; ++q) sends[q] = count(rank, q);
+            std::vector<float> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}), -1.0f);
+            auto exchange = comm.StartAllToAllV(out.data(), recv, sends, DataType::kFloat32, kTimeout);
+            ASSERT_TRUE(exchange.ok()) << exchange.status();
+            std::vector<std::vector<float>> blocks(world);
+            for (int q = 0; q < world; ++q) {
+              if (sends[q] == 0) continue;
+              blocks[q].resize(sends[q]);
+              for (int64_t i = 0; i < sends[q]; ++i) blocks[q][i] = 1000.0f * rank + 100.0f * q + i + round;
+              float* direct = static_cast<float*>((*exchange)->SendBuffer(q, sends[q]));
+              const bool shared = q != rank && sends[q] * 4 <= slot_bytes;
+              EXPECT_EQ(direct != nullptr, shared) << "to " << q << ", " << sends[q] << " floats";
+              if (direct != nullptr && round % 2 == 0) {  // computed in place, or copied in by Send
+                std::copy(blocks[q].begin(), blocks[q].end(), direct);
+                ASSERT_TRUE((*exchange)->Send(q, direct, sends[q]).ok());
+              } else {
+                ASSERT_TRUE((*exchange)->Send(q, blocks[q].data(), sends[q]).ok());
+              }
+            }
+            ASSERT_TRUE((*exchange)->Wait().ok());
+            std::vector<float> expected;
+            for (int q = 0; q < world; ++q) {
+              for (int64_t i = 0; i < recv[q]; ++i) expected.push_back(1000.0f * q + 100.0f * rank + i + round);
+            }
+            EXPECT_EQ(out, expected) << "round " << round << ", slot " << slot_bytes;
+          }
+        },
+        options);
+  }
+}
+
 TEST(GlooCommunicator, SilentPeerMakesHotPathFailWithinSyncTimeout) {
   GlooOptions options;
   options.sync_timeout = absl::Milliseconds(300);

@@ -228,7 +228,10 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   for (int q = 1; q < world; ++q) offset[q] = offset[q - 1] + (q - 1 == me ? 0 : send_counts[q - 1]);
   for (int k = 1; k < world; ++k) {
     const int dest = (me + k) % world;
-    float* block = blocks.floats() + offset[dest];
+    // Host kernels compute a block straight where the peer reads it, when the transport has such
+    // memory (peers sharing memory).
+    void* direct = kernels_.host_accessible() ? exchange->SendBuffer(dest, send_counts[dest]) : nullptr;
+    float* block = direct != nullptr ? static_cast<float*>(direct) : blocks.floats() + offset[dest];
     RETURN_IF_ERROR(produce(dest, block));
     if (send_counts[dest] > 0) RETURN_IF_ERROR(exchange->Send(dest, block, send_counts[dest]));
   }

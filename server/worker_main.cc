@@ -23,6 +23,9 @@ ABSL_FLAG(std::string, device, "cpu", "cpu (cuda:N in GPU builds)");
 ABSL_FLAG(int64_t, row_budget, int64_t{1} << 18, "rows (ids, input rows) per rank per step");
 ABSL_FLAG(int, collective_timeout_ms, 10000, "a collective that takes longer fails the step");
 ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
+ABSL_FLAG(int64_t, shared_memory_block_mb, 64,
+          "exchange blocks up to this size go through shared memory between workers that can map "
+          "each other's (one host); 0: always the sockets");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
 
 int main(int argc, char** argv) {
@@ -49,6 +52,7 @@ int main(int argc, char** argv) {
   options.step.row_budget = absl::GetFlag(FLAGS_row_budget);
   options.step.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
   options.gloo.sync_timeout = options.step.collective_timeout;
+  options.gloo.shared_memory_block_bytes = absl::GetFlag(FLAGS_shared_memory_block_mb) << 20;
   // Joining a group gives up soon: the coordinator then moves everyone to a fresh epoch.
   options.gloo.connect_timeout = absl::Seconds(5);
   if (options.step.row_budget < 1) {
