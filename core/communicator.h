@@ -51,6 +51,10 @@ class PendingExchange {
   virtual void* SendBuffer(int peer, int64_t count) { return nullptr; }
   // Waits until every block has arrived and every send has left.
   virtual absl::Status Wait() = 0;
+  // After Wait(): where the block from `peer` lies, if not in `out` (null: in `out`, at its
+  // offset). Peers that share memory leave their blocks in their own memory, readable until the
+  // next StartAllToAllV on this communicator.
+  virtual const void* Received(int peer) const { return nullptr; }
 };
 
 class Communicator {

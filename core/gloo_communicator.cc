@@ -118,13 +118,20 @@ void Dispatch(DataType type, Fn&& fn) {
 }  // namespace
 
 // This rank's outbox and the peers' outboxes it maps (see the header). An outbox is a header page
-// (a random nonce) and then one slot of `block_bytes` per peer, in rank order without the owner.
+// (a random nonce) and then two slots of `block_bytes` per peer (peers in rank order without the
+// owner), used by alternate exchanges: a peer reads a block in place until its next exchange
+// starts, and acknowledges it then, while the owner already fills the other slot.
 struct GlooCommunicator::SharedMemory {
   static constexpr size_t kHeader = 4096;
 
+  static size_t OutboxBytes(int world_size, int64_t block_bytes) {
+    return kHeader + static_cast<size_t>(world_size - 1) * 2 * block_bytes;
+  }
+
   SharedMemory(int rank, int world_size)
       : rank(rank), peer_outbox(world_size, nullptr), peer_size(world_size, 0),
-        peer_block_bytes(world_size, 0), peer_reads_mine(world_size, false) {}
+        peer_block_bytes(world_size, 0), peer_reads_mine(world_size, false),
+        owe_ack(world_size, false), await_ack(world_size, false) {}
   ~SharedMemory() {
     if (outbox != nullptr) ::munmap(outbox, outbox_size);
     if (fd >= 0) ::close(fd);
@@ -133,16 +140,19 @@ struct GlooCommunicator::SharedMemory {
     }
   }
 
-  static size_t SlotIndex(int peer, int owner) { return peer < owner ? peer : peer - 1; }
-  // Where this rank puts its block for `peer`, if that block goes through shared memory.
-  char* SlotFor(int peer, int64_t bytes) const {
+  static size_t SlotIndex(int peer, int owner, int parity) {
+    return 2 * static_cast<size_t>(peer < owner ? peer : peer - 1) + parity;
+  }
+  // Where this rank puts its block for `peer` in an exchange of `parity`, if that block goes
+  // through shared memory.
+  char* SlotFor(int peer, int64_t bytes, int parity) const {
     if (!peer_reads_mine[peer] || bytes <= 0 || bytes > block_bytes) return nullptr;
-    return outbox + kHeader + SlotIndex(peer, rank) * block_bytes;
+    return outbox + kHeader + SlotIndex(peer, rank, parity) * block_bytes;
   }
   // Where `peer` puts its block for this rank, if that block goes through shared memory.
-  const char* SlotFrom(int peer, int64_t bytes) const {
+  const char* SlotFrom(int peer, int64_t bytes, int parity) const {
     if (peer_outbox[peer] == nullptr || bytes <= 0 || bytes > peer_block_bytes[peer]) return nullptr;
-    return peer_outbox[peer] + kHeader + SlotIndex(rank, peer) * peer_block_bytes[peer];
+    return peer_outbox[peer] + kHeader + SlotIndex(rank, peer, parity) * peer_block_bytes[peer];
   }
 
   const int rank;
@@ -154,6 +164,9 @@ struct GlooCommunicator::SharedMemory {
   std::vector<size_t> peer_size;
   std::vector<int64_t> peer_block_bytes;
   std::vector<bool> peer_reads_mine;      // the peer maps this rank's outbox
+  uint64_t exchanges = 0;                 // exchanges started (the slot parity)
+  std::vector<bool> owe_ack;    // read a block of that peer's in the last exchange
+  std::vector<bool> await_ack;  // sent that peer a block in the last exchange
 };
 
 // Creates this rank's outbox, maps every peer's that this process can reach and that carries the
@@ -169,7 +182,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
   std::string mine = "none";
   if (block_bytes > 0 && world_size > 1) {
     shm->block_bytes = block_bytes;
-    shm->outbox_size = SharedMemory::kHeader + static_cast<size_t>(world_size - 1) * block_bytes;
+    shm->outbox_size = SharedMemory::OutboxBytes(world_size, block_bytes);
     shm->fd = ::memfd_create("shardserve-exchange", MFD_CLOEXEC);
     if (shm->fd >= 0 && ::ftruncate(shm->fd, static_cast<off_t>(shm->outbox_size)) == 0) {
       void* base = ::mmap(nullptr, shm->outbox_size, PROT_READ | PROT_WRITE, MAP_SHARED, shm->fd, 0);
@@ -197,7 +210,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
     const int peer_fd = ::open(absl::StrCat("/proc/", pid, "/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
     if (peer_fd < 0) continue;
     struct stat st;
-    const size_t size = SharedMemory::kHeader + static_cast<size_t>(world_size - 1) * peer_block;
+    const size_t size = SharedMemory::OutboxBytes(world_size, peer_block);
     void* base = MAP_FAILED;
     if (::fstat(peer_fd, &st) == 0 && static_cast<size_t>(st.st_size) == size) {
       base = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, peer_fd, 0);
@@ -477,13 +490,17 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
 // Blocks on the synchronous mesh are read by the calling thread in Wait(); the others are posted
 // on the asynchronous mesh at once. Each Send writes its block straight to the socket, or, between
 // peers that share memory, into the peer's slot of this rank's outbox and announces it with its
-// size (slot `slot`); the peer copies it out in its Wait() and acknowledges (slot `slot` + 1).
+// size (sync slot `slot`). The peer reads it there (Received) until its next exchange starts,
+// which acknowledges it (sync slot `slot` + 1 of that exchange, read in its Wait()); meanwhile the
+// owner uses the other slot of the pair.
 class GlooCommunicator::Exchange : public PendingExchange {
  public:
   Exchange(GlooCommunicator& comm, char* out, std::vector<int64_t> recv_bytes,
            std::vector<int64_t> send_bytes, std::vector<bool> sync, size_t elem, int slot,
-           uint64_t async_slot, std::chrono::milliseconds timeout)
+           uint64_t async_slot, std::chrono::milliseconds timeout, int parity)
       : comm_(comm),
+        parity_(parity),
+        acks_due_(recv_bytes.size(), false),
         out_(out),
         recv_bytes_(std::move(recv_bytes)),
         send_bytes_(std::move(send_bytes)),
@@ -500,6 +517,19 @@ class GlooCommunicator::Exchange : public PendingExchange {
 
   absl::Status Post() {
     return comm_.Guarded("all-to-all (post)", [&] {
+      if (SharedMemory* shm = comm_.shm_.get()) {
+        // The blocks read in place in the last exchange are done with: release their slots.
+        for (int q = 0; q < comm_.world_size_; ++q) {
+          if (shm->owe_ack[q]) {
+            int64_t done = 1;
+            comm_.sync_context_->getPair(q)->createSendBuffer(slot_ + 1, &done, kLengthBytes)
+                ->send(0, kLengthBytes);
+            shm->owe_ack[q] = false;
+          }
+          acks_due_[q] = shm->await_ack[q];
+          shm->await_ack[q] = false;
+        }
+      }
       for (int q = 0; q < comm_.world_size_; ++q) {
         if (q == comm_.rank_ || recv_bytes_[q] == 0 || sync_[q] || From(q) != nullptr) continue;
         large_recv_[q] = comm_.context_->createUnboundBuffer(out_ + offsets_[q], recv_bytes_[q]);
@@ -530,6 +560,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
         int64_t announced = bytes;
         comm_.sync_context_->getPair(peer)->createSendBuffer(slot_, &announced, kLengthBytes)
             ->send(0, kLengthBytes);
+        comm_.shm_->await_ack[peer] = true;
       } else if (sync_[peer]) {
         comm_.sync_context_->getPair(peer)
             ->createSendBuffer(slot_, const_cast<void*>(data), bytes)
@@ -549,21 +580,27 @@ class GlooCommunicator::Exchange : public PendingExchange {
     return To(peer);
   }
 
+  const void* Received(int peer) const override {
+    return peer >= 0 && peer < comm_.world_size_ && peer != comm_.rank_ ? From(peer) : nullptr;
+  }
+
   absl::Status Wait() override {
     return comm_.Guarded("all-to-all", [&] {
       for (int q = 0; q < comm_.world_size_; ++q) {
-        if (q == comm_.rank_ || recv_bytes_[q] == 0) continue;
-        if (const char* slot = From(q)) {
-          auto& pair = comm_.sync_context_->getPair(q);
+        if (q == comm_.rank_) continue;
+        if (acks_due_[q]) {  // sent by q when this exchange started there, before its blocks
+          int64_t done = 0;
+          comm_.sync_context_->getPair(q)->createRecvBuffer(slot_ + 1, &done, kLengthBytes)->waitRecv();
+        }
+        if (recv_bytes_[q] == 0) continue;
+        if (From(q) != nullptr) {
           int64_t announced = 0;
-          pair->createRecvBuffer(slot_, &announced, kLengthBytes)->waitRecv();
+          comm_.sync_context_->getPair(q)->createRecvBuffer(slot_, &announced, kLengthBytes)->waitRecv();
           if (announced != recv_bytes_[q]) {
             throw std::runtime_error(absl::StrCat("rank ", q, " announced ", announced,
                                                   " bytes where ", recv_bytes_[q], " were due"));
           }
-          std::memcpy(out_ + offsets_[q], slot, recv_bytes_[q]);
-          int64_t done = announced;
-          pair->createSendBuffer(slot_ + 1, &done, kLengthBytes)->send(0, kLengthBytes);
+          comm_.shm_->owe_ack[q] = true;
         } else if (large_recv_[q]) {
           if (!large_recv_[q]->waitRecv(timeout_)) throw std::runtime_error("receive aborted");
         } else {
@@ -575,12 +612,6 @@ class GlooCommunicator::Exchange : public PendingExchange {
       for (auto& buffer : large_send_) {
         if (buffer && !buffer->waitSend(timeout_)) throw std::runtime_error("send aborted");
       }
-      // The outbox slots are free again once every peer has copied its block out.
-      for (int q = 0; q < comm_.world_size_; ++q) {
-        if (q == comm_.rank_ || To(q) == nullptr) continue;
-        int64_t done = 0;
-        comm_.sync_context_->getPair(q)->createRecvBuffer(slot_ + 1, &done, kLengthBytes)->waitRecv();
-      }
     });
   }
 
@@ -588,13 +619,15 @@ class GlooCommunicator::Exchange : public PendingExchange {
   // This rank's outbox slot for its block to `peer` / the slot of `peer`'s block for this rank,
   // where that block goes through shared memory; else null.
   char* To(int peer) const {
-    return comm_.shm_ ? comm_.shm_->SlotFor(peer, send_bytes_[peer]) : nullptr;
+    return comm_.shm_ ? comm_.shm_->SlotFor(peer, send_bytes_[peer], parity_) : nullptr;
   }
   const char* From(int peer) const {
-    return comm_.shm_ ? comm_.shm_->SlotFrom(peer, recv_bytes_[peer]) : nullptr;
+    return comm_.shm_ ? comm_.shm_->SlotFrom(peer, recv_bytes_[peer], parity_) : nullptr;
   }
 
   GlooCommunicator& comm_;
+  const int parity_;               // which slot of each pair this exchange uses
+  std::vector<bool> acks_due_;     // peers that acknowledge the last exchange's blocks in Wait()
   char* out_;
   std::vector<int64_t> recv_bytes_;
   std::vector<int64_t> send_bytes_;
@@ -625,15 +658,16 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAll
     // same path. A block through shared memory puts only its announcement on the socket.
     int64_t in = bytes[q], out_bytes = send_bytes[q];
     if (shm_ && q != rank_) {
-      if (shm_->SlotFrom(q, in) != nullptr) in = kLengthBytes;
-      if (shm_->SlotFor(q, out_bytes) != nullptr) out_bytes = kLengthBytes;
+      if (shm_->SlotFrom(q, in, 0) != nullptr) in = kLengthBytes;
+      if (shm_->SlotFor(q, out_bytes, 0) != nullptr) out_bytes = kLengthBytes;
     }
     sync[q] = std::max(in, out_bytes) <= SyncLimit() ||
               (world_size_ == 2 && std::min(in, out_bytes) <= SyncLimit());
   }
   auto exchange = std::make_unique<Exchange>(
       *this, static_cast<char*>(out), std::move(bytes), std::move(send_bytes), std::move(sync),
-      SizeOf(type), NextSyncSlots(2), kExchangeSlot | next_async_++, ToChrono(timeout));
+      SizeOf(type), NextSyncSlots(2), kExchangeSlot | next_async_++, ToChrono(timeout),
+      shm_ ? static_cast<int>(shm_->exchanges++ % 2) : 0);
   absl::Status status = exchange->Post();
   if (!status.ok()) return status;
   return exchange;

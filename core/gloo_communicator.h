@@ -12,11 +12,12 @@
 //    in a group of two, a large block whose reverse block is small: the peer then is never
 //    blocked writing to us, so it reads.
 // Peers that can map each other's memory (one host, one PID namespace) pass exchange blocks
-// through shared memory instead: each rank has an outbox (a memfd with one slot per peer) that
+// through shared memory instead: each rank has an outbox (a memfd with two slots per peer) that
 // its peers map read-only; a block is computed in the peer's slot (PendingExchange::SendBuffer),
-// announced with a small message on the synchronous mesh, copied out by the peer, and
-// acknowledged before the sender's Wait() returns. Whether a peer really sees the same memory is
-// checked with a random nonce when the group forms, so other peers keep using the sockets.
+// announced with a small message on the synchronous mesh, and read by the peer where it lies
+// (PendingExchange::Received) until the peer's next exchange starts and acknowledges it;
+// consecutive exchanges alternate slots. Whether a peer really sees the same memory is checked
+// with a random nonce when the group forms, so other peers keep using the sockets.
 // Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
 // marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
 // timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread
@@ -48,7 +49,7 @@ struct GlooOptions {
   absl::Duration sync_timeout = absl::Seconds(30);
   // Exchange blocks of up to this many bytes go through shared memory between peers that can map
   // each other's (larger ones take the sockets); 0 keeps every block on the sockets. Memory: the
-  // outbox is sparse; it holds on to the largest block sent to each peer so far.
+  // outbox is sparse; it holds on to the two largest blocks sent to each peer so far.
   int64_t shared_memory_block_bytes = int64_t{64} << 20;
 };
 

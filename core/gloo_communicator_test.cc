@@ -20,6 +20,17 @@ using ::testing::HasSubstr;
 
 constexpr absl::Duration kTimeout = absl::Seconds(10);
 
+// After Wait(): block q of an exchange into `out` (recv counts `recv`), wherever it lies.
+template <typename T>
+std::vector<T> BlockFrom(const PendingExchange& exchange, const std::vector<T>& out,
+                         const std::vector<int64_t>& recv, int q) {
+  int64_t at = 0;
+  for (int p = 0; p < q; ++p) at += recv[p];
+  const T* data = exchange.Received(q) != nullptr ? static_cast<const T*>(exchange.Received(q))
+                                                  : out.data() + at;
+  return std::vector<T>(data, data + recv[q]);
+}
+
 // Runs body(rank, communicator) on W threads connected over loopback TCP.
 void RunGroup(int world, const std::function<void(int, GlooCommunicator&)>& body,
               const GlooOptions& options = {}) {
@@ -155,16 +166,20 @@ TEST(GlooCommunicator, SplitPhaseAllToAllInAnySendOrder) {
         }
       }
       ASSERT_TRUE((*exchange)->Wait().ok());
-      std::vector<int64_t> expected;
-      for (int q = 0; q < world; ++q) expected.insert(expected.end(), recv[q], 100 * q + rank);
-      EXPECT_EQ(out, expected) << "round " << round;
+      for (int q = 0; q < world; ++q) {
+        EXPECT_EQ(BlockFrom(**exchange, out, recv, q), std::vector<int64_t>(recv[q], 100 * q + rank))
+            << "round " << round << ", from " << q;
+      }
     }
   });
 }
 
 // Ranks of one process share memory: exchange blocks up to the slot size go through the peers'
-// outboxes (written in place through SendBuffer, or copied in by Send), larger ones over the
-// sockets, in the same exchange; with the slot size 0 everything takes the sockets.
+// outboxes (written in place through SendBuffer, or copied in by Send; read in place through
+// Received), larger ones over the sockets, in the same exchange; with the slot size 0 everything
+// takes the sockets. Blocks of consecutive exchanges use alternate slots: rank 0 reads its
+// blocks only after its peers had time to write their next round's blocks, which must not
+// clobber them.
 TEST(GlooCommunicator, ExchangeBlocksGoThroughSharedMemoryUpToTheSlotSize) {
   for (const int64_t slot_bytes : {int64_t{0}, int64_t{64}, int64_t{64} << 20}) {
     GlooOptions options;
@@ -201,11 +216,15 @@ TEST(GlooCommunicator, ExchangeBlocksGoThroughSharedMemoryUpToTheSlotSize) {
               }
             }
             ASSERT_TRUE((*exchange)->Wait().ok());
-            std::vector<float> expected;
+            if (rank == 0) absl::SleepFor(absl::Milliseconds(30));
             for (int q = 0; q < world; ++q) {
+              std::vector<float> expected;
               for (int64_t i = 0; i < recv[q]; ++i) expected.push_back(1000.0f * q + 100.0f * rank + i + round);
+              EXPECT_EQ(BlockFrom(**exchange, out, recv, q), expected)
+                  << "round " << round << ", slot " << slot_bytes << ", from " << q;
+              // In place exactly where it went through shared memory.
+              EXPECT_EQ((*exchange)->Received(q) != nullptr, q != rank && recv[q] * 4 <= slot_bytes && recv[q] > 0);
             }
-            EXPECT_EQ(out, expected) << "round " << round << ", slot " << slot_bytes;
           }
         },
         options);
@@ -263,6 +282,8 @@ TEST(GlooCommunicator, SilentPeerMakesExchangeFailWithinSyncTimeout) {
 }
 
 TEST(GlooCommunicator, OneWayLargeBlockInAPairUsesTheSyncPath) {
+  GlooOptions sockets_only;
+  sockets_only.shared_memory_block_bytes = 0;
   RunGroup(2, [](int rank, GlooCommunicator& comm) {
     // Rank 1 sends 3 MiB to rank 0 and gets nothing back: it may block writing until rank 0 reads.
     const int64_t n = 3 << 18;
@@ -277,10 +298,12 @@ TEST(GlooCommunicator, OneWayLargeBlockInAPairUsesTheSyncPath) {
       EXPECT_EQ(out[0], 7.0f);
       EXPECT_EQ(out[n - 1], 7.0f);
     }
-  });
+  }, sockets_only);
 }
 
 TEST(GlooCommunicator, LargeMessagesAndBlocksTakeTheAsyncPath) {
+  GlooOptions sockets_only;
+  sockets_only.shared_memory_block_bytes = 0;
   RunGroup(2, [](int rank, GlooCommunicator& comm) {
     // 3 MiB each way: above the synchronous limit.
     const int64_t n = 3 << 18;
@@ -298,7 +321,7 @@ TEST(GlooCommunicator, LargeMessagesAndBlocksTakeTheAsyncPath) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ((*got)[1 - rank].size(), big.size());
     EXPECT_EQ((*got)[1 - rank][12345], static_cast<char>('a' + 1 - rank));
-  });
+  }, sockets_only);
 }
 
 TEST(GlooCommunicator, BarrierCompletes) {

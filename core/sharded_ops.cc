@@ -28,10 +28,10 @@ std::vector<int64_t> Scaled(const std::vector<int64_t>& v, int64_t factor) {
 }
 
 // Reduces the W blocks of `size` floats that arrived from every rank (sum, or max) into one.
-FloatBuffer ReduceBlocks(const float* blocks, int world, int64_t size, ReduceOp op) {
-  FloatBuffer out(blocks, blocks + size);
-  for (int q = 1; q < world; ++q) {
-    const float* block = blocks + q * size;
+FloatBuffer ReduceBlocks(const std::vector<const float*>& blocks, int64_t size, ReduceOp op) {
+  FloatBuffer out(blocks[0], blocks[0] + size);
+  for (size_t q = 1; q < blocks.size(); ++q) {
+    const float* block = blocks[q];
     if (op == ReduceOp::kMax) {
       for (int64_t i = 0; i < size; ++i) out[i] = std::max(out[i], block[i]);
     } else {
@@ -213,7 +213,7 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const Gathered&
 absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
                                   const std::vector<int64_t>& recv_counts,
                                   const BlockProducer& produce, std::vector<float>* staging,
-                                  const float** received, DeviceBuffer* storage) {
+                                  std::vector<const float*>* received, DeviceBuffer* storage) {
   const int world = data_.world_size();
   const int me = data_.rank();
   const int64_t recv_total = Sum(recv_counts);
@@ -240,35 +240,39 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   for (int q = 0; q < me; ++q) own += recv_counts[q];
   RETURN_IF_ERROR(produce(me, storage->floats() + own));
   RETURN_IF_ERROR(exchange->Wait());
-  if (kernels_.host_accessible()) {
-    *received = storage->floats();
-  } else {
+  const float* base = storage->floats();
+  if (!kernels_.host_accessible()) {
     staging->resize(recv_total);
     RETURN_IF_ERROR(
         kernels_.CopyToHost(storage->data(), staging->data(), recv_total * sizeof(float)));
-    *received = staging->data();
+    base = staging->data();
+  }
+  received->assign(world, nullptr);
+  int64_t at = 0;
+  for (int q = 0; q < world; at += recv_counts[q], ++q) {
+    const void* elsewhere = exchange->Received(q);  // a peer's shared memory
+    (*received)[q] = elsewhere != nullptr ? static_cast<const float*>(elsewhere) : base + at;
   }
   return absl::OkStatus();
 }
 
 FloatBuffer ShardedOps::AssembleColumns(const ShardLayout& layout, int64_t rows,
-                                        const float* blocks) {
+                                        const std::vector<const float*>& blocks) {
   FloatBuffer out(rows * layout.n());  // every element is written below
   PlaceColumns(layout, rows, blocks, /*skip=*/-1, out.data());
   return out;
 }
 
-void ShardedOps::PlaceColumns(const ShardLayout& layout, int64_t rows, const float* blocks,
-                              int skip, float* out) {
+void ShardedOps::PlaceColumns(const ShardLayout& layout, int64_t rows,
+                              const std::vector<const float*>& blocks, int skip, float* out) {
   const int64_t width = layout.n();
   for (int q = 0; q < layout.world_size(); ++q) {
     if (q == skip) continue;
     const int64_t cols = layout.SizeOfRank(q);
     const int64_t col0 = layout.OffsetOfRank(q);
     for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(out + r * width + col0, blocks + r * cols, cols * sizeof(float));
+      std::memcpy(out + r * width + col0, blocks[q] + r * cols, cols * sizeof(float));
     }
-    blocks += rows * cols;
   }
 }
 
@@ -288,7 +292,7 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
   const MatrixView shard = table.shard();
   const Gathered::Source& mine = g.sources[me];
   std::vector<float> staging;
-  const float* received = nullptr;
+  std::vector<const float*> received;  // each rank's block
   DeviceBuffer storage;
   DenseResult result;
   if (config.spec.dim() == 1) {
@@ -336,11 +340,11 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
         },
         &staging, &received, &storage));
     std::vector<int64_t> cursor(world, 0);  // next row of each owner's block
-    for (int q = 1; q < world; ++q) cursor[q] = cursor[q - 1] + recv[q - 1];
     result.values.resize(mine.num_ids * dim);
     for (int64_t i = 0; i < mine.num_ids; ++i) {
       const int owner = layout.OwnerOf(mine.ids[i]);
-      std::memcpy(&result.values[i * dim], received + cursor[owner]++ * dim, dim * sizeof(float));
+      std::memcpy(&result.values[i * dim], received[owner] + cursor[owner]++ * dim,
+                  dim * sizeof(float));
     }
   }
   if (!valid) return validation;
@@ -368,7 +372,7 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
   const std::optional<int64_t> padding = config.padding_idx;
   const MatrixView shard = table.shard();
   std::vector<float> staging;
-  const float* received = nullptr;
+  std::vector<const float*> received;  // each rank's block
   DeviceBuffer storage;
   DenseResult result;
   if (config.spec.dim() == 1) {
@@ -418,7 +422,7 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
                              &staging, &received, &storage));
     const bool max_mode = mine.mode == PoolMode::kMax;
     result.values =
-        ReduceBlocks(received, world, size, max_mode ? ReduceOp::kMax : ReduceOp::kSum);
+        ReduceBlocks(received, size, max_mode ? ReduceOp::kMax : ReduceOp::kSum);
     if (mine.mode != PoolMode::kSum) {
       // Count the ids that took part in each bag (padding excluded) to finish mean and max.
       for (int64_t b = 0; b < mine.num_bags; ++b) {
@@ -456,7 +460,7 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
   const MatrixView shard = table.shard();
   const float* bias = table.bias().empty() ? nullptr : table.bias().data();
   std::vector<float> staging;
-  const float* received = nullptr;
+  std::vector<const float*> received;  // each rank's block
   DeviceBuffer storage;
   DenseResult result;
   if (config.spec.dim() == 0) {
@@ -483,7 +487,7 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
                                  nullptr, block);
         },
         &staging, &received, &storage));
-    result.values = ReduceBlocks(received, world, size, ReduceOp::kSum);
+    result.values = ReduceBlocks(received, size, ReduceOp::kSum);
     if (bias != nullptr) {
       for (int64_t r = 0; r < my_rows; ++r) {
         for (int64_t j = 0; j < out_features; ++j) result.values[r * out_features + j] += bias[j];

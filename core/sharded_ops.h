@@ -62,20 +62,20 @@ class ShardedOps {
   absl::Status RenormLookedUpRows(ShardedTable& table, const Gathered& gathered);
   // The result exchange: posts the receives (recv_counts floats from each rank), then for each
   // destination - peers first, this rank last, so transfers overlap the remaining compute - lets
-  // `produce` write that destination's send_counts[dest] floats and sends them. Returns the
-  // received blocks in rank order, readable by the host.
+  // `produce` write that destination's send_counts[dest] floats and sends them. Returns where
+  // each rank's block lies, readable by the host (in `storage` or `staging`, or in a peer's shared
+  // memory until the next exchange).
   using BlockProducer = std::function<absl::Status(int dest, float* block)>;
   absl::Status Exchange(const std::vector<int64_t>& send_counts,
                         const std::vector<int64_t>& recv_counts, const BlockProducer& produce,
-                        std::vector<float>* staging, const float** received,
+                        std::vector<float>* staging, std::vector<const float*>* received,
                         DeviceBuffer* storage);
   // Places column blocks (block q: `rows` rows of rank q's columns) at each rank's column offset.
   static FloatBuffer AssembleColumns(const ShardLayout& layout, int64_t rows,
-                                     const float* blocks);
-  // The same into `out` (rows x layout.n()), for the blocks of every rank but `skip` (-1: none),
-  // which `blocks` holds in rank order.
-  static void PlaceColumns(const ShardLayout& layout, int64_t rows, const float* blocks, int skip,
-                           float* out);
+                                     const std::vector<const float*>& blocks);
+  // The same into `out` (rows x layout.n()), for the blocks of every rank but `skip` (-1: none).
+  static void PlaceColumns(const ShardLayout& layout, int64_t rows,
+                           const std::vector<const float*>& blocks, int skip, float* out);
 
   Communicator& control_;
   Communicator& data_;
