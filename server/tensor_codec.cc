@@ -73,14 +73,11 @@ absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
   return Decode(tensor, field, v1::FLOAT32, values, shape);
 }
 
-void EncodeFloat(const std::vector<int64_t>& shape, absl::Span<const float> values,
-                 v1::Tensor* tensor) {
-  tensor->set_dtype(v1::FLOAT32);
-  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
-  tensor->set_data(values.data(), values.size() * sizeof(float));
-}
+namespace {
 
-grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result) {
+// `fields` (a message's fields numbered below `tensor_field`, already encoded), then
+// `tensor_field` = Tensor{FLOAT32, result.shape, result.values}, the values referenced in place.
+grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::DenseResult result) {
   v1::Tensor head;  // every field of the Tensor but its data
   head.set_dtype(v1::FLOAT32);
   head.mutable_shape()->Assign(result.shape.begin(), result.shape.end());
@@ -90,8 +87,8 @@ grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result) {
     AppendLengthKey(v1::Tensor::kDataFieldNumber, &data_key);
     AppendVarint(data_bytes, &data_key);
   }
-  std::string prefix;
-  AppendLengthKey(v1::TensorResponse::kOutputFieldNumber, &prefix);
+  std::string prefix = std::move(fields);
+  AppendLengthKey(tensor_field, &prefix);
   AppendVarint(head.ByteSizeLong() + data_key.size() + data_bytes, &prefix);
   head.AppendToString(&prefix);
   prefix += data_key;
@@ -107,6 +104,25 @@ grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result) {
   return grpc::ByteBuffer(slices, 2);
 }
 
+}  // namespace
+
+grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result) {
+  return EncodeWithTensor("", v1::TensorResponse::kOutputFieldNumber, std::move(result));
+}
+
+grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result) {
+  v1::StreamResponse head;  // the fields before `output`, or the whole error answer
+  head.set_id(id);
+  if (!result.ok()) {
+    head.set_code(static_cast<int>(result.status().code()));
+    head.set_message(std::string(result.status().message()));
+    grpc::Slice only(head.SerializeAsString());
+    return grpc::ByteBuffer(&only, 1);
+  }
+  return EncodeWithTensor(head.SerializeAsString(), v1::StreamResponse::kOutputFieldNumber,
+                          *std::move(result));
+}
+
 absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message) {
   grpc::ByteBuffer shared(raw);  // the reader consumes its buffer; this one shares the slices
   grpc::ProtoBufferReader reader(&shared);
@@ -115,13 +131,6 @@ absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite
         absl::StrCat("the request is not a valid ", message->GetTypeName(), " message"));
   }
   return absl::OkStatus();
-}
-
-void EncodeInt64(const std::vector<int64_t>& shape, const std::vector<int64_t>& values,
-                 v1::Tensor* tensor) {
-  tensor->set_dtype(v1::INT64);
-  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
-  tensor->set_data(values.data(), values.size() * sizeof(int64_t));
 }
 
 absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int world_size) {

@@ -24,18 +24,16 @@ absl::Status DecodeInt64(const v1::Tensor& tensor, const std::string& field,
                          std::vector<int64_t>* values, std::vector<int64_t>* shape);
 absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
                          std::vector<float>* values, std::vector<int64_t>* shape);
-void EncodeFloat(const std::vector<int64_t>& shape, absl::Span<const float> values,
-                 v1::Tensor* tensor);
 // A TensorResponse holding `result` in protobuf's wire format (the very bytes
 // TensorResponse::SerializeAsString() gives), with the values referenced where they lie, not
 // copied: the buffer owns them and frees them once gRPC has sent them.
 grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result);
+// The same for a StreamResponse: `id`, and the result or the error's code and message.
+grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result);
 
 // Parses a request that arrived as raw bytes: INVALID_ARGUMENT if they are not a `message`.
 absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message);
 
-void EncodeInt64(const std::vector<int64_t>& shape, const std::vector<int64_t>& values,
-                 v1::Tensor* tensor);
 
 // Validates a table spec for a cluster of `world_size` ranks and turns it into a TableConfig.
 absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int world_size);

@@ -90,6 +90,13 @@ TEST(TensorCodec, BagRequestBecomesCanonicalStepRequest) {
               HasSubstr("per_sample_weights: only supported with mode sum"));
 }
 
+// What protobuf itself makes of a float tensor: the reference for the hand-written encoding.
+void SetFloats(const std::vector<int64_t>& shape, const core::FloatBuffer& values, v1::Tensor* t) {
+  t->set_dtype(v1::FLOAT32);
+  t->mutable_shape()->Assign(shape.begin(), shape.end());
+  t->set_data(values.data(), values.size() * sizeof(float));
+}
+
 std::string Bytes(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(buffer.Dump(&slices).ok());
@@ -111,12 +118,30 @@ TEST(TensorCodec, ResponseWireBytesMatchProtobuf) {
     result.values.resize(n);
     for (float& v : result.values) v = std::uniform_real_distribution<float>(-1, 1)(rng);
     v1::TensorResponse expected;
-    EncodeFloat(shape, result.values, expected.mutable_output());
+    SetFloats(shape, result.values, expected.mutable_output());
     const std::string wire = Bytes(EncodeTensorResponse(std::move(result)));
     EXPECT_EQ(wire, expected.SerializeAsString()) << "shape size " << shape.size() << ", n " << n;
     v1::TensorResponse parsed;
     ASSERT_TRUE(parsed.ParseFromString(wire));
     EXPECT_EQ(parsed.output().data(), expected.output().data());
+  }
+}
+
+TEST(TensorCodec, StreamResponseWireBytesMatchProtobuf) {
+  for (const uint64_t id : {uint64_t{0}, uint64_t{7}, uint64_t{1} << 40}) {
+    core::DenseResult result;
+    result.shape = {2, 3};
+    result.values.assign({1, 2, 3, 4, 5, 6});
+    v1::StreamResponse expected;
+    expected.set_id(id);
+    SetFloats(result.shape, result.values, expected.mutable_output());
+    EXPECT_EQ(Bytes(EncodeStreamResponse(id, std::move(result))), expected.SerializeAsString());
+    v1::StreamResponse error;
+    error.set_id(id);
+    error.set_code(static_cast<int>(absl::StatusCode::kNotFound));
+    error.set_message("no table");
+    EXPECT_EQ(Bytes(EncodeStreamResponse(id, absl::NotFoundError("no table"))),
+              error.SerializeAsString());
   }
 }
 

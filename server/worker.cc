@@ -45,14 +45,14 @@ std::string TableHealthName(const std::string& table) {
 }  // namespace
 
 // The data API, on gRPC's callback API: handlers validate, enqueue and return; the StepLoop
-// finishes each call. The unary methods take and give raw bytes so that a result goes out
-// without being copied into a response message (EncodeTensorResponse); on the wire they are the
-// same messages.
+// finishes each call. Every method takes and gives raw bytes so that a result goes out without
+// being copied into a response message (EncodeTensorResponse, EncodeStreamResponse); on the wire
+// they are the same messages.
 class Worker::DataService final
     : public v1::DataService::WithRawCallbackMethod_Embedding<
           v1::DataService::WithRawCallbackMethod_EmbeddingBag<
               v1::DataService::WithRawCallbackMethod_Linear<
-                  v1::DataService::WithCallbackMethod_Stream<v1::DataService::Service>>>> {
+                  v1::DataService::WithRawCallbackMethod_Stream<v1::DataService::Service>>>> {
  public:
   explicit DataService(Worker& worker) : worker_(worker) {}
 
@@ -105,11 +105,11 @@ class Worker::DataService final
 
   // Pipelines many requests on one stream: each read is validated and queued at once, responses
   // are written as their steps finish (possibly out of order; the id says which).
-  class StreamReactor : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse> {
+  class StreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
    public:
     StreamReactor(DataService& service, absl::Time deadline)
         : service_(service), deadline_(deadline) {
-      StartRead(&request_);
+      StartRead(&raw_);
     }
 
     void OnReadDone(bool ok) override {
@@ -121,22 +121,25 @@ class Worker::DataService final
         MaybeFinish();
         return;
       }
-      const uint64_t id = request_.id();
+      v1::StreamRequest request;
+      const absl::Status parsed = ParseRaw(raw_, &request);
+      const uint64_t id = request.id();
       absl::StatusOr<std::unique_ptr<core::StepRequest>> step =
           absl::InvalidArgumentError("stream request: set one of embedding, embedding_bag, linear");
-      switch (request_.op_case()) {
+      switch (request.op_case()) {
         case v1::StreamRequest::kEmbedding:
-          step = service_.Prepare(request_.embedding());
+          step = service_.Prepare(request.embedding());
           break;
         case v1::StreamRequest::kEmbeddingBag:
-          step = service_.Prepare(request_.embedding_bag());
+          step = service_.Prepare(request.embedding_bag());
           break;
         case v1::StreamRequest::kLinear:
-          step = service_.Prepare(request_.linear());
+          step = service_.Prepare(request.linear());
           break;
         default:
           break;
       }
+      if (!parsed.ok()) step = parsed;
       if (!step.ok()) {
         Respond(id, step.status());
       } else {
@@ -155,7 +158,7 @@ class Worker::DataService final
         };
         service_.worker_.loop().Submit(std::move(*step));
       }
-      StartRead(&request_);
+      StartRead(&raw_);
     }
 
     void OnWriteDone(bool ok) override {
@@ -176,14 +179,7 @@ class Worker::DataService final
 
    private:
     void Respond(uint64_t id, absl::StatusOr<core::DenseResult> result) {
-      v1::StreamResponse response;
-      response.set_id(id);
-      if (result.ok()) {
-        EncodeFloat(result->shape, result->values, response.mutable_output());
-      } else {
-        response.set_code(static_cast<int>(result.status().code()));
-        response.set_message(std::string(result.status().message()));
-      }
+      grpc::ByteBuffer response = EncodeStreamResponse(id, std::move(result));
       bool start = false;
       {
         absl::MutexLock lock(&mu_);
@@ -206,9 +202,9 @@ class Worker::DataService final
 
     DataService& service_;
     const absl::Time deadline_;
-    v1::StreamRequest request_;
+    grpc::ByteBuffer raw_;  // the request being read
     absl::Mutex mu_;
-    std::deque<v1::StreamResponse> queue_ ABSL_GUARDED_BY(mu_);
+    std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
     bool writing_ ABSL_GUARDED_BY(mu_) = false;
     bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
     bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
@@ -216,7 +212,7 @@ class Worker::DataService final
     int outstanding_ ABSL_GUARDED_BY(mu_) = 0;
   };
 
-  grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* Stream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override {
     return new StreamReactor(*this, DeadlineOf(context));
   }
