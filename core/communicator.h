@@ -103,6 +103,16 @@ class Communicator {
   // Breaks the group: pending and later collectives fail with UNAVAILABLE. Idempotent.
   virtual absl::Status Abort() = 0;
 
+  // Idle groups (SPMD): every rank calls Park() when a round found no work on any rank. It blocks
+  // until some rank of the group is unparked, then every rank tells every other, so the whole
+  // group returns together; `timeout` bounds that exchange (UNAVAILABLE after it, or when a peer
+  // is gone). UNIMPLEMENTED: the caller has to poll instead.
+  virtual absl::Status Park(absl::Duration timeout) {
+    return absl::UnimplementedError("this communicator cannot park");
+  }
+  // Thread-safe: makes this rank's current Park() return, or its next one at once.
+  virtual void Unpark() {}
+
   // Typed conveniences.
   template <typename T>
   absl::Status AllGatherV(const T* in, T* out, absl::Span<const int64_t> counts,

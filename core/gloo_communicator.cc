@@ -71,6 +71,7 @@ class StoreAdapter : public gloo::rendezvous::Store {
 // Slots of our point-to-point protocols; Gloo's own algorithms use prefixes 0x01-0x0f.
 constexpr uint64_t kMessageSlot = uint64_t{0x40} << 56;
 constexpr uint64_t kExchangeSlot = uint64_t{0x42} << 56;
+constexpr uint64_t kParkSlot = uint64_t{0x43} << 56;
 constexpr int64_t kLengthBytes = sizeof(int64_t);
 // Largest message the synchronous mesh carries: 1 MiB, or less where the kernel caps socket send
 // buffers lower (net.core.wmem_max). Gloo sizes a pair's send buffer to the message, so a message
@@ -671,6 +672,69 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAll
   absl::Status status = exchange->Post();
   if (!status.ok()) return status;
   return exchange;
+}
+
+absl::Status GlooCommunicator::Park(absl::Duration timeout) {
+  if (world_size_ == 1) {
+    absl::MutexLock lock(&park_mu_);
+    park_mu_.Await(absl::Condition(&unparked_));
+    unparked_ = false;
+    return absl::OkStatus();
+  }
+  return Guarded("park", [&] {
+    const uint64_t slot = kParkSlot | next_park_++;
+    std::vector<int> peers;
+    for (int q = 0; q < world_size_; ++q) {
+      if (q != rank_) peers.push_back(q);
+    }
+    // Every rank sends every other one token per episode; the first token from any peer, or an
+    // Unpark here, ends the wait.
+    std::vector<int64_t> tokens(world_size_ - 1, 0);
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> in;
+    in.push_back(context_->createUnboundBuffer(&tokens[0], sizeof(int64_t)));
+    in[0]->recv(peers, slot);
+    bool first_arrived = false;
+    bool local = false;
+    {
+      absl::MutexLock lock(&park_mu_);
+      local = unparked_;
+      unparked_ = false;
+      if (!local) parked_ = in[0].get();
+    }
+    if (!local) {
+      // No deadline while parked (Gloo's timeouts break the group): a peer's token, an Unpark or
+      // a peer's failure ends it.
+      first_arrived = in[0]->waitRecv(nullptr, std::chrono::hours(24 * 365));
+      absl::MutexLock lock(&park_mu_);
+      parked_ = nullptr;
+      unparked_ = false;  // leaving now serves whatever asked
+    }
+    int64_t token = 1;
+    auto out = context_->createUnboundBuffer(&token, sizeof(token));
+    for (int q : peers) out->send(q, slot);
+    for (size_t i = 1; i < peers.size(); ++i) {
+      in.push_back(context_->createUnboundBuffer(&tokens[i], sizeof(int64_t)));
+      in.back()->recv(peers, slot);
+    }
+    const auto wait = ToChrono(timeout);
+    // An Unpark that raced with the end of the wait above may still abort the first buffer once.
+    for (int attempt = 0; !first_arrived && attempt < 2; ++attempt) {
+      first_arrived = in[0]->waitRecv(nullptr, wait);
+    }
+    if (!first_arrived) throw std::runtime_error("park: no token");
+    for (size_t i = 1; i < in.size(); ++i) {
+      if (!in[i]->waitRecv(nullptr, wait)) throw std::runtime_error("park: no token");
+    }
+    for (size_t i = 0; i < peers.size(); ++i) {
+      if (!out->waitSend(wait)) throw std::runtime_error("park: token not sent");
+    }
+  });
+}
+
+void GlooCommunicator::Unpark() {
+  absl::MutexLock lock(&park_mu_);
+  unparked_ = true;
+  if (parked_ != nullptr) parked_->abortWaitRecv();
 }
 
 bool GlooCommunicator::SharesMemoryWith(int peer) const {

@@ -29,7 +29,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "core/communicator.h"
 #include "core/rendezvous.h"
 
@@ -80,6 +82,9 @@ class GlooCommunicator : public Communicator {
       void* out, absl::Span<const int64_t> recv_counts, absl::Span<const int64_t> send_counts,
       DataType type, absl::Duration timeout) override;
   absl::Status Abort() override;
+  // Parked ranks wait on a receive from any peer (no polling); Unpark aborts that wait.
+  absl::Status Park(absl::Duration timeout) override;
+  void Unpark() override;
 
   // Whether exchange blocks between this rank and `peer` go through shared memory.
   bool SharesMemoryWith(int peer) const;
@@ -118,6 +123,10 @@ class GlooCommunicator : public Communicator {
   std::vector<char> outgoing_;
   std::vector<char> scratch_;  // reduce-scatter receive space
   std::unique_ptr<SharedMemory> shm_;  // null when no peer shares memory
+  uint32_t next_park_ = 0;             // park episodes (their slots)
+  absl::Mutex park_mu_;                // Unpark comes from other threads
+  bool unparked_ ABSL_GUARDED_BY(park_mu_) = false;
+  gloo::transport::UnboundBuffer* parked_ ABSL_GUARDED_BY(park_mu_) = nullptr;  // being waited on
 };
 
 }  // namespace shardserve::core

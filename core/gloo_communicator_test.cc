@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -322,6 +323,47 @@ TEST(GlooCommunicator, LargeMessagesAndBlocksTakeTheAsyncPath) {
     EXPECT_EQ((*got)[1 - rank].size(), big.size());
     EXPECT_EQ((*got)[1 - rank][12345], static_cast<char>('a' + 1 - rank));
   }, sockets_only);
+}
+
+// Parked ranks stay parked until some rank is unparked (from another thread), then all leave
+// together; an Unpark that comes first makes the next Park return at once.
+TEST(GlooCommunicator, ParkedGroupLeavesTogetherWhenAnyRankIsUnparked) {
+  for (const int world : {1, 3}) {
+    std::vector<GlooCommunicator*> comms(world, nullptr);
+    absl::Mutex mu;
+    int ready = 0;
+    std::thread waker([&] {
+      {
+        absl::MutexLock lock(&mu);
+        auto all = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return ready == world; };
+        mu.Await(absl::Condition(&all));
+      }
+      absl::SleepFor(absl::Milliseconds(150));
+      comms[world - 1]->Unpark();
+    });
+    RunGroup(world, [&](int rank, GlooCommunicator& comm) {
+      // 1. Rank 0 is unparked before it parks: the group leaves at once.
+      if (rank == 0) comm.Unpark();
+      absl::Time start = absl::Now();
+      ASSERT_TRUE(comm.Park(kTimeout).ok());
+      EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "rank " << rank;
+      // 2. Everyone parks; the waker unparks the last rank 150 ms after all got here.
+      start = absl::Now();
+      {
+        absl::MutexLock lock(&mu);
+        comms[rank] = &comm;
+        ++ready;
+      }
+      ASSERT_TRUE(comm.Park(kTimeout).ok());
+      EXPECT_GE(absl::Now() - start, absl::Milliseconds(140)) << "rank " << rank;
+      EXPECT_LT(absl::Now() - start, absl::Seconds(3)) << "rank " << rank;
+      // The group is usable afterwards.
+      int64_t x = 1;
+      ASSERT_TRUE(comm.AllReduce(&x, 1, ReduceOp::kSum, kTimeout).ok());
+      EXPECT_EQ(x, world);
+    });
+    waker.join();
+  }
 }
 
 TEST(GlooCommunicator, BarrierCompletes) {

@@ -109,6 +109,7 @@ void StepLoop::RunBetweenSteps(const std::function<void()>& fn) {
         absl::MutexLock done_lock(&mu_);
         done = true;
       });
+      if (active_comm_ != nullptr) active_comm_->Unpark();
       mu_.Await(absl::Condition(&done));
       return;
     }
@@ -120,6 +121,7 @@ void StepLoop::Stop() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    if (active_comm_ != nullptr) active_comm_->Unpark();
   }
   if (thread_.joinable()) thread_.join();
   std::deque<std::unique_ptr<StepRequest>> left;
@@ -140,6 +142,7 @@ void StepLoop::SetGroup(std::unique_ptr<Communicator> control, uint64_t epoch,
   pending_comm_ = std::move(control);
   pending_data_ = std::move(data);
   pending_epoch_ = epoch;
+  if (active_comm_ != nullptr) active_comm_->Unpark();
 }
 
 uint64_t StepLoop::epoch() const {
@@ -172,6 +175,7 @@ void StepLoop::Submit(std::unique_ptr<StepRequest> request) {
     absl::MutexLock lock(&mu_);
     if (!stop_ && (has_group_ || pending_comm_ != nullptr)) {
       queue_.push_back(std::move(request));
+      if (active_comm_ != nullptr) active_comm_->Unpark();
       return;
     }
   }
@@ -189,6 +193,7 @@ void StepLoop::Run() {
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<Communicator> data;  // null: `comm` carries results too
   absl::Duration idle = absl::ZeroDuration();
+  int idle_rounds = 0;  // consecutive rounds without work
   std::vector<std::unique_ptr<StepRequest>> batch;
   while (true) {
     batch.clear();
@@ -209,6 +214,8 @@ void StepLoop::Run() {
       if (comm == nullptr && pending_comm_ == nullptr) continue;
       if (pending_comm_ != nullptr) {
         comm = std::move(pending_comm_);
+        active_comm_ = comm.get();
+        idle_rounds = 0;  // counted from the group's first round on every rank
         data = std::move(pending_data_);
         epoch_ = pending_epoch_;
         has_group_ = true;
@@ -249,16 +256,28 @@ void StepLoop::Run() {
       }
     }
     if (broken.ok() && work.empty()) {
-      // Idle: back off, but wake at once for local work.
-      idle = std::min(std::max(idle * 2, absl::Microseconds(50)), options_.max_idle_sleep);
-      absl::MutexLock lock(&mu_);
-      auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stop_ || !queue_.empty() || pending_comm_ != nullptr || !between_steps_.empty();
-      };
-      mu_.AwaitWithTimeout(absl::Condition(&wake), idle);
-      continue;
+      // Idle: back off (each rank sleeps between rounds, waking at once for local work); after
+      // park_after_idle_rounds such rounds (the same round on every rank) park the group until any
+      // rank has news - work, a new group, a task, Stop. Waking a parked group costs more than a
+      // round, so traffic with short gaps never parks it.
+      absl::Status parked = absl::UnimplementedError("not idle long enough");
+      if (++idle_rounds > options_.park_after_idle_rounds) {
+        parked = comm->Park(options_.collective_timeout);
+        if (parked.ok()) continue;
+      }
+      if (absl::IsUnimplemented(parked)) {
+        idle = std::min(std::max(idle * 2, absl::Microseconds(50)), options_.max_idle_sleep);
+        absl::MutexLock lock(&mu_);
+        auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+          return stop_ || !queue_.empty() || pending_comm_ != nullptr || !between_steps_.empty();
+        };
+        mu_.AwaitWithTimeout(absl::Condition(&wake), idle);
+        continue;
+      }
+      broken = parked;
     }
     idle = absl::ZeroDuration();
+    idle_rounds = 0;
     if (broken.ok()) {
       {
         absl::MutexLock lock(&mu_);
@@ -361,6 +380,10 @@ void StepLoop::Run() {
       const absl::Status status = absl::UnavailableError(
           absl::StrCat("group epoch ", epoch(), " failed: ", broken.message()));
       FailAll(batch, status);
+      {
+        absl::MutexLock lock(&mu_);
+        active_comm_ = nullptr;
+      }
       comm.reset();
       data.reset();
       std::deque<std::unique_ptr<StepRequest>> queued;
@@ -372,6 +395,10 @@ void StepLoop::Run() {
       for (auto& r : queued) Answer(*r, status);
       if (options_.on_group_broken) options_.on_group_broken(status);
     }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    active_comm_ = nullptr;
   }
   FailAll(batch, absl::UnavailableError("worker is shutting down"));
 }

@@ -3,7 +3,9 @@
 // agreement round); if any rank has work, every rank runs each sharded op in the agreed order
 // with whatever it has queued for it (concatenated, possibly empty), and answers its own callers.
 // An idle group backs off (sleeps up to Options::max_idle_sleep between rounds) instead of
-// spinning.
+// spinning, and after Options::park_after_idle_rounds idle rounds parks (Communicator::Park: no
+// rounds, no polling) until any rank has news - a request, a new group, a task between steps,
+// Stop.
 //
 // Thread-safety: Submit, SetGroup, SetTable, DropTable, RunBetweenSteps and Stop may be called
 // from any thread;
@@ -64,6 +66,7 @@ class StepLoop {
   struct Options {
     int64_t row_budget = int64_t{1} << 18;  // rows (ids, bags' ids, input rows) per step per rank
     absl::Duration max_idle_sleep = absl::Milliseconds(1);
+    int park_after_idle_rounds = 200;  // ~0.2 s of idleness (see Communicator::Park)
     absl::Duration collective_timeout = absl::Seconds(10);
     InputLimits limits;
     std::function<void(const absl::Status&)> on_group_broken;
@@ -111,6 +114,7 @@ class StepLoop {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<std::unique_ptr<StepRequest>> queue_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Communicator> pending_comm_ ABSL_GUARDED_BY(mu_);
+  Communicator* active_comm_ ABSL_GUARDED_BY(mu_) = nullptr;  // the loop's; Unpark()ed on news
   std::unique_ptr<Communicator> pending_data_ ABSL_GUARDED_BY(mu_);
   uint64_t pending_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   bool has_group_ ABSL_GUARDED_BY(mu_) = false;

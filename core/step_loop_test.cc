@@ -252,6 +252,36 @@ TEST(StepLoop, IdleGroupSleepsInsteadOfSpinning) {
   EXPECT_LT(absl::Now() - start, absl::Milliseconds(200));
 }
 
+TEST(StepLoop, LongIdleGroupParksAndWakesForWorkTasksAndStop) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "park", store));
+  for (auto& loop : f.loops) loop->Start();
+  for (int episode = 0; episode < 2; ++episode) {
+    absl::SleepFor(absl::Milliseconds(600));  // > park_after_idle_rounds rounds of back-off
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t0);
+    absl::SleepFor(absl::Milliseconds(500));
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t1);
+    const double cpu = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    // Backing off costs two ranks ~0.04 s of CPU in 0.5 s; parked, they wait without rounds.
+    EXPECT_LT(cpu, 0.015) << "parked loops used " << cpu << " s of CPU in 0.5 s";
+    const absl::Time start = absl::Now();
+    auto got = f.Submit(episode, BagRequest(f.emb, {5, 6}, 2, PoolMode::kSum)).get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(200));
+  }
+  absl::SleepFor(absl::Milliseconds(600));
+  bool ran = false;
+  f.loops[1]->RunBetweenSteps([&] { ran = true; });  // wakes the parked loop
+  EXPECT_TRUE(ran);
+  absl::SleepFor(absl::Milliseconds(600));
+  const absl::Time start = absl::Now();
+  f.loops[0]->Stop();
+  f.loops[1]->Stop();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
 TEST(StepLoop, RunBetweenStepsRunsOnTheLoopThreadWhileServing) {
   Fixture f;
   InProcessRendezvous store;
