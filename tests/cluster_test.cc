@@ -367,6 +367,7 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   CheckOps(*c, emb, "before the crash");
   EXPECT_EQ(Health(cluster->worker_address(0), ""), grpc::health::v1::HealthCheckResponse::SERVING);
 
+  absl::SleepFor(absl::Seconds(1));  // idle long enough for the group to park
   ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
   // Calls at the surviving rank fail with UNAVAILABLE well within their deadline: no hang.
   v1::EmbeddingRequest request;
