@@ -20,7 +20,12 @@ cp -L .bazel/bin/core/cuda_kernels_test .bazel/bin/core/nccl_communicator_test \
 cp -L .bazel/bin/server/worker_gpu_main .device/server/worker_main
 cp -L .bazel/bin/server/coordinator_main .device/server/
 cp bench/gpu_torch_baseline.py .device/
-for bin in .device/bin/* .device/server/*; do
+# Libraries are looked up from the binaries where Bazel built them: tests link Bazel's own
+# shared libraries through an RPATH relative to their build location. Anything still missing
+# fails the bundle here, not on the GPU machine.
+for bin in .bazel/bin/core/cuda_kernels_test .bazel/bin/core/nccl_communicator_test \
+    .bazel/bin/bench/gpu_bench .bazel/bin/client/shardserve .bazel/bin/server/worker_gpu_main \
+    .bazel/bin/server/coordinator_main; do
   ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
       # The C runtime, the driver and the CUDA libraries come from the GPU machine.
@@ -57,4 +62,13 @@ python3 gpu_torch_baseline.py || true
 exit $rc
 RUN
 chmod +x .device/run.sh
+for bin in .device/bin/* .device/server/*; do
+  missing=$(LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64" ldd "$bin" | grep "not found" |
+            grep -v -E "libcuda\.so|libcudart|libcublas|libnccl" || true)
+  if [ -n "$missing" ]; then
+    echo "device_check: $bin would not load:" >&2
+    echo "$missing" >&2
+    exit 1
+  fi
+done
 du -sh .device
