@@ -123,10 +123,10 @@ class Worker::DataService final
       }
       v1::StreamRequest request;
       const absl::Status parsed = ParseRaw(raw_, &request);
-      const uint64_t id = request.id();
+      const uint64_t id = parsed.ok() ? request.id() : 0;  // nothing in it can be trusted
       absl::StatusOr<std::unique_ptr<core::StepRequest>> step =
           absl::InvalidArgumentError("stream request: set one of embedding, embedding_bag, linear");
-      switch (request.op_case()) {
+      switch (parsed.ok() ? request.op_case() : v1::StreamRequest::OP_NOT_SET) {
         case v1::StreamRequest::kEmbedding:
           step = service_.Prepare(request.embedding());
           break;
