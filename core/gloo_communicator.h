@@ -51,8 +51,9 @@ struct GlooOptions {
   absl::Duration sync_timeout = absl::Seconds(30);
   // Exchange blocks of up to this many bytes go through shared memory between peers that can map
   // each other's (larger ones take the sockets); 0 keeps every block on the sockets. Memory: the
-  // outbox is sparse; it holds on to the two largest blocks sent to each peer so far.
-  int64_t shared_memory_block_bytes = int64_t{64} << 20;
+  // outboxes are sparse; at most two slots of this size per peer are ever resident in each
+  // direction (a rank's RSS counts the peers' slots it has read, too).
+  int64_t shared_memory_block_bytes = int64_t{16} << 20;
 };
 
 class GlooCommunicator : public Communicator {

@@ -23,7 +23,7 @@ ABSL_FLAG(std::string, device, "cpu", "cpu (cuda:N in GPU builds)");
 ABSL_FLAG(int64_t, row_budget, int64_t{1} << 18, "rows (ids, input rows) per rank per step");
 ABSL_FLAG(int, collective_timeout_ms, 10000, "a collective that takes longer fails the step");
 ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
-ABSL_FLAG(int64_t, shared_memory_block_mb, 64,
+ABSL_FLAG(int64_t, shared_memory_block_mb, 16,
           "exchange blocks up to this size go through shared memory between workers that can map "
           "each other's (one host); 0: always the sockets");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
