@@ -1,6 +1,7 @@
 #include "server/coordinator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -299,13 +300,14 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
   Coordinator& c_;
 };
 
-// The data API for thin clients: each call goes whole to one live worker (one extra hop). Unary
-// calls pass through as raw bytes, never parsed or copied here, and hold no thread while the
-// worker answers; a malformed request gets the worker's INVALID_ARGUMENT.
+// The data API for thin clients: each call goes whole to one live worker (one extra hop), as raw
+// bytes, never parsed or copied here, and holding no thread while the worker answers; a malformed
+// request gets the worker's INVALID_ARGUMENT.
 class Coordinator::ForwardingService final
     : public v1::DataService::WithRawCallbackMethod_Embedding<
           v1::DataService::WithRawCallbackMethod_EmbeddingBag<
-              v1::DataService::WithRawCallbackMethod_Linear<v1::DataService::Service>>> {
+              v1::DataService::WithRawCallbackMethod_Linear<
+                  v1::DataService::WithRawCallbackMethod_Stream<v1::DataService::Service>>>> {
  public:
   explicit ForwardingService(Coordinator& c) : c_(c) {}
 
@@ -348,50 +350,150 @@ class Coordinator::ForwardingService final
     return Forward(context, "/shardserve.v1.DataService/Linear", request, response);
   }
 
-  // Each request of the stream is answered by one worker call, in order.
-  grpc::Status Stream(grpc::ServerContext* context,
-                      grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override {
-    v1::StreamRequest request;
-    while (stream->Read(&request)) {
-      v1::TensorResponse out;
-      const grpc::Status status = ForwardOne(context, request, &out);
-      v1::StreamResponse response;
-      response.set_id(request.id());
-      if (status.ok()) {
-        *response.mutable_output() = std::move(*out.mutable_output());
-      } else {
-        response.set_code(status.error_code());
-        response.set_message(status.error_message());
-      }
-      if (!stream->Write(response)) break;
-    }
-    return grpc::Status::OK;
-  }
+  // A stream goes whole to one live worker, relayed as raw bytes both ways (StreamRelay).
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
+      grpc::CallbackServerContext* context) override;
 
  private:
-  grpc::Status ForwardOne(grpc::ServerContext* context, const v1::StreamRequest& request,
-                          v1::TensorResponse* out) {
-    if (request.op_case() == v1::StreamRequest::OP_NOT_SET) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "stream request: set one of embedding, embedding_bag, linear");
-    }
-    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = c_.PickWorker();
-    if (!channel.ok()) return ToGrpcStatus(channel.status());
-    std::unique_ptr<v1::DataService::Stub> stub = v1::DataService::NewStub(*channel);
-    grpc::ClientContext client;
-    client.set_deadline(DeadlineOr(context, absl::Seconds(60)));
-    switch (request.op_case()) {
-      case v1::StreamRequest::kEmbedding:
-        return stub->Embedding(&client, request.embedding(), out);
-      case v1::StreamRequest::kEmbeddingBag:
-        return stub->EmbeddingBag(&client, request.embedding_bag(), out);
-      default:
-        return stub->Linear(&client, request.linear(), out);
-    }
-  }
-
   Coordinator& c_;
 };
+
+namespace {
+
+// Relays one client stream to one worker's Stream, raw bytes both ways, one message in flight
+// each way: a request goes on as soon as it is read (so the worker pipelines them), an answer as
+// soon as it arrives. The worker's status ends the client's stream (at once, even while the
+// client is still sending); a client that goes away cancels the worker's. Deletes itself once
+// both sides are done.
+class StreamRelay : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  StreamRelay(grpc::CallbackServerContext* context, std::shared_ptr<grpc::Channel> channel)
+      : stub_(std::move(channel)), upstream_(*this) {
+    if (context->deadline() != std::chrono::system_clock::time_point::max()) {
+      client_.set_deadline(context->deadline());
+    }
+    stub_.PrepareBidiStreamingCall(&client_, "/shardserve.v1.DataService/Stream",
+                                   grpc::StubOptions(), &upstream_);
+    // Held while requests may still be forwarded: a write to the worker may start from the
+    // client's side at any time until then.
+    upstream_.AddHold();
+    upstream_.StartRead(&from_worker_);
+    upstream_.StartCall();
+    StartRead(&from_client_);
+  }
+
+  // From the client: forward it, unless the worker's side is closed.
+  void OnReadDone(bool ok) override {
+    bool forward = false;
+    {
+      absl::MutexLock lock(&mu_);
+      forward = ok && !worker_closed_;
+      writing_ = forward;  // keeps the hold (and so the call) while the write starts
+      if (!ok && !hold_released_) {
+        // The client sends no more: tell the worker, while the hold still keeps the call open.
+        upstream_.StartWritesDone();
+      }
+    }
+    if (forward) {
+      upstream_.StartWrite(&from_client_);  // the next read waits for this write
+    } else {
+      StopSending();  // a request the closed worker cannot take is dropped; no more reads
+    }
+  }
+  // To the client.
+  void OnWriteDone(bool ok) override {
+    if (ok) {
+      upstream_.StartRead(&from_worker_);
+    } else {
+      client_.TryCancel();
+    }
+    upstream_.RemoveHold();  // taken when this write started
+  }
+  void OnCancel() override { client_.TryCancel(); }
+  void OnDone() override { Release(); }
+
+ private:
+  class Upstream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit Upstream(StreamRelay& relay) : relay_(relay) {}
+    void OnWriteDone(bool ok) override {
+      bool next = false;
+      {
+        absl::MutexLock lock(&relay_.mu_);
+        relay_.writing_ = false;
+        if (!ok) relay_.worker_closed_ = true;
+        next = !relay_.worker_closed_;
+      }
+      if (next) {
+        relay_.StartRead(&relay_.from_client_);
+      } else {
+        relay_.StopSending();
+      }
+    }
+    void OnReadDone(bool ok) override {
+      if (ok) {
+        AddHold();  // released when the client's write completes
+        relay_.StartWrite(&relay_.from_worker_);
+        return;
+      }
+      // The worker is done: forward nothing more, so that its status can come back now.
+      bool stop = false;
+      {
+        absl::MutexLock lock(&relay_.mu_);
+        relay_.worker_closed_ = true;
+        stop = !relay_.writing_;
+      }
+      if (stop) relay_.StopSending();
+    }
+    void OnDone(const grpc::Status& status) override {
+      relay_.Finish(status);
+      relay_.Release();
+    }
+
+   private:
+    StreamRelay& relay_;
+  };
+
+  // Releases the forwarding hold, once.
+  void StopSending() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (hold_released_) return;
+      hold_released_ = true;
+    }
+    upstream_.RemoveHold();
+  }
+  void Release() {
+    if (--references_ == 0) delete this;
+  }
+
+  grpc::GenericStub stub_;
+  grpc::ClientContext client_;
+  Upstream upstream_;
+  grpc::ByteBuffer from_client_;
+  grpc::ByteBuffer from_worker_;
+  absl::Mutex mu_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;         // a request is on its way to the worker
+  bool worker_closed_ ABSL_GUARDED_BY(mu_) = false;   // the worker takes no more requests
+  bool hold_released_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<int> references_{2};  // the client's side and the worker's side
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Coordinator::ForwardingService::Stream(
+    grpc::CallbackServerContext* context) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = c_.PickWorker();
+  if (!channel.ok()) {
+    class Refused : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+     public:
+      explicit Refused(const grpc::Status& status) { Finish(status); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(ToGrpcStatus(channel.status()));
+  }
+  return new StreamRelay(context, *std::move(channel));
+}
 
 Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {}
 

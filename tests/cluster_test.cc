@@ -253,43 +253,47 @@ TEST(Cluster, ConcurrentCallersOnDifferentEntryRanksGetTheirOwnRows) {
   EXPECT_EQ(wrong.load(), 0);
 }
 
+// Straight to a worker, and through the coordinator's relay.
 TEST(Cluster, StreamPipelinesManyBatchesOnOneStream) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
   Table emb = MakeTable("emb", v1::EMBEDDING, 50, 8, 1, {1, 0}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
-  auto stub = v1::DataService::NewStub(
-      grpc::CreateChannel(cluster->worker_address(0), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  auto stream = stub->Stream(&context);
-  std::map<uint64_t, at::Tensor> want;
-  for (uint64_t id = 1; id <= 20; ++id) {
-    at::Tensor ids = at::randint(0, 50, {3}, at::kLong);
-    v1::StreamRequest request;
-    request.set_id(id);
-    request.mutable_embedding()->set_table("emb");
-    *request.mutable_embedding()->mutable_ids() = ToProto(ids);
-    if (id == 7) request.mutable_embedding()->set_table("missing");
-    want[id] = at::embedding(emb.weight, ids);
-    ASSERT_TRUE(stream->Write(request));
-  }
-  stream->WritesDone();
-  v1::StreamResponse response;
-  int answered = 0;
-  while (stream->Read(&response)) {
-    ++answered;
-    if (response.id() == 7) {
-      EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
-      EXPECT_THAT(response.message(), HasSubstr("table \"missing\" not found"));
-      continue;
+  for (const std::string& address : {cluster->worker_address(0), cluster->coordinator_address()}) {
+    SCOPED_TRACE(address);
+    auto stub = v1::DataService::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto stream = stub->Stream(&context);
+    std::map<uint64_t, at::Tensor> want;
+    for (uint64_t id = 1; id <= 20; ++id) {
+      at::Tensor ids = at::randint(0, 50, {3}, at::kLong);
+      v1::StreamRequest request;
+      request.set_id(id);
+      request.mutable_embedding()->set_table("emb");
+      *request.mutable_embedding()->mutable_ids() = ToProto(ids);
+      if (id == 7) request.mutable_embedding()->set_table("missing");
+      want[id] = at::embedding(emb.weight, ids);
+      ASSERT_TRUE(stream->Write(request));
     }
-    ASSERT_EQ(response.code(), 0) << response.message();
-    ExpectClose(client::ToDense(response.output()), want[response.id()], "stream");
+    stream->WritesDone();
+    v1::StreamResponse response;
+    int answered = 0;
+    while (stream->Read(&response)) {
+      ++answered;
+      if (response.id() == 7) {
+        EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+        EXPECT_THAT(response.message(), HasSubstr("table \"missing\" not found"));
+        continue;
+      }
+      ASSERT_EQ(response.code(), 0) << response.message();
+      ExpectClose(client::ToDense(response.output()), want[response.id()], "stream");
+    }
+    EXPECT_EQ(answered, 20);
+    EXPECT_TRUE(stream->Finish().ok());
   }
-  EXPECT_EQ(answered, 20);
-  EXPECT_TRUE(stream->Finish().ok());
 }
 
 TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
@@ -367,8 +371,39 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   CheckOps(*c, emb, "before the crash");
   EXPECT_EQ(Health(cluster->worker_address(0), ""), grpc::health::v1::HealthCheckResponse::SERVING);
 
+  // A stream through the coordinator's relay, open across the crash.
+  auto relay_stub = v1::DataService::NewStub(
+      grpc::CreateChannel(cluster->coordinator_address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext relay_context;
+  relay_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto relay = relay_stub->Stream(&relay_context);
+  v1::StreamRequest streamed;
+  streamed.set_id(1);
+  streamed.mutable_embedding()->set_table("emb");
+  *streamed.mutable_embedding()->mutable_ids() = client::Int64Tensor({2}, {1, 2});
+  ASSERT_TRUE(relay->Write(streamed));
+  v1::StreamResponse streamed_answer;
+  ASSERT_TRUE(relay->Read(&streamed_answer));
+  EXPECT_EQ(streamed_answer.code(), 0) << streamed_answer.message();
+
   absl::SleepFor(absl::Seconds(1));  // idle long enough for the group to park
   ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  {
+    // Whichever worker the relay reached, the stream answers UNAVAILABLE in band (rank 0: the
+    // group is gone) or ends (rank 1 died) - promptly, not at its deadline.
+    const absl::Time start = absl::Now();
+    streamed.set_id(2);
+    if (relay->Write(streamed) && relay->Read(&streamed_answer)) {
+      EXPECT_EQ(streamed_answer.code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+      relay->WritesDone();
+      while (relay->Read(&streamed_answer)) {
+      }
+      EXPECT_TRUE(relay->Finish().ok());
+    } else {
+      EXPECT_FALSE(relay->Finish().ok());
+    }
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
   // Calls at the surviving rank fail with UNAVAILABLE well within their deadline: no hang.
   v1::EmbeddingRequest request;
   request.set_table("emb");
