@@ -150,10 +150,7 @@ uint64_t StepLoop::epoch() const {
   return has_group_ ? epoch_ : 0;
 }
 
-bool StepLoop::serving() const {
-  absl::MutexLock lock(&mu_);
-  return has_group_;
-}
+bool StepLoop::serving() const { return serving_.load(std::memory_order_relaxed); }
 
 void StepLoop::SetTable(std::shared_ptr<ShardedTable> table) {
   absl::MutexLock lock(&mu_);
@@ -219,6 +216,7 @@ void StepLoop::Run() {
         data = std::move(pending_data_);
         epoch_ = pending_epoch_;
         has_group_ = true;
+        serving_ = true;
       }
       int64_t rows = 0;
       while (!queue_.empty() &&
@@ -390,6 +388,7 @@ void StepLoop::Run() {
       {
         absl::MutexLock lock(&mu_);
         has_group_ = false;  // from now on Submit refuses at once
+        serving_ = false;
         queued.swap(queue_);
       }
       for (auto& r : queued) Answer(*r, status);

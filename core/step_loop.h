@@ -16,6 +16,7 @@
 #ifndef SHARDSERVE_CORE_STEP_LOOP_H_
 #define SHARDSERVE_CORE_STEP_LOOP_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -118,6 +119,7 @@ class StepLoop {
   std::unique_ptr<Communicator> pending_data_ ABSL_GUARDED_BY(mu_);
   uint64_t pending_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   bool has_group_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> serving_{false};  // has_group_, readable without mu_ (per-request checks)
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, std::shared_ptr<ShardedTable>> tables_ ABSL_GUARDED_BY(mu_);
   std::deque<std::function<void()>> between_steps_ ABSL_GUARDED_BY(mu_);

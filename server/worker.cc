@@ -83,8 +83,9 @@ class Worker::DataService final
 
   template <typename Request>
   absl::StatusOr<std::unique_ptr<core::StepRequest>> Prepare(const Request& request) {
-    ASSIGN_OR_RETURN(core::TableConfig table, worker_.ServingTable(request.table()));
-    return MakeStepRequest(request, table, worker_.limits());
+    ASSIGN_OR_RETURN(std::shared_ptr<const core::TableConfig> table,
+                     worker_.ServingTable(request.table()));
+    return MakeStepRequest(request, *table, worker_.limits());
   }
 
   grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* context,
@@ -347,7 +348,8 @@ void Worker::Wait() {
   if (server_) server_->Wait();
 }
 
-absl::StatusOr<core::TableConfig> Worker::ServingTable(const std::string& name) const {
+absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
+    const std::string& name) const {
   absl::MutexLock lock(&mu_);
   auto it = configs_.find(name);
   if (it == configs_.end()) {
@@ -486,7 +488,7 @@ void Worker::ReconcileLoop() {
         loop_->SetTable(shared);
         absl::MutexLock lock(&mu_);
         loaded_[spec.name()] = std::move(shared);
-        configs_[spec.name()] = config;
+        configs_[spec.name()] = std::make_shared<const core::TableConfig>(config);
         UpdateHealth();
         return absl::OkStatus();
       }();

@@ -54,7 +54,8 @@ class Worker {
 
   // The table `name` if this rank may accept calls for it: NOT_FOUND (unknown), UNAVAILABLE
   // (group not formed), FAILED_PRECONDITION (not loaded on every rank yet).
-  absl::StatusOr<core::TableConfig> ServingTable(const std::string& name) const;
+  absl::StatusOr<std::shared_ptr<const core::TableConfig>> ServingTable(
+      const std::string& name) const;
   core::StepLoop& loop() { return *loop_; }
   const core::InputLimits& limits() const { return options_.step.limits; }
   absl::StatusOr<std::shared_ptr<core::ShardedTable>> LoadedTable(const std::string& name) const;
@@ -88,7 +89,8 @@ class Worker {
   bool group_broken_ ABSL_GUARDED_BY(mu_) = false;  // the joined epoch's group failed
   uint64_t joined_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, v1::TableSpec> wanted_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, core::TableConfig> configs_ ABSL_GUARDED_BY(mu_);
+  // Shared with the requests being prepared (no copy per call).
+  std::map<std::string, std::shared_ptr<const core::TableConfig>> configs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<core::ShardedTable>> loaded_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, absl::Status> load_errors_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> serving_ ABSL_GUARDED_BY(mu_);
