@@ -233,16 +233,21 @@ TEST(StepLoop, DeadPeerFailsPendingRequestsWithUnavailableAndRefusesNewOnes) {
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("group not formed"));
 }
 
+// CPU time this process uses while the calling thread sleeps for `d`.
+double CpuSecondsWhileSleeping(absl::Duration d) {
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t0);
+  absl::SleepFor(d);
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t1);
+  return (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+}
+
 TEST(StepLoop, IdleGroupSleepsInsteadOfSpinning) {
   Fixture f;
   InProcessRendezvous store;
   f.StartLoops(Connect(Fixture::kWorld, "idle", store));
   for (auto& loop : f.loops) loop->Start();
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t0);
-  absl::SleepFor(absl::Milliseconds(500));
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t1);
-  const double cpu = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  const double cpu = CpuSecondsWhileSleeping(absl::Milliseconds(500));
   // Two idle ranks for 0.5 s: a spinning loop would burn ~1 s of CPU; backing off costs a few %.
   EXPECT_LT(cpu, 0.25) << "idle loops used " << cpu << " s of CPU in 0.5 s";
   // And a lone request is still answered promptly.
@@ -259,11 +264,7 @@ TEST(StepLoop, LongIdleGroupParksAndWakesForWorkTasksAndStop) {
   for (auto& loop : f.loops) loop->Start();
   for (int episode = 0; episode < 2; ++episode) {
     absl::SleepFor(absl::Milliseconds(600));  // > park_after_idle_rounds rounds of back-off
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t0);
-    absl::SleepFor(absl::Milliseconds(500));
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t1);
-    const double cpu = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    const double cpu = CpuSecondsWhileSleeping(absl::Milliseconds(500));
     // Backing off costs two ranks ~0.04 s of CPU in 0.5 s; parked, they wait without rounds.
     EXPECT_LT(cpu, 0.015) << "parked loops used " << cpu << " s of CPU in 0.5 s";
     const absl::Time start = absl::Now();
