@@ -97,6 +97,12 @@ void StepLoop::Start() {
     running_ = true;
   }
   thread_ = std::thread([this] { Run(); });
+  park_checker_ = std::thread([this] {
+    absl::MutexLock lock(&mu_);
+    while (!mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.park_check)) {
+      if (active_comm_ != nullptr) active_comm_->Unpark();
+    }
+  });
 }
 
 void StepLoop::RunBetweenSteps(const std::function<void()>& fn) {
@@ -124,6 +130,7 @@ void StepLoop::Stop() {
     if (active_comm_ != nullptr) active_comm_->Unpark();
   }
   if (thread_.joinable()) thread_.join();
+  if (park_checker_.joinable()) park_checker_.join();
   std::deque<std::unique_ptr<StepRequest>> left;
   std::deque<std::function<void()>> tasks;
   {

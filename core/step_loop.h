@@ -5,7 +5,7 @@
 // An idle group backs off (sleeps up to Options::max_idle_sleep between rounds) instead of
 // spinning, and after Options::park_after_idle_rounds idle rounds parks (Communicator::Park: no
 // rounds, no polling) until any rank has news - a request, a new group, a task between steps,
-// Stop.
+// Stop - or the periodic check (Options::park_check) that finds peers gone.
 //
 // Thread-safety: Submit, SetGroup, SetTable, DropTable, RunBetweenSteps and Stop may be called
 // from any thread;
@@ -68,6 +68,9 @@ class StepLoop {
     int64_t row_budget = int64_t{1} << 18;  // rows (ids, bags' ids, input rows) per step per rank
     absl::Duration max_idle_sleep = absl::Milliseconds(1);
     int park_after_idle_rounds = 200;  // ~0.2 s of idleness (see Communicator::Park)
+    // A parked group still wakes this often for one round, so that a peer that died meanwhile
+    // is noticed (a parked wait does not see a peer's connection close).
+    absl::Duration park_check = absl::Seconds(1);
     absl::Duration collective_timeout = absl::Seconds(10);
     InputLimits limits;
     std::function<void(const absl::Status&)> on_group_broken;
@@ -110,6 +113,7 @@ class StepLoop {
   const Options options_;
   LocalKernels& kernels_;
   std::thread thread_;
+  std::thread park_checker_;  // unparks the loop every Options::park_check
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

@@ -283,6 +283,23 @@ TEST(StepLoop, LongIdleGroupParksAndWakesForWorkTasksAndStop) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
 }
 
+TEST(StepLoop, ParkedGroupNoticesADeadPeer) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "park-dead", store));
+  for (auto& loop : f.loops) loop->Start();
+  absl::SleepFor(absl::Milliseconds(600));  // parked by now
+  f.loops[1].reset();                       // rank 1 goes away (its sockets close)
+  const absl::Time start = absl::Now();
+  while (f.loops[0]->serving() && absl::Now() - start < absl::Seconds(5)) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_FALSE(f.loops[0]->serving());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));  // within Options::park_check and a round
+  absl::MutexLock lock(&f.mu);
+  EXPECT_EQ(f.broken[0].code(), absl::StatusCode::kUnavailable);
+}
+
 TEST(StepLoop, RunBetweenStepsRunsOnTheLoopThreadWhileServing) {
   Fixture f;
   InProcessRendezvous store;

@@ -388,6 +388,12 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
 
   absl::SleepFor(absl::Seconds(1));  // idle long enough for the group to park
   ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  // With no call to wake it, the parked survivor still finds its peer gone (periodic check).
+  const absl::Time killed = absl::Now();
+  EXPECT_TRUE(WaitFor([&] { return Health(cluster->worker_address(0), "") ==
+                                   grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
+                      absl::Seconds(4)));
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(4));
   {
     // Whichever worker the relay reached, the stream answers UNAVAILABLE in band (rank 0: the
     // group is gone) or ends (rank 1 died) - promptly, not at its deadline.
