@@ -265,12 +265,12 @@ void StepLoop::Run() {
       // park_after_idle_rounds such rounds (the same round on every rank) park the group until any
       // rank has news - work, a new group, a task, Stop. Waking a parked group costs more than a
       // round, so traffic with short gaps never parks it.
-      absl::Status parked = absl::UnimplementedError("not idle long enough");
       if (++idle_rounds > options_.park_after_idle_rounds) {
-        parked = comm->Park(options_.collective_timeout);
-        if (parked.ok()) continue;
+        broken = comm->Park(options_.collective_timeout);
+        if (broken.ok()) continue;
+        if (absl::IsUnimplemented(broken)) broken = absl::OkStatus();  // cannot park: back off
       }
-      if (absl::IsUnimplemented(parked)) {
+      if (broken.ok()) {
         idle = std::min(std::max(idle * 2, absl::Microseconds(50)), options_.max_idle_sleep);
         absl::MutexLock lock(&mu_);
         auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -279,7 +279,6 @@ void StepLoop::Run() {
         mu_.AwaitWithTimeout(absl::Condition(&wake), idle);
         continue;
       }
-      broken = parked;
     }
     idle = absl::ZeroDuration();
     idle_rounds = 0;

@@ -106,8 +106,6 @@ class StepLoop {
 
  private:
   void Run();
-  // Runs one step's ops; returns false when the group broke.
-  bool RunStep(Communicator& comm, std::vector<std::unique_ptr<StepRequest>>& batch);
   void FailAll(std::vector<std::unique_ptr<StepRequest>>& batch, const absl::Status& status);
 
   const Options options_;

@@ -61,20 +61,6 @@ void AppendVarint(uint64_t value, std::string* out) {
   out->push_back(static_cast<char>(value));
 }
 
-}  // namespace
-
-absl::Status DecodeInt64(const v1::Tensor& tensor, const std::string& field,
-                         std::vector<int64_t>* values, std::vector<int64_t>* shape) {
-  return Decode(tensor, field, v1::INT64, values, shape);
-}
-
-absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
-                         std::vector<float>* values, std::vector<int64_t>* shape) {
-  return Decode(tensor, field, v1::FLOAT32, values, shape);
-}
-
-namespace {
-
 // `fields` (a message's fields numbered below `tensor_field`, already encoded), then
 // `tensor_field` = Tensor{FLOAT32, result.shape, result.values}, the values referenced in place.
 grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::DenseResult result) {
@@ -105,6 +91,16 @@ grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::De
 }
 
 }  // namespace
+
+absl::Status DecodeInt64(const v1::Tensor& tensor, const std::string& field,
+                         std::vector<int64_t>* values, std::vector<int64_t>* shape) {
+  return Decode(tensor, field, v1::INT64, values, shape);
+}
+
+absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
+                         std::vector<float>* values, std::vector<int64_t>* shape) {
+  return Decode(tensor, field, v1::FLOAT32, values, shape);
+}
 
 grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result) {
   return EncodeWithTensor("", v1::TensorResponse::kOutputFieldNumber, std::move(result));
