@@ -1,6 +1,7 @@
 #include "core/gloo_communicator.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,8 +9,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <fstream>
 #include <exception>
+#include <fstream>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -114,6 +116,19 @@ void Dispatch(DataType type, Fn&& fn) {
       fn(int64_t{});
       return;
   }
+}
+
+// Gloo's TCP pairs send with writev, which raises SIGPIPE when the peer has closed its end: a
+// dying peer would kill this process instead of failing the collective with UNAVAILABLE. Ignore
+// the signal unless the program installed its own handler; the write then fails with EPIPE.
+void IgnoreSigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      signal(SIGPIPE, SIG_IGN);
+    }
+  });
 }
 
 }  // namespace
@@ -267,6 +282,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("gloo: rank ", rank, " is out of range [0, ", world_size, ")"));
   }
+  IgnoreSigpipe();
   try {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.hostname;
