@@ -1,11 +1,12 @@
-// CUDA kernels for the local ops on a shard. Rows are contiguous (row-major shards), so threads of
-// a block walk a row's columns together: coalesced loads, float4 when the row allows it.
+// CUDA kernels for the local ops on a shard. Rows are contiguous (row-major shards), so the threads
+// of a warp walk a row's columns together: coalesced loads, float4 when the rows allow it.
 #include "core/cuda_kernels_device.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cfloat>
+#include <cmath>
+#include <cstdint>
 
 namespace shardserve::core::cuda {
 namespace {
@@ -14,46 +15,133 @@ constexpr int kThreads = 128;
 
 cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
-__global__ void GatherRowsKernel(const float* __restrict__ shard, int64_t cols,
-                                 const int64_t* __restrict__ ids, int64_t n,
-                                 float* __restrict__ out) {
-  const int64_t i = blockIdx.x;
-  if (i >= n) return;
-  const float* src = shard + ids[i] * cols;
-  float* dst = out + i * cols;
-  if ((cols & 3) == 0) {
-    const float4* s4 = reinterpret_cast<const float4*>(src);
-    float4* d4 = reinterpret_cast<float4*>(dst);
-    for (int64_t j = threadIdx.x; j < cols / 4; j += blockDim.x) d4[j] = s4[j];
-  } else {
-    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
-  }
+// Gather and pooling give each row (gather) or bag (pooling) one warp, kWarpsPerBlock to a block:
+// a lane holds 4 consecutive columns (float4) when rows are 16-byte aligned, so a warp reads a
+// 128-column row piece in one 512-byte access; wider rows take several column chunks.
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 4;
+constexpr unsigned kFullMask = 0xffffffffu;
+// Rows of a bag each lane has in flight at once: the loads are independent, the additions keep
+// the bag's order (so results match the CPU path's summation order).
+constexpr int kUnroll = 8;
+
+__device__ __forceinline__ void Fill(float& a, float x) { a = x; }
+__device__ __forceinline__ void Fill(float4& a, float x) { a = make_float4(x, x, x, x); }
+__device__ __forceinline__ void Add(float& a, float v) { a += v; }
+__device__ __forceinline__ void Add(float4& a, const float4& v) {
+  a.x += v.x;
+  a.y += v.y;
+  a.z += v.z;
+  a.w += v.w;
+}
+__device__ __forceinline__ void AddScaled(float& a, float v, float w) { a += w * v; }
+__device__ __forceinline__ void AddScaled(float4& a, const float4& v, float w) {
+  a.x += w * v.x;
+  a.y += w * v.y;
+  a.z += w * v.z;
+  a.w += w * v.w;
+}
+__device__ __forceinline__ void Max(float& a, float v) { a = fmaxf(a, v); }
+__device__ __forceinline__ void Max(float4& a, const float4& v) {
+  a.x = fmaxf(a.x, v.x);
+  a.y = fmaxf(a.y, v.y);
+  a.z = fmaxf(a.z, v.z);
+  a.w = fmaxf(a.w, v.w);
+}
+__device__ __forceinline__ void Divide(float& a, float d) { a /= d; }
+__device__ __forceinline__ void Divide(float4& a, float d) {
+  a.x /= d;
+  a.y /= d;
+  a.z /= d;
+  a.w /= d;
+}
+__device__ __forceinline__ float Load(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float4 Load(const float4* p) { return __ldg(p); }
+
+// The warp's index in the grid (one row or bag per warp).
+__device__ __forceinline__ int64_t WarpIndex() {
+  return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
 }
 
-__global__ void PoolBagsKernel(const float* __restrict__ shard, int64_t cols,
+// T is float or float4; `width` counts Ts per row.
+template <typename T>
+__global__ void GatherRowsKernel(const T* __restrict__ shard, int64_t width,
+                                 const int64_t* __restrict__ ids, int64_t n, T* __restrict__ out) {
+  const int64_t i = WarpIndex();
+  if (i >= n) return;
+  const T* src = shard + ids[i] * width;
+  T* dst = out + i * width;
+  for (int64_t j = threadIdx.x % kWarp; j < width; j += kWarp) dst[j] = Load(src + j);
+}
+
+// kMode 0 sum, 1 mean, 2 max. A warp pools one bag: its lanes load up to 32 of the bag's ids (and
+// weights) at a time and pass them around by shuffle, then each lane accumulates its columns over
+// kUnroll rows at a time. Every branch that contains a shuffle depends only on the bag, so the
+// whole warp takes it together.
+template <typename T, int kMode, bool kWeighted>
+__global__ void PoolBagsKernel(const T* __restrict__ shard, int64_t width,
                                const int64_t* __restrict__ ids, const int64_t* __restrict__ offsets,
-                               const float* __restrict__ weights, int64_t num_bags, int mode,
-                               float empty_max, float* __restrict__ out) {
-  const int64_t b = blockIdx.x;
+                               const float* __restrict__ weights, int64_t num_bags,
+                               float empty_max, T* __restrict__ out) {
+  const int64_t b = WarpIndex();
   if (b >= num_bags) return;
+  const int lane = threadIdx.x % kWarp;
   const int64_t begin = offsets[b], end = offsets[b + 1];
-  float* dst = out + b * cols;
-  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-    float acc = mode == 2 ? -FLT_MAX : 0.0f;
-    for (int64_t k = begin; k < end; ++k) {
-      const float v = shard[ids[k] * cols + j];
-      if (mode == 2) {
-        acc = fmaxf(acc, v);
-      } else {
-        acc += weights != nullptr ? weights[k] * v : v;
+  for (int64_t chunk = 0; chunk < width; chunk += kWarp) {
+    const int64_t j = chunk + lane;
+    const bool active = j < width;
+    T acc;
+    Fill(acc, kMode == 2 ? -INFINITY : 0.0f);
+    for (int64_t first = begin; first < end; first += kWarp) {
+      const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - first));
+      const int64_t my_id = lane < count ? ids[first + lane] : 0;
+      const float my_weight = kWeighted && lane < count ? weights[first + lane] : 1.0f;
+      int k = 0;
+      for (; k + kUnroll <= count; k += kUnroll) {
+        T v[kUnroll];
+        float w[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t id = __shfl_sync(kFullMask, my_id, k + u);
+          w[u] = kWeighted ? __shfl_sync(kFullMask, my_weight, k + u) : 1.0f;
+          if (active) {
+            v[u] = Load(shard + id * width + j);
+          } else {
+            Fill(v[u], 0.0f);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (kMode == 2) {
+            Max(acc, v[u]);
+          } else if (kWeighted) {
+            AddScaled(acc, v[u], w[u]);
+          } else {
+            Add(acc, v[u]);
+          }
+        }
+      }
+      for (; k < count; ++k) {
+        const int64_t id = __shfl_sync(kFullMask, my_id, k);
+        const float w = kWeighted ? __shfl_sync(kFullMask, my_weight, k) : 1.0f;
+        if (!active) continue;
+        const T v = Load(shard + id * width + j);
+        if (kMode == 2) {
+          Max(acc, v);
+        } else if (kWeighted) {
+          AddScaled(acc, v, w);
+        } else {
+          Add(acc, v);
+        }
       }
     }
+    if (!active) continue;
     if (end == begin) {
-      acc = mode == 2 ? empty_max : 0.0f;
-    } else if (mode == 1) {
-      acc /= static_cast<float>(end - begin);
+      Fill(acc, kMode == 2 ? empty_max : 0.0f);
+    } else if (kMode == 1) {
+      Divide(acc, static_cast<float>(end - begin));
     }
-    dst[j] = acc;
+    out[b * width + j] = acc;
   }
 }
 
@@ -105,23 +193,65 @@ __global__ void AccumulateKernel(T* __restrict__ acc, const T* __restrict__ in, 
   }
 }
 
-// Grids are one block per row/bag; CUDA allows 2^31 - 1 blocks in x.
+// Grids of one block per row (or one warp per row: WarpGrid); CUDA allows 2^31 - 1 blocks in x.
 dim3 Grid(int64_t n) { return dim3(static_cast<unsigned>(n)); }
+
+// Rows can be read as float4 when every row starts 16-byte aligned.
+bool Vectorizable(const void* a, const void* b, int64_t cols) {
+  return cols % 4 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(b) % 16 == 0;
+}
+
+dim3 WarpGrid(int64_t n) { return Grid((n + kWarpsPerBlock - 1) / kWarpsPerBlock); }
+
+template <typename T>
+void PoolBagsAs(const float* shard, int64_t width, const int64_t* ids, const int64_t* offsets,
+                const float* weights, int64_t num_bags, int mode, float empty_max, float* out,
+                cudaStream_t stream) {
+  const T* s = reinterpret_cast<const T*>(shard);
+  T* o = reinterpret_cast<T*>(out);
+  const dim3 grid = WarpGrid(num_bags), block(kWarp * kWarpsPerBlock);
+  if (mode == 2) {
+    PoolBagsKernel<T, 2, false><<<grid, block, 0, stream>>>(s, width, ids, offsets, nullptr,
+                                                            num_bags, empty_max, o);
+  } else if (mode == 1) {
+    PoolBagsKernel<T, 1, false><<<grid, block, 0, stream>>>(s, width, ids, offsets, nullptr,
+                                                            num_bags, empty_max, o);
+  } else if (weights != nullptr) {
+    PoolBagsKernel<T, 0, true><<<grid, block, 0, stream>>>(s, width, ids, offsets, weights,
+                                                           num_bags, empty_max, o);
+  } else {
+    PoolBagsKernel<T, 0, false><<<grid, block, 0, stream>>>(s, width, ids, offsets, nullptr,
+                                                            num_bags, empty_max, o);
+  }
+}
 
 }  // namespace
 
 void LaunchGatherRows(const float* shard, int64_t cols, const int64_t* ids, int64_t n, float* out,
                       void* stream) {
   if (n == 0 || cols == 0) return;
-  GatherRowsKernel<<<Grid(n), kThreads, 0, S(stream)>>>(shard, cols, ids, n, out);
+  const dim3 grid = WarpGrid(n), block(kWarp * kWarpsPerBlock);
+  if (Vectorizable(shard, out, cols)) {
+    GatherRowsKernel<<<grid, block, 0, S(stream)>>>(reinterpret_cast<const float4*>(shard),
+                                                    cols / 4, ids, n,
+                                                    reinterpret_cast<float4*>(out));
+  } else {
+    GatherRowsKernel<<<grid, block, 0, S(stream)>>>(shard, cols, ids, n, out);
+  }
 }
 
 void LaunchPoolBags(const float* shard, int64_t cols, const int64_t* ids, const int64_t* offsets,
                     const float* weights, int64_t num_bags, int mode, float empty_max, float* out,
                     void* stream) {
   if (num_bags == 0 || cols == 0) return;
-  PoolBagsKernel<<<Grid(num_bags), kThreads, 0, S(stream)>>>(shard, cols, ids, offsets, weights,
-                                                              num_bags, mode, empty_max, out);
+  if (Vectorizable(shard, out, cols)) {
+    PoolBagsAs<float4>(shard, cols / 4, ids, offsets, weights, num_bags, mode, empty_max, out,
+                       S(stream));
+  } else {
+    PoolBagsAs<float>(shard, cols, ids, offsets, weights, num_bags, mode, empty_max, out,
+                      S(stream));
+  }
 }
 
 void LaunchRowPowerSums(const float* shard, int64_t cols, const int64_t* ids, int64_t n, double p,

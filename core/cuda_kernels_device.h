@@ -10,7 +10,7 @@ namespace shardserve::core::cuda {
 // out[i, :] = shard[ids[i], :].
 void LaunchGatherRows(const float* shard, int64_t cols, const int64_t* ids, int64_t n, float* out,
                       void* stream);
-// One block per bag; mode 0 sum (weights optional), 1 mean, 2 max; empty bags give 0, or
+// One warp per bag; mode 0 sum (weights optional), 1 mean, 2 max; empty bags give 0, or
 // empty_max in max mode.
 void LaunchPoolBags(const float* shard, int64_t cols, const int64_t* ids, const int64_t* offsets,
                     const float* weights, int64_t num_bags, int mode, float empty_max, float* out,
