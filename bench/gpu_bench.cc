@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -26,6 +27,13 @@ ABSL_FLAG(int, iters, 20, "timed iterations");
 
 namespace {
 
+// A failed CUDA call ends the benchmark: figures from a broken run would be meaningless.
+void Check(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return;
+  std::fprintf(stderr, "gpu_bench: %s: %s\n", what, cudaGetErrorString(error));
+  std::exit(1);
+}
+
 template <typename Fn>
 double MedianMs(int iters, Fn&& fn) {
   cudaEvent_t start, stop;
@@ -38,7 +46,7 @@ double MedianMs(int iters, Fn&& fn) {
     cudaEventRecord(start);
     fn();
     cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
+    Check(cudaEventSynchronize(stop), "timed run");
     float t = 0;
     cudaEventElapsedTime(&t, start, stop);
     ms.push_back(t);
@@ -62,28 +70,30 @@ int main(int argc, char** argv) {
   const int iters = absl::GetFlag(FLAGS_iters);
   float *table, *out, *copy_dst;
   int64_t *ids, *offsets;
-  cudaMalloc(&table, rows * dim * 4);
-  cudaMalloc(&out, bags * dim * 4);
-  cudaMalloc(&copy_dst, rows * dim * 4 / 4);
-  cudaMalloc(&ids, bags * bag * 8);
-  cudaMalloc(&offsets, (bags + 1) * 8);
-  cudaMemset(table, 0, rows * dim * 4);
+  Check(cudaMalloc(&table, rows * dim * 4), "table");
+  Check(cudaMalloc(&out, bags * dim * 4), "output");
+  Check(cudaMalloc(&copy_dst, rows * dim * 4 / 4), "copy buffer");
+  Check(cudaMalloc(&ids, bags * bag * 8), "ids");
+  Check(cudaMalloc(&offsets, (bags + 1) * 8), "offsets");
+  Check(cudaMemset(table, 0, rows * dim * 4), "table init");
   std::mt19937_64 rng(0);
   std::vector<int64_t> h_ids(bags * bag), h_offsets(bags + 1);
   for (auto& id : h_ids) id = rng() % rows;
   for (int64_t b = 0; b <= bags; ++b) h_offsets[b] = b * bag;
-  cudaMemcpy(ids, h_ids.data(), h_ids.size() * 8, cudaMemcpyHostToDevice);
-  cudaMemcpy(offsets, h_offsets.data(), h_offsets.size() * 8, cudaMemcpyHostToDevice);
+  Check(cudaMemcpy(ids, h_ids.data(), h_ids.size() * 8, cudaMemcpyHostToDevice), "ids upload");
+  Check(cudaMemcpy(offsets, h_offsets.data(), h_offsets.size() * 8, cudaMemcpyHostToDevice),
+        "offsets upload");
 
   // Device-to-device copy bandwidth (read + write) on a quarter of the table.
   const int64_t copy_bytes = rows * dim * 4 / 4;
   const double copy_ms = MedianMs(iters, [&] {
-    cudaMemcpyAsync(copy_dst, table, copy_bytes, cudaMemcpyDeviceToDevice);
+    Check(cudaMemcpyAsync(copy_dst, table, copy_bytes, cudaMemcpyDeviceToDevice), "copy");
   });
   const double copy_gbps = 2.0 * copy_bytes / (copy_ms * 1e6);
   const double pool_ms = MedianMs(iters, [&] {
-    shardserve::core::cuda::LaunchPoolBags(table, dim, ids, offsets, nullptr, bags, 0, 0.0f, out,
-                                           nullptr);
+    Check(shardserve::core::cuda::LaunchPoolBags(table, dim, ids, offsets, nullptr, bags, 0, 0.0f,
+                                                 out, nullptr),
+          "pool bags");
   });
   const double gathered = 1.0 * bags * bag * dim * 4;
   const double pool_gbps = (gathered + bags * dim * 4.0) / (pool_ms * 1e6);
@@ -99,11 +109,21 @@ int main(int argc, char** argv) {
                 lo = absl::GetFlag(FLAGS_linear_out);
   auto weight = (*kernels)->Allocate(lo * li * 4);
   auto y = (*kernels)->Allocate(lr * lo * 4);
+  if (!weight.ok() || !y.ok()) {
+    std::fprintf(stderr, "gpu_bench: linear: %s\n",
+                 (weight.ok() ? y.status() : weight.status()).ToString().c_str());
+    return 1;
+  }
+  Check(cudaMemset(weight->data(), 0, lo * li * 4), "weight init");  // as the baseline's zeros
   std::vector<float> x(lr * li, 0.5f), bias(lo, 0.1f);
   const shardserve::core::MatrixView w{weight->floats(), lo, li};
   // Includes the upload of x (host input), as the service does.
   const double linear_ms = MedianMs(std::max(3, iters / 4), [&] {
-    (void)(*kernels)->Linear(x.data(), lr, li, 0, w, bias.data(), y->floats());
+    const absl::Status status = (*kernels)->Linear(x.data(), lr, li, 0, w, bias.data(), y->floats());
+    if (!status.ok()) {
+      std::fprintf(stderr, "gpu_bench: linear: %s\n", status.ToString().c_str());
+      std::exit(1);
+    }
   });
   std::printf("{\"impl\": \"shardserve-cuda\", \"op\": \"linear\", \"rows\": %lld, \"in\": %lld, "
               "\"out\": %lld, \"ms_including_upload\": %.3f}\n",

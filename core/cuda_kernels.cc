@@ -86,14 +86,22 @@ absl::StatusOr<DeviceBuffer> CudaKernels::Allocate(int64_t bytes) {
   return DeviceBuffer(data, bytes, [](void* p) { cudaFree(p); });
 }
 
+// Copies run on the kernels' stream and are waited for: cudaMemcpy on the legacy stream may return
+// before a pageable upload has landed, and the kernels' non-blocking stream is not ordered after it.
 absl::Status CudaKernels::CopyFromHost(const void* host, void* device, int64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  return Check(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice), "copy to device");
+  RETURN_IF_ERROR(Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice,
+                                        static_cast<cudaStream_t>(stream_)),
+                        "copy to device"));
+  return Sync("copy to device");
 }
 
 absl::Status CudaKernels::CopyToHost(const void* device, void* host, int64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  return Check(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "copy to host");
+  RETURN_IF_ERROR(Check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost,
+                                        static_cast<cudaStream_t>(stream_)),
+                        "copy to host"));
+  return Sync("copy to host");
 }
 
 absl::StatusOr<void*> CudaKernels::Upload(int slot, const void* host, int64_t bytes) {
@@ -113,7 +121,6 @@ absl::StatusOr<void*> CudaKernels::Upload(int slot, const void* host, int64_t by
 }
 
 absl::Status CudaKernels::Sync(const char* what) {
-  RETURN_IF_ERROR(Check(cudaGetLastError(), what));
   return Check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), what);
 }
 
@@ -124,7 +131,9 @@ absl::Status CudaKernels::GatherRows(const MatrixView& shard, const int64_t* ids
   }
   if (n == 0 || shard.cols == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
-  cuda::LaunchGatherRows(shard.data, shard.cols, static_cast<const int64_t*>(d_ids), n, out, stream_);
+  RETURN_IF_ERROR(Check(cuda::LaunchGatherRows(shard.data, shard.cols,
+                                                static_cast<const int64_t*>(d_ids), n, out, stream_),
+                        "gather rows"));
   return Sync("gather rows");
 }
 
@@ -135,9 +144,12 @@ absl::Status CudaKernels::PoolBags(const MatrixView& shard, const BagsView& bags
   ASSIGN_OR_RETURN(void* d_ids, Upload(0, bags.ids, num_ids * sizeof(int64_t)));
   ASSIGN_OR_RETURN(void* d_offsets, Upload(1, bags.offsets, (bags.num_bags + 1) * sizeof(int64_t)));
   ASSIGN_OR_RETURN(void* d_weights, Upload(2, bags.weights, num_ids * sizeof(float)));
-  cuda::LaunchPoolBags(shard.data, shard.cols, static_cast<const int64_t*>(d_ids),
-                       static_cast<const int64_t*>(d_offsets), static_cast<const float*>(d_weights),
-                       bags.num_bags, static_cast<int>(mode), empty_max, out, stream_);
+  RETURN_IF_ERROR(Check(
+      cuda::LaunchPoolBags(shard.data, shard.cols, static_cast<const int64_t*>(d_ids),
+                           static_cast<const int64_t*>(d_offsets),
+                           static_cast<const float*>(d_weights), bags.num_bags,
+                           static_cast<int>(mode), empty_max, out, stream_),
+      "pool bags"));
   return Sync("pool bags");
 }
 
@@ -146,8 +158,10 @@ absl::Status CudaKernels::RowPowerSums(const MatrixView& shard, const int64_t* i
   if (n == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
   ASSIGN_OR_RETURN(DeviceBuffer sums, Allocate(n * sizeof(double)));
-  cuda::LaunchRowPowerSums(shard.data, shard.cols, static_cast<const int64_t*>(d_ids), n, p,
-                           static_cast<double*>(sums.data()), stream_);
+  RETURN_IF_ERROR(Check(cuda::LaunchRowPowerSums(shard.data, shard.cols,
+                                                  static_cast<const int64_t*>(d_ids), n, p,
+                                                  static_cast<double*>(sums.data()), stream_),
+                        "row power sums"));
   RETURN_IF_ERROR(Sync("row power sums"));
   return CopyToHost(sums.data(), norms_pow, n * sizeof(double));
 }
@@ -157,8 +171,10 @@ absl::Status CudaKernels::ScaleRows(const MatrixView& shard, const int64_t* ids,
   if (n == 0 || shard.cols == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
   ASSIGN_OR_RETURN(void* d_scales, Upload(1, scales, n * sizeof(float)));
-  cuda::LaunchScaleRows(shard.data, shard.cols, static_cast<const int64_t*>(d_ids),
-                        static_cast<const float*>(d_scales), n, stream_);
+  RETURN_IF_ERROR(Check(cuda::LaunchScaleRows(shard.data, shard.cols,
+                                               static_cast<const int64_t*>(d_ids),
+                                               static_cast<const float*>(d_scales), n, stream_),
+                        "scale rows"));
   return Sync("scale rows");
 }
 
@@ -166,7 +182,9 @@ absl::Status CudaKernels::Linear(const float* x, int64_t rows, int64_t x_stride,
                                  const MatrixView& weight, const float* bias, float* out) {
   if (rows == 0 || weight.rows == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(void* d_bias, Upload(1, bias, weight.rows * sizeof(float)));
-  cuda::LaunchBroadcastRows(static_cast<const float*>(d_bias), rows, weight.rows, out, stream_);
+  RETURN_IF_ERROR(Check(cuda::LaunchBroadcastRows(static_cast<const float*>(d_bias), rows,
+                                                   weight.rows, out, stream_),
+                        "linear bias"));
   if (weight.cols > 0) {
     ASSIGN_OR_RETURN(void* d_x, Upload(0, x, rows * x_stride * sizeof(float)));
     // Row-major out (rows x o) is column-major (o x rows) = W (o x k) * X^T (k x rows): W's

@@ -226,67 +226,89 @@ void PoolBagsAs(const float* shard, int64_t width, const int64_t* ids, const int
   }
 }
 
+// Runs `launch` (kernel launches) and returns its launch error. A failed runtime call earlier on
+// this thread leaves its error latched: it was reported where it happened, so it is cleared first.
+template <typename Fn>
+cudaError_t Launch(Fn&& launch) {
+  (void)cudaGetLastError();
+  launch();
+  return cudaGetLastError();
+}
+
 }  // namespace
 
-void LaunchGatherRows(const float* shard, int64_t cols, const int64_t* ids, int64_t n, float* out,
-                      void* stream) {
-  if (n == 0 || cols == 0) return;
-  const dim3 grid = WarpGrid(n), block(kWarp * kWarpsPerBlock);
-  if (Vectorizable(shard, out, cols)) {
-    GatherRowsKernel<<<grid, block, 0, S(stream)>>>(reinterpret_cast<const float4*>(shard),
-                                                    cols / 4, ids, n,
-                                                    reinterpret_cast<float4*>(out));
-  } else {
-    GatherRowsKernel<<<grid, block, 0, S(stream)>>>(shard, cols, ids, n, out);
-  }
+cudaError_t LaunchGatherRows(const float* shard, int64_t cols, const int64_t* ids, int64_t n,
+                             float* out, void* stream) {
+  if (n == 0 || cols == 0) return cudaSuccess;
+  return Launch([&] {
+    const dim3 grid = WarpGrid(n), block(kWarp * kWarpsPerBlock);
+    if (Vectorizable(shard, out, cols)) {
+      GatherRowsKernel<<<grid, block, 0, S(stream)>>>(reinterpret_cast<const float4*>(shard),
+                                                      cols / 4, ids, n,
+                                                      reinterpret_cast<float4*>(out));
+    } else {
+      GatherRowsKernel<<<grid, block, 0, S(stream)>>>(shard, cols, ids, n, out);
+    }
+  });
 }
 
-void LaunchPoolBags(const float* shard, int64_t cols, const int64_t* ids, const int64_t* offsets,
-                    const float* weights, int64_t num_bags, int mode, float empty_max, float* out,
-                    void* stream) {
-  if (num_bags == 0 || cols == 0) return;
-  if (Vectorizable(shard, out, cols)) {
-    PoolBagsAs<float4>(shard, cols / 4, ids, offsets, weights, num_bags, mode, empty_max, out,
-                       S(stream));
-  } else {
-    PoolBagsAs<float>(shard, cols, ids, offsets, weights, num_bags, mode, empty_max, out,
-                      S(stream));
-  }
+cudaError_t LaunchPoolBags(const float* shard, int64_t cols, const int64_t* ids,
+                           const int64_t* offsets, const float* weights, int64_t num_bags, int mode,
+                           float empty_max, float* out, void* stream) {
+  if (num_bags == 0 || cols == 0) return cudaSuccess;
+  return Launch([&] {
+    if (Vectorizable(shard, out, cols)) {
+      PoolBagsAs<float4>(shard, cols / 4, ids, offsets, weights, num_bags, mode, empty_max, out,
+                         S(stream));
+    } else {
+      PoolBagsAs<float>(shard, cols, ids, offsets, weights, num_bags, mode, empty_max, out,
+                        S(stream));
+    }
+  });
 }
 
-void LaunchRowPowerSums(const float* shard, int64_t cols, const int64_t* ids, int64_t n, double p,
-                        double* out, void* stream) {
-  if (n == 0) return;
-  RowPowerSumsKernel<<<Grid(n), kThreads, 0, S(stream)>>>(shard, cols, ids, n, p, out);
+cudaError_t LaunchRowPowerSums(const float* shard, int64_t cols, const int64_t* ids, int64_t n,
+                               double p, double* out, void* stream) {
+  if (n == 0) return cudaSuccess;
+  return Launch([&] {
+    RowPowerSumsKernel<<<Grid(n), kThreads, 0, S(stream)>>>(shard, cols, ids, n, p, out);
+  });
 }
 
-void LaunchScaleRows(float* shard, int64_t cols, const int64_t* ids, const float* scales, int64_t n,
-                     void* stream) {
-  if (n == 0 || cols == 0) return;
-  ScaleRowsKernel<<<Grid(n), kThreads, 0, S(stream)>>>(shard, cols, ids, scales, n);
+cudaError_t LaunchScaleRows(float* shard, int64_t cols, const int64_t* ids, const float* scales,
+                            int64_t n, void* stream) {
+  if (n == 0 || cols == 0) return cudaSuccess;
+  return Launch([&] {
+    ScaleRowsKernel<<<Grid(n), kThreads, 0, S(stream)>>>(shard, cols, ids, scales, n);
+  });
 }
 
-void LaunchBroadcastRows(const float* bias, int64_t rows, int64_t cols, float* out, void* stream) {
-  if (rows == 0 || cols == 0) return;
-  BroadcastRowsKernel<<<Grid(rows), kThreads, 0, S(stream)>>>(bias, rows, cols, out);
+cudaError_t LaunchBroadcastRows(const float* bias, int64_t rows, int64_t cols, float* out,
+                                void* stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  return Launch([&] {
+    BroadcastRowsKernel<<<Grid(rows), kThreads, 0, S(stream)>>>(bias, rows, cols, out);
+  });
 }
 
-void LaunchAccumulate(void* acc, const void* in, int64_t n, int dtype, int op, void* stream) {
-  if (n == 0) return;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
-  switch (dtype) {
-    case 0:
-      AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<float*>(acc),
-                                                      static_cast<const float*>(in), n, op);
-      break;
-    case 1:
-      AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<double*>(acc),
-                                                      static_cast<const double*>(in), n, op);
-      break;
-    default:
-      AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<long long*>(acc),
-                                                      static_cast<const long long*>(in), n, op);
-  }
+cudaError_t LaunchAccumulate(void* acc, const void* in, int64_t n, int dtype, int op, void* stream) {
+  if (n == 0) return cudaSuccess;
+  return Launch([&] {
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
+    switch (dtype) {
+      case 0:
+        AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<float*>(acc),
+                                                        static_cast<const float*>(in), n, op);
+        break;
+      case 1:
+        AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<double*>(acc),
+                                                        static_cast<const double*>(in), n, op);
+        break;
+      default:
+        AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<long long*>(acc),
+                                                        static_cast<const long long*>(in), n, op);
+    }
+  });
 }
 
 }  // namespace shardserve::core::cuda

@@ -1,30 +1,34 @@
 // Launchers of shardserve's CUDA kernels (cuda_kernels_device.cu, compiled by nvcc). Plain C++
-// signatures: pointers are device memory, `stream` is a cudaStream_t. Called by CudaKernels only.
+// signatures: pointers are device memory, `stream` is a cudaStream_t. Each returns the launch's
+// error (errors while the kernel runs surface when its stream is synchronized).
 #ifndef SHARDSERVE_CORE_CUDA_KERNELS_DEVICE_H_
 #define SHARDSERVE_CORE_CUDA_KERNELS_DEVICE_H_
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
 namespace shardserve::core::cuda {
 
 // out[i, :] = shard[ids[i], :].
-void LaunchGatherRows(const float* shard, int64_t cols, const int64_t* ids, int64_t n, float* out,
-                      void* stream);
+cudaError_t LaunchGatherRows(const float* shard, int64_t cols, const int64_t* ids, int64_t n,
+                             float* out, void* stream);
 // One warp per bag; mode 0 sum (weights optional), 1 mean, 2 max; empty bags give 0, or
 // empty_max in max mode.
-void LaunchPoolBags(const float* shard, int64_t cols, const int64_t* ids, const int64_t* offsets,
-                    const float* weights, int64_t num_bags, int mode, float empty_max, float* out,
-                    void* stream);
+cudaError_t LaunchPoolBags(const float* shard, int64_t cols, const int64_t* ids,
+                           const int64_t* offsets, const float* weights, int64_t num_bags, int mode,
+                           float empty_max, float* out, void* stream);
 // out[i] = sum_j |shard[ids[i], j]|^p.
-void LaunchRowPowerSums(const float* shard, int64_t cols, const int64_t* ids, int64_t n, double p,
-                        double* out, void* stream);
+cudaError_t LaunchRowPowerSums(const float* shard, int64_t cols, const int64_t* ids, int64_t n,
+                               double p, double* out, void* stream);
 // shard[ids[i], :] *= scales[i].
-void LaunchScaleRows(float* shard, int64_t cols, const int64_t* ids, const float* scales, int64_t n,
-                     void* stream);
+cudaError_t LaunchScaleRows(float* shard, int64_t cols, const int64_t* ids, const float* scales,
+                            int64_t n, void* stream);
 // out[r, :] = bias (or 0 when bias is null), for r < rows.
-void LaunchBroadcastRows(const float* bias, int64_t rows, int64_t cols, float* out, void* stream);
+cudaError_t LaunchBroadcastRows(const float* bias, int64_t rows, int64_t cols, float* out,
+                                void* stream);
 // acc[i] = acc[i] (+ or max) in[i] for i < n; dtype 0 float, 1 double, 2 int64; op 0 sum, 1 max.
-void LaunchAccumulate(void* acc, const void* in, int64_t n, int dtype, int op, void* stream);
+cudaError_t LaunchAccumulate(void* acc, const void* in, int64_t n, int dtype, int op, void* stream);
 
 }  // namespace shardserve::core::cuda
 

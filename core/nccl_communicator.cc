@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +35,9 @@ int DeviceType(DataType type) {
 
 ncclComm_t C(void* comm) { return static_cast<ncclComm_t>(comm); }
 cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// ncclSuccess, or ncclInProgress from a non-blocking communicator (Finish waits for it).
+bool Enqueued(ncclResult_t result) { return result == ncclSuccess || result == ncclInProgress; }
 
 std::vector<int64_t> Offsets(absl::Span<const int64_t> counts) {
   std::vector<int64_t> offsets(counts.size(), 0);
@@ -123,87 +127,111 @@ absl::Status NcclCommunicator::Refuse(const char* what) const {
                                              " refused, group is broken: ", broken_reason_));
 }
 
+absl::Status NcclCommunicator::Fail(const std::string& failure) {
+  Abort().IgnoreError();
+  broken_reason_ = failure;
+  return absl::UnavailableError(
+      absl::StrCat("nccl: rank ", rank_, " of ", world_size_, ": ", failure));
+}
+
 absl::Status NcclCommunicator::Finish(const char* what, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
     ncclResult_t state = ncclSuccess;
     ncclCommGetAsyncError(C(comm_), &state);
     const cudaError_t done = cudaStreamQuery(S(stream_));
-    std::string failure;
+    if (done == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: do not leave it latched
     if (state != ncclSuccess && state != ncclInProgress) {
-      failure = absl::StrCat(what, " failed: ", ncclGetErrorString(state));
-    } else if (done == cudaSuccess && state == ncclSuccess) {
-      return absl::OkStatus();
-    } else if (done != cudaSuccess && done != cudaErrorNotReady) {
-      failure = absl::StrCat(what, " failed: ", cudaGetErrorString(done));
-    } else if (absl::Now() > deadline) {
-      failure = absl::StrCat(what, " timed out after ", absl::FormatDuration(timeout));
+      return Fail(absl::StrCat(what, " failed: ", ncclGetErrorString(state)));
     }
-    if (!failure.empty()) {
-      Abort().IgnoreError();
-      broken_reason_ = failure;
-      return absl::UnavailableError(
-          absl::StrCat("nccl: rank ", rank_, " of ", world_size_, ": ", failure));
+    if (done == cudaSuccess && state == ncclSuccess) return absl::OkStatus();
+    if (done != cudaSuccess && done != cudaErrorNotReady) {
+      return Fail(absl::StrCat(what, " failed: ", cudaGetErrorString(done)));
+    }
+    if (absl::Now() > deadline) {
+      return Fail(absl::StrCat(what, " timed out after ", absl::FormatDuration(timeout)));
     }
     absl::SleepFor(absl::Microseconds(20));
   }
+}
+
+absl::Status NcclCommunicator::SendRecv(const char* what, const std::vector<const void*>& send,
+                                        absl::Span<const int64_t> send_counts, char* out,
+                                        absl::Span<const int64_t> recv_counts, DataType type,
+                                        absl::Duration timeout) {
+  const size_t world = static_cast<size_t>(world_size_);
+  if (send.size() != world || send_counts.size() != world || recv_counts.size() != world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nccl: ", what, ": expected one count per rank (", world_size_, ")"));
+  }
+  const size_t elem = SizeOf(type);
+  const std::vector<int64_t> recv_off = Offsets(recv_counts);
+  if (send_counts[rank_] > 0) {
+    const cudaError_t copied =
+        cudaMemcpyAsync(out + recv_off[rank_] * elem, send[rank_], send_counts[rank_] * elem,
+                        cudaMemcpyDeviceToDevice, S(stream_));
+    if (copied != cudaSuccess) {
+      return Fail(absl::StrCat(what, ": own block: ", cudaGetErrorString(copied)));
+    }
+  }
+  ncclResult_t result = ncclGroupStart();
+  for (int q = 0; q < world_size_ && Enqueued(result); ++q) {
+    if (q == rank_) continue;
+    if (send_counts[q] > 0) {
+      result = ncclSend(send[q], send_counts[q], NcclType(type), q, C(comm_), S(stream_));
+    }
+    if (Enqueued(result) && recv_counts[q] > 0) {
+      result = ncclRecv(out + recv_off[q] * elem, recv_counts[q], NcclType(type), q, C(comm_),
+                        S(stream_));
+    }
+  }
+  const ncclResult_t ended = ncclGroupEnd();
+  if (!Enqueued(result) || !Enqueued(ended)) {
+    return Fail(absl::StrCat(what, " failed: ",
+                             ncclGetErrorString(Enqueued(result) ? ended : result)));
+  }
+  return Finish(what, timeout);
 }
 
 absl::Status NcclCommunicator::AllGatherV(const void* in, void* out,
                                           absl::Span<const int64_t> counts, DataType type,
                                           absl::Duration timeout) {
   if (broken_) return Refuse("all-gather");
+  if (counts.size() != static_cast<size_t>(world_size_)) {
+    return absl::InvalidArgumentError("nccl: all-gather: expected one count per rank");
+  }
   // Every peer gets this rank's whole block: an all-to-all whose send blocks all start at `in`.
-  const size_t elem = SizeOf(type);
-  const std::vector<int64_t> recv_off = Offsets(counts);
-  char* dst = static_cast<char*>(out);
-  ncclGroupStart();
-  for (int q = 0; q < world_size_; ++q) {
-    if (q == rank_) continue;
-    if (counts[rank_] > 0) ncclSend(in, counts[rank_], NcclType(type), q, C(comm_), S(stream_));
-    if (counts[q] > 0) {
-      ncclRecv(dst + recv_off[q] * elem, counts[q], NcclType(type), q, C(comm_), S(stream_));
-    }
-  }
-  ncclGroupEnd();
-  if (counts[rank_] > 0) {
-    cudaMemcpyAsync(dst + recv_off[rank_] * elem, in, counts[rank_] * elem,
-                    cudaMemcpyDeviceToDevice, S(stream_));
-  }
-  return Finish("all-gather", timeout);
+  return SendRecv("all-gather", std::vector<const void*>(world_size_, in),
+                  std::vector<int64_t>(world_size_, counts[rank_]), static_cast<char*>(out),
+                  counts, type, timeout);
 }
 
 absl::Status NcclCommunicator::AllToAllV(const void* in, absl::Span<const int64_t> send_counts,
                                          void* out, absl::Span<const int64_t> recv_counts,
                                          DataType type, absl::Duration timeout) {
   if (broken_) return Refuse("all-to-all");
+  if (send_counts.size() != static_cast<size_t>(world_size_)) {
+    return absl::InvalidArgumentError("nccl: all-to-all: expected one count per rank");
+  }
   const size_t elem = SizeOf(type);
-  const std::vector<int64_t> send_off = Offsets(send_counts), recv_off = Offsets(recv_counts);
-  const char* src = static_cast<const char*>(in);
-  char* dst = static_cast<char*>(out);
-  ncclGroupStart();
+  const std::vector<int64_t> send_off = Offsets(send_counts);
+  std::vector<const void*> send(world_size_);
   for (int q = 0; q < world_size_; ++q) {
-    if (q == rank_) continue;
-    if (send_counts[q] > 0) {
-      ncclSend(src + send_off[q] * elem, send_counts[q], NcclType(type), q, C(comm_), S(stream_));
-    }
-    if (recv_counts[q] > 0) {
-      ncclRecv(dst + recv_off[q] * elem, recv_counts[q], NcclType(type), q, C(comm_), S(stream_));
-    }
+    send[q] = static_cast<const char*>(in) + send_off[q] * elem;
   }
-  ncclGroupEnd();
-  if (recv_counts[rank_] > 0) {
-    cudaMemcpyAsync(dst + recv_off[rank_] * elem, src + send_off[rank_] * elem,
-                    recv_counts[rank_] * elem, cudaMemcpyDeviceToDevice, S(stream_));
-  }
-  return Finish("all-to-all", timeout);
+  return SendRecv("all-to-all", send, send_counts, static_cast<char*>(out), recv_counts, type,
+                  timeout);
 }
 
 absl::Status NcclCommunicator::AllReduce(void* data, int64_t count, DataType type, ReduceOp op,
                                          absl::Duration timeout) {
   if (broken_) return Refuse("all-reduce");
-  ncclAllReduce(data, data, count, NcclType(type), op == ReduceOp::kSum ? ncclSum : ncclMax,
-                C(comm_), S(stream_));
+  const ncclResult_t result =
+      ncclAllReduce(data, data, count, NcclType(type), op == ReduceOp::kSum ? ncclSum : ncclMax,
+                    C(comm_), S(stream_));
+  if (!Enqueued(result)) {
+    return Fail(absl::StrCat("all-reduce failed: ", ncclGetErrorString(result)));
+  }
   return Finish("all-reduce", timeout);
 }
 
@@ -211,11 +239,18 @@ absl::Status NcclCommunicator::ReduceScatter(const void* in, absl::Span<const in
                                              void* out, DataType type, ReduceOp op,
                                              absl::Duration timeout) {
   if (broken_) return Refuse("reduce-scatter");
+  if (counts.size() != static_cast<size_t>(world_size_)) {
+    return absl::InvalidArgumentError("nccl: reduce-scatter: expected one count per rank");
+  }
   const int64_t mine = counts[rank_];
   const size_t elem = SizeOf(type);
   if (std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == mine; })) {
-    ncclReduceScatter(in, out, mine, NcclType(type), op == ReduceOp::kSum ? ncclSum : ncclMax,
-                      C(comm_), S(stream_));
+    const ncclResult_t result =
+        ncclReduceScatter(in, out, mine, NcclType(type), op == ReduceOp::kSum ? ncclSum : ncclMax,
+                          C(comm_), S(stream_));
+    if (!Enqueued(result)) {
+      return Fail(absl::StrCat("reduce-scatter failed: ", ncclGetErrorString(result)));
+    }
     return Finish("reduce-scatter", timeout);
   }
   // Ragged blocks: every rank's block q to rank q, then reduce the W received blocks here.
@@ -225,17 +260,23 @@ absl::Status NcclCommunicator::ReduceScatter(const void* in, absl::Span<const in
     scratch_ = nullptr;
     scratch_bytes_ = 0;
     if (cudaMalloc(&scratch_, bytes) != cudaSuccess) {
-      return absl::ResourceExhaustedError("nccl: no device memory for reduce-scatter");
+      scratch_ = nullptr;
+      // The peers are already waiting for this rank's blocks: the group cannot go on.
+      return Fail("no device memory for reduce-scatter");
     }
     scratch_bytes_ = bytes;
   }
   RETURN_IF_ERROR(AllToAllV(in, counts, scratch_, std::vector<int64_t>(world_size_, mine), type,
                             timeout));
   if (mine == 0) return absl::OkStatus();
-  cudaMemcpyAsync(out, scratch_, mine * elem, cudaMemcpyDeviceToDevice, S(stream_));
-  for (int q = 1; q < world_size_; ++q) {
-    cuda::LaunchAccumulate(out, static_cast<char*>(scratch_) + q * mine * elem, mine,
-                           DeviceType(type), op == ReduceOp::kSum ? 0 : 1, stream_);
+  cudaError_t error =
+      cudaMemcpyAsync(out, scratch_, mine * elem, cudaMemcpyDeviceToDevice, S(stream_));
+  for (int q = 1; q < world_size_ && error == cudaSuccess; ++q) {
+    error = cuda::LaunchAccumulate(out, static_cast<char*>(scratch_) + q * mine * elem, mine,
+                                   DeviceType(type), op == ReduceOp::kSum ? 0 : 1, stream_);
+  }
+  if (error != cudaSuccess) {
+    return Fail(absl::StrCat("reduce-scatter: reducing blocks: ", cudaGetErrorString(error)));
   }
   return Finish("reduce-scatter", timeout);
 }
@@ -244,7 +285,12 @@ absl::Status NcclCommunicator::Barrier(absl::Duration timeout) {
   if (broken_) return Refuse("barrier");
   if (scratch_bytes_ < 8) {
     if (scratch_ != nullptr) cudaFree(scratch_);
-    if (cudaMalloc(&scratch_, 8) != cudaSuccess) return absl::ResourceExhaustedError("nccl: barrier");
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    if (cudaMalloc(&scratch_, 8) != cudaSuccess) {
+      scratch_ = nullptr;
+      return Fail("no device memory for a barrier");
+    }
     scratch_bytes_ = 8;
   }
   return AllReduce(scratch_, 1, DataType::kFloat32, ReduceOp::kSum, timeout);
@@ -262,37 +308,19 @@ class NcclCommunicator::Exchange : public PendingExchange {
   Exchange(NcclCommunicator& comm, char* out, std::vector<int64_t> recv_counts, DataType type,
            absl::Duration timeout)
       : comm_(comm), out_(out), recv_counts_(std::move(recv_counts)), type_(type),
-        timeout_(timeout), sends_(recv_counts_.size(), {nullptr, 0}) {}
+        timeout_(timeout), send_(recv_counts_.size(), nullptr),
+        send_counts_(recv_counts_.size(), 0) {}
 
   absl::Status Send(int peer, const void* data, int64_t count) override {
     if (peer < 0 || peer >= comm_.world_size_) return absl::InternalError("nccl: bad peer");
-    sends_[peer] = {data, count};
+    send_[peer] = data;
+    send_counts_[peer] = count;
     return absl::OkStatus();
   }
 
   absl::Status Wait() override {
     if (comm_.broken_) return comm_.Refuse("all-to-all");
-    const size_t elem = SizeOf(type_);
-    const std::vector<int64_t> recv_off = Offsets(recv_counts_);
-    ncclGroupStart();
-    for (int q = 0; q < comm_.world_size_; ++q) {
-      if (q == comm_.rank_) continue;
-      if (sends_[q].second > 0) {
-        ncclSend(sends_[q].first, sends_[q].second, NcclType(type_), q, C(comm_.comm_),
-                 S(comm_.stream_));
-      }
-      if (recv_counts_[q] > 0) {
-        ncclRecv(out_ + recv_off[q] * elem, recv_counts_[q], NcclType(type_), q, C(comm_.comm_),
-                 S(comm_.stream_));
-      }
-    }
-    ncclGroupEnd();
-    if (sends_[comm_.rank_].second > 0) {
-      cudaMemcpyAsync(out_ + recv_off[comm_.rank_] * elem, sends_[comm_.rank_].first,
-                      sends_[comm_.rank_].second * elem, cudaMemcpyDeviceToDevice,
-                      S(comm_.stream_));
-    }
-    return comm_.Finish("all-to-all", timeout_);
+    return comm_.SendRecv("all-to-all", send_, send_counts_, out_, recv_counts_, type_, timeout_);
   }
 
  private:
@@ -301,7 +329,8 @@ class NcclCommunicator::Exchange : public PendingExchange {
   std::vector<int64_t> recv_counts_;
   DataType type_;
   absl::Duration timeout_;
-  std::vector<std::pair<const void*, int64_t>> sends_;
+  std::vector<const void*> send_;  // per peer, as given to Send
+  std::vector<int64_t> send_counts_;
 };
 
 absl::StatusOr<std::unique_ptr<PendingExchange>> NcclCommunicator::StartAllToAllV(

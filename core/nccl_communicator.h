@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/communicator.h"
@@ -57,6 +58,16 @@ class NcclCommunicator : public Communicator {
   NcclCommunicator(void* comm, void* stream, int rank, int world_size, int device_index);
   // Waits for the stream's work; on timeout or an NCCL error aborts and returns UNAVAILABLE.
   absl::Status Finish(const char* what, absl::Duration timeout);
+  // One group of sends (send[q]: send_counts[q] elements for rank q) and receives (rank q's block
+  // at its offset in `out`, recv_counts in rank order) with every peer, then Finish. This rank's
+  // own block is copied before the group: NCCL's stream takes no other work while a non-blocking
+  // group may still be enqueuing.
+  absl::Status SendRecv(const char* what, const std::vector<const void*>& send,
+                        absl::Span<const int64_t> send_counts, char* out,
+                        absl::Span<const int64_t> recv_counts, DataType type,
+                        absl::Duration timeout);
+  // Aborts, marks the communicator broken and returns UNAVAILABLE.
+  absl::Status Fail(const std::string& failure);
   absl::Status Refuse(const char* what) const;
 
   void* comm_;    // ncclComm_t
