@@ -211,4 +211,12 @@ absl::Status CpuKernels::Linear(const float* x, int64_t rows, int64_t x_stride, 
   });
 }
 
+absl::Status CpuKernels::PlaceColumns(const float* block, int64_t rows, int64_t cols, float* out,
+                                      int64_t out_cols, int64_t col_begin) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(out + r * out_cols + col_begin, block + r * cols, cols * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace shardserve::core

@@ -36,6 +36,8 @@ class CpuKernels : public LocalKernels {
                          const float* scales) override;
   absl::Status Linear(const float* x, int64_t rows, int64_t x_stride, int64_t col_begin,
                       const MatrixView& weight, const float* bias, float* out) override;
+  absl::Status PlaceColumns(const float* block, int64_t rows, int64_t cols, float* out,
+                            int64_t out_cols, int64_t col_begin) override;
 
  private:
   CpuKernelOptions options_;

@@ -202,4 +202,16 @@ absl::Status CudaKernels::Linear(const float* x, int64_t rows, int64_t x_stride,
   return Sync("linear");
 }
 
+absl::Status CudaKernels::PlaceColumns(const float* block, int64_t rows, int64_t cols, float* out,
+                                       int64_t out_cols, int64_t col_begin) {
+  if (rows == 0 || cols == 0) return absl::OkStatus();
+  // A strided device copy: `rows` rows of cols floats, source pitch cols, destination out_cols.
+  RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(out + col_begin, out_cols * sizeof(float), block,
+                                          cols * sizeof(float), cols * sizeof(float), rows,
+                                          cudaMemcpyDeviceToDevice,
+                                          static_cast<cudaStream_t>(stream_)),
+                        "place columns"));
+  return Sync("place columns");
+}
+
 }  // namespace shardserve::core

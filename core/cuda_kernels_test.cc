@@ -86,6 +86,13 @@ class ReferenceKernels : public LocalKernels {
     }
     return absl::OkStatus();
   }
+  absl::Status PlaceColumns(const float* block, int64_t rows, int64_t cols, float* out,
+                            int64_t out_cols, int64_t col_begin) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < cols; ++j) out[r * out_cols + col_begin + j] = block[r * cols + j];
+    }
+    return absl::OkStatus();
+  }
 };
 
 class CudaConformance : public ::testing::Test {
@@ -196,6 +203,28 @@ TEST_F(CudaConformance, PoolBagsMatchesCpuForEveryModeWithEmptyBagsAndWeights) {
       }
     }
   }
+}
+
+TEST_F(CudaConformance, PlaceColumnsMatchesCpu) {
+  // Column blocks of three ranks placed out of rank order (as placements may be), one empty, and
+  // blocks whose widths are not multiples of 4.
+  const int64_t rows = 37;
+  struct Block {
+    int64_t cols, col_begin;
+  };
+  const std::vector<Block> blocks = {{5, 7}, {0, 12}, {7, 0}, {64, 12}};
+  const int64_t out_cols = 76;
+  MakeShard(rows, out_cols);  // the blocks, one after another, from the same random floats
+  auto op = [&](LocalKernels& k, const MatrixView& s, float* out) -> absl::Status {
+    const float* block = s.data;
+    for (const Block& b : blocks) {
+      absl::Status status = k.PlaceColumns(block, rows, b.cols, out, out_cols, b.col_begin);
+      if (!status.ok()) return status;
+      block += rows * b.cols;
+    }
+    return absl::OkStatus();
+  };
+  ExpectNear(Run(rows * out_cols, op, false), Run(rows * out_cols, op, true));
 }
 
 TEST_F(CudaConformance, RenormKernelsMatchCpu) {

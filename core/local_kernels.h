@@ -111,6 +111,12 @@ class LocalKernels {
   // null. weight.cols may be 0 (then out is bias or zeros).
   virtual absl::Status Linear(const float* x, int64_t rows, int64_t x_stride, int64_t col_begin,
                               const MatrixView& weight, const float* bias, float* out) = 0;
+
+  // out[r * out_cols + col_begin + j] = block[r * cols + j] for r < rows, j < cols: a block of
+  // columns (row-major) placed at its columns of a row-major matrix out_cols wide. Both in this
+  // device's memory (the column rearrangement of column-split results).
+  virtual absl::Status PlaceColumns(const float* block, int64_t rows, int64_t cols, float* out,
+                                    int64_t out_cols, int64_t col_begin) = 0;
 };
 
 }  // namespace shardserve::core

@@ -241,7 +241,7 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   RETURN_IF_ERROR(produce(me, storage->floats() + own));
   RETURN_IF_ERROR(exchange->Wait());
   const float* base = storage->floats();
-  if (!kernels_.host_accessible()) {
+  if (!kernels_.host_accessible() && staging != nullptr) {
     staging->resize(recv_total);
     RETURN_IF_ERROR(
         kernels_.CopyToHost(storage->data(), staging->data(), recv_total * sizeof(float)));
@@ -254,6 +254,20 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
     (*received)[q] = elsewhere != nullptr ? static_cast<const float*>(elsewhere) : base + at;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<FloatBuffer> ShardedOps::AssembleColumnsFrom(
+    const ShardLayout& layout, int64_t rows, const std::vector<const float*>& blocks) {
+  if (kernels_.host_accessible()) return AssembleColumns(layout, rows, blocks);
+  const int64_t width = layout.n();
+  ASSIGN_OR_RETURN(DeviceBuffer placed, kernels_.Allocate(rows * width * sizeof(float)));
+  for (int q = 0; q < layout.world_size(); ++q) {
+    RETURN_IF_ERROR(kernels_.PlaceColumns(blocks[q], rows, layout.SizeOfRank(q), placed.floats(),
+                                          width, layout.OffsetOfRank(q)));
+  }
+  FloatBuffer out(rows * width);
+  RETURN_IF_ERROR(kernels_.CopyToHost(placed.data(), out.data(), rows * width * sizeof(float)));
+  return out;
 }
 
 FloatBuffer ShardedOps::AssembleColumns(const ShardLayout& layout, int64_t rows,
@@ -315,11 +329,11 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
           }
           return kernels_.GatherRows(shard, s.ids, s.num_ids, block, shard.cols);
         },
-        &staging, &received, &storage));
+        /*staging=*/nullptr, &received, &storage));
     if (direct) {
       PlaceColumns(layout, mine.num_ids, received, me, result.values.data());
     } else {
-      result.values = AssembleColumns(layout, mine.num_ids, received);
+      ASSIGN_OR_RETURN(result.values, AssembleColumnsFrom(layout, mine.num_ids, received));
     }
   } else {
     // Row chunks: each rank sends every source exactly the rows it owns of that source's ids.
@@ -395,9 +409,9 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
                                         src.weights ? kept.weights.data() : nullptr, src.num_bags},
                                src.mode, 0.0f, block);
     };
-    RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), shard.cols), recv, pool, &staging, &received,
-                             &storage));
-    result.values = AssembleColumns(layout, mine.num_bags, received);
+    RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), shard.cols), recv, pool, /*staging=*/nullptr,
+                             &received, &storage));
+    ASSIGN_OR_RETURN(result.values, AssembleColumnsFrom(layout, mine.num_bags, received));
   } else {
     // Row chunks: pool each source's bags over the ids this rank owns (sum for sum/mean, max with
     // -inf for bags with none), send each source its partials, and reduce what comes back.
@@ -474,8 +488,8 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
           return kernels_.Linear(g.sources[s].rows, rows_of[s], in, 0, shard,
                                  bias ? bias + table.row_begin() : nullptr, block);
         },
-        &staging, &received, &storage));
-    result.values = AssembleColumns(layout, my_rows, received);
+        /*staging=*/nullptr, &received, &storage));
+    ASSIGN_OR_RETURN(result.values, AssembleColumnsFrom(layout, my_rows, received));
   } else {
     // Input features are split: partial products over this rank's inputs, summed across ranks,
     // and the bias added once, after the sum.

@@ -98,6 +98,53 @@ struct Case {
   std::vector<RankInput> inputs;  // one per rank
 };
 
+// The CPU kernels seen as a device whose memory the host does not read directly (as a GPU's):
+// ShardedOps and ShardedTable then take their device paths (copies through staging, column
+// blocks placed by the kernels and copied back in one piece), checked here without a GPU. The
+// "device" memory is host memory, so Gloo can still carry it.
+class SeparateMemoryKernels : public LocalKernels {
+ public:
+  explicit SeparateMemoryKernels(LocalKernels& cpu) : cpu_(cpu) {}
+  Device device() const override { return cpu_.device(); }
+  bool host_accessible() const override { return false; }
+  void InitThread() override { cpu_.InitThread(); }
+  absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes) override { return cpu_.Allocate(bytes); }
+  absl::Status CopyFromHost(const void* host, void* device, int64_t bytes) override {
+    return cpu_.CopyFromHost(host, device, bytes);
+  }
+  absl::Status CopyToHost(const void* device, void* host, int64_t bytes) override {
+    return cpu_.CopyToHost(device, host, bytes);
+  }
+  absl::Status GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n, float* out,
+                          int64_t out_stride) override {
+    if (out_stride != shard.cols) return absl::UnimplementedError("strided output (as on a GPU)");
+    return cpu_.GatherRows(shard, ids, n, out, out_stride);
+  }
+  absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
+                        float empty_max, float* out) override {
+    return cpu_.PoolBags(shard, bags, mode, empty_max, out);
+  }
+  absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n, double p,
+                            double* norms_pow) override {
+    return cpu_.RowPowerSums(shard, ids, n, p, norms_pow);
+  }
+  absl::Status ScaleRows(const MatrixView& shard, const int64_t* ids, int64_t n,
+                         const float* scales) override {
+    return cpu_.ScaleRows(shard, ids, n, scales);
+  }
+  absl::Status Linear(const float* x, int64_t rows, int64_t x_stride, int64_t col_begin,
+                      const MatrixView& weight, const float* bias, float* out) override {
+    return cpu_.Linear(x, rows, x_stride, col_begin, weight, bias, out);
+  }
+  absl::Status PlaceColumns(const float* block, int64_t rows, int64_t cols, float* out,
+                            int64_t out_cols, int64_t col_begin) override {
+    return cpu_.PlaceColumns(block, rows, cols, out, out_cols, col_begin);
+  }
+
+ private:
+  LocalKernels& cpu_;
+};
+
 // Results of running cases on a group.
 struct Outcome {
   std::vector<absl::StatusOr<DenseResult>> results;  // per rank
@@ -107,14 +154,16 @@ struct Outcome {
 // Runs every case, in order, on one group of W ranks; each rank loads the full weight's chunk.
 std::vector<Outcome> RunCases(int world, const std::vector<Case>& cases,
                               const std::vector<at::Tensor>& weights,
-                              const std::vector<at::Tensor>& biases) {
+                              const std::vector<at::Tensor>& biases, bool separate_memory) {
   std::vector<Outcome> outcomes(cases.size());
   for (Outcome& o : outcomes) {
     o.results.resize(world, absl::UnknownError("not run"));
     o.shards.resize(world);
   }
   absl::Status status = RunInProcessGroup(world, [&](int rank, Communicator& comm,
-                                                     CpuKernels& kernels) -> absl::Status {
+                                                     CpuKernels& cpu) -> absl::Status {
+    SeparateMemoryKernels separate(cpu);
+    LocalKernels& kernels = separate_memory ? static_cast<LocalKernels&>(separate) : cpu;
     ShardedOps ops(comm, comm, kernels, OpOptions{absl::Seconds(20), {}});
     for (size_t c = 0; c < cases.size(); ++c) {
       const Case& kase = cases[c];
@@ -209,7 +258,7 @@ at::Tensor Expected(const Case& kase, const at::Tensor& weight, const at::Tensor
 }
 
 // Runs the cases and checks every rank's result, and the stored shards, against LibTorch.
-void CheckCases(int world, std::vector<Case>& cases) {
+void CheckCases(int world, std::vector<Case>& cases, bool separate_memory = false) {
   c10::InferenceMode guard;
   std::vector<at::Tensor> weights, biases;
   for (Case& kase : cases) {
@@ -222,7 +271,7 @@ void CheckCases(int world, std::vector<Case>& cases) {
   // Copies: the ranks read `weights` while the oracle renorms its own.
   std::vector<at::Tensor> originals;
   for (const at::Tensor& w : weights) originals.push_back(w.clone());
-  std::vector<Outcome> outcomes = RunCases(world, cases, originals, biases);
+  std::vector<Outcome> outcomes = RunCases(world, cases, originals, biases, separate_memory);
   for (size_t c = 0; c < cases.size(); ++c) {
     const Case& kase = cases[c];
     SCOPED_TRACE(absl::StrCat(kase.label, " W=", world, " ", kase.config.spec.ToString()));
@@ -501,6 +550,22 @@ TEST(ShardedLinear, RowWiseMatchesUnshardedForReferenceShapes) {
                      {{16}, {16, 11}},
                      {{19}, {19, 11}},
                      {{21}, {21, 11}}});
+}
+
+TEST(ShardedOps, DevicePathsMatchUnshardedWhenTheHostCannotReadKernelMemory) {
+  // Every op and sharding dim through the paths a GPU worker takes (SeparateMemoryKernels).
+  for (const std::vector<int>& order : {std::vector<int>{2, 0, 1}, std::vector<int>{1, 0}}) {
+    for (int dim : {0, 1}) {
+      std::vector<Case> cases;
+      for (const EmbeddingShape& s : dim == 1 ? ColWiseEmbeddingShapes() : RowWiseEmbeddingShapes()) {
+        cases.push_back(EmbeddingCase(s, Spec(dim, order), /*ragged=*/true));
+      }
+      for (const BagShape& s : BagShapes()) cases.push_back(BagCase(s, Spec(dim, order), true));
+      cases.push_back(LinearCase({6, 9}, 9, 7, Spec(dim, order), true));
+      cases.push_back(LinearCase({4, 13}, 13, 10, Spec(dim, order), true, /*bias=*/false));
+      CheckCases(static_cast<int>(order.size()), cases, /*separate_memory=*/true);
+    }
+  }
 }
 
 TEST(ShardedOps, WorldLargerThanShardedDimServesEmptyChunks) {
