@@ -30,8 +30,24 @@ struct CudaKernels::Staging {
   std::vector<int64_t> sizes = std::vector<int64_t>(4, 0);
 };
 
+// Step scratch buffers (exchanged blocks, placed columns) come and go with every request; cached,
+// they skip cudaMalloc and cudaFree (which synchronizes the device). Shards are allocated as asked.
+constexpr int64_t kMaxCachedBytes = int64_t{1} << 30;
+constexpr int64_t kMaxCachedBlock = int64_t{256} << 20;
+
 CudaKernels::CudaKernels(int device_index)
-    : device_index_(device_index), staging_(std::make_unique<Staging>()) {}
+    : device_index_(device_index),
+      staging_(std::make_unique<Staging>()),
+      cache_(std::make_shared<BufferCache>(
+          [](int64_t bytes) -> void* {
+            void* data = nullptr;
+            if (cudaMalloc(&data, bytes) != cudaSuccess) {
+              (void)cudaGetLastError();  // reported as RESOURCE_EXHAUSTED, not left latched
+              return nullptr;
+            }
+            return data;
+          },
+          [](void* data) { cudaFree(data); }, kMaxCachedBytes, kMaxCachedBlock)) {}
 
 int CudaKernels::DeviceCount() {
   int count = 0;
@@ -75,15 +91,15 @@ Device CudaKernels::device() const {
 void CudaKernels::InitThread() { cudaSetDevice(device_index_); }
 
 absl::StatusOr<DeviceBuffer> CudaKernels::Allocate(int64_t bytes) {
-  void* data = nullptr;
-  if (bytes > 0) {
-    const cudaError_t error = cudaMalloc(&data, bytes);
-    if (error != cudaSuccess) {
-      return absl::ResourceExhaustedError(absl::StrCat("cuda:", device_index_, ": cannot allocate ",
-                                                       bytes, " bytes: ", cudaGetErrorString(error)));
-    }
+  if (bytes <= 0) return DeviceBuffer(nullptr, 0, nullptr);
+  const BufferCache::Block block = cache_->Acquire(bytes);
+  if (block.data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda:", device_index_, ": cannot allocate ", bytes, " bytes"));
   }
-  return DeviceBuffer(data, bytes, [](void* p) { cudaFree(p); });
+  // The buffer keeps the cache alive: shards may outlive these kernels.
+  return DeviceBuffer(block.data, bytes,
+                      [cache = cache_, block](void*) { cache->Release(block); });
 }
 
 // Copies run on the kernels' stream and are waited for: cudaMemcpy on the legacy stream may return

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "core/buffer_cache.h"
 #include "core/local_kernels.h"
 
 namespace shardserve::core {
@@ -55,6 +56,7 @@ class CudaKernels : public LocalKernels {
   void* stream_ = nullptr;  // cudaStream_t
   void* cublas_ = nullptr;  // cublasHandle_t
   std::unique_ptr<Staging> staging_;
+  std::shared_ptr<BufferCache> cache_;  // device memory for Allocate
 };
 
 }  // namespace shardserve::core
