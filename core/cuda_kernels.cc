@@ -31,9 +31,11 @@ struct CudaKernels::Staging {
 };
 
 // Step scratch buffers (exchanged blocks, placed columns) come and go with every request; cached,
-// they skip cudaMalloc and cudaFree (which synchronizes the device). Shards are allocated as asked.
-constexpr int64_t kMaxCachedBytes = int64_t{1} << 30;
-constexpr int64_t kMaxCachedBlock = int64_t{256} << 20;
+// they skip cudaMalloc and cudaFree (which synchronizes the device). Requests up to 64 MiB are
+// rounded up to a power of two (a small shard may take up to twice its size); larger ones, as
+// table shards mostly are, are allocated as asked.
+constexpr int64_t kMaxCachedBytes = int64_t{512} << 20;
+constexpr int64_t kMaxCachedBlock = int64_t{64} << 20;
 
 CudaKernels::CudaKernels(int device_index)
     : device_index_(device_index),
