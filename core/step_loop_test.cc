@@ -63,7 +63,9 @@ struct Fixture {
     for (int i = 0; i < 5; ++i) bias.push_back(u(rng));
   }
 
-  void StartLoops(std::vector<std::unique_ptr<GlooCommunicator>> comms) {
+  // `data`, when given, carries results (as NCCL does for GPU workers); `comms` the rest.
+  void StartLoops(std::vector<std::unique_ptr<GlooCommunicator>> comms,
+                  std::vector<std::unique_ptr<GlooCommunicator>> data = {}) {
     for (int r = 0; r < kWorld; ++r) {
       StepLoop::Options options;
       options.collective_timeout = absl::Seconds(5);
@@ -78,7 +80,8 @@ struct Fixture {
       EXPECT_TRUE((*l)->LoadFromFull(lin_weight.data(), bias.data()).ok());
       loops[r]->SetTable(std::move(*e));
       loops[r]->SetTable(std::move(*l));
-      loops[r]->SetGroup(std::move(comms[r]), 1);
+      loops[r]->SetGroup(std::move(comms[r]), 1,
+                         data.empty() ? nullptr : std::move(data[r]));
     }
   }
 
@@ -178,6 +181,47 @@ TEST(StepLoop, QueuedRequestsOfBothRanksRunInOneStepAndEachGetsItsOwnRows) {
   }
   EXPECT_EQ(f.loops[0]->busy_steps(), 1);
   EXPECT_EQ(f.loops[1]->busy_steps(), 1);
+}
+
+TEST(StepLoop, ResultsCanTravelOnASeparateDataGroup) {
+  // A GPU worker's shape: inputs and agreement on one group, results on another.
+  Fixture f;
+  InProcessRendezvous store;
+  std::vector<std::unique_ptr<GlooCommunicator>> data = Connect(Fixture::kWorld, "data", store);
+  GlooCommunicator* data_of_rank_1 = data[1].get();
+  f.StartLoops(Connect(Fixture::kWorld, "control", store), std::move(data));
+  for (auto& loop : f.loops) loop->Start();
+  std::mt19937 rng(7);
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int64_t> ids(2 * 3);
+    for (auto& id : ids) id = rng() % 50;
+    const PoolMode mode = static_cast<PoolMode>(i % 3);
+    const std::vector<float> want = f.ExpectedBag(ids, 3, mode);
+    absl::StatusOr<DenseResult> got = f.Submit(i % 2, BagRequest(f.emb, ids, 3, mode)).get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->values.size(), want.size());
+    for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got->values[k], want[k], 1e-5);
+  }
+  auto l = std::make_unique<StepRequest>();
+  l->op = StepRequest::Op::kLinear;
+  l->table = "lin";
+  l->values = {1, 2, 3, 4};
+  l->shape = {1, 4};
+  absl::StatusOr<DenseResult> y = f.Submit(1, std::move(l)).get();
+  ASSERT_TRUE(y.ok()) << y.status();
+  for (int o = 0; o < 5; ++o) {
+    float want = f.bias[o];
+    for (int k = 0; k < 4; ++k) want += (k + 1.0f) * f.lin_weight[o * 4 + k];
+    EXPECT_NEAR(y->values[o], want, 1e-5);
+  }
+  {
+    absl::MutexLock lock(&f.mu);
+    for (const absl::Status& s : f.broken) EXPECT_TRUE(s.ok()) << s;
+  }
+  // The results really take the data group: once rank 1's is aborted, the next step fails.
+  f.loops[1]->RunBetweenSteps([data_of_rank_1] { data_of_rank_1->Abort().IgnoreError(); });
+  absl::StatusOr<DenseResult> failed = f.Submit(0, BagRequest(f.emb, {1, 2, 3}, 3, PoolMode::kSum)).get();
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
 }
 
 TEST(StepLoop, ConcurrentCallersOnBothRanksAreServedWhileRunning) {
