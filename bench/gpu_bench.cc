@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   Check(cudaMemset(weight->data(), 0, lo * li * 4), "weight init");  // as the baseline's zeros
+  Check(cudaDeviceSynchronize(), "weight init");  // Linear runs on another stream
   std::vector<float> x(lr * li, 0.5f), bias(lo, 0.1f);
   const shardserve::core::MatrixView w{weight->floats(), lo, li};
   // Includes the upload of x (host input), as the service does.

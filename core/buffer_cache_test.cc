@@ -12,8 +12,10 @@
 namespace shardserve::core {
 namespace {
 
-// Host memory standing in for a device's, counting what was allocated and freed.
+// Host memory standing in for a device's, counting what was allocated and freed (callable from
+// several threads at once, as the cache allocates outside its lock).
 struct CountingMemory {
+  absl::Mutex mu;
   int64_t allocations = 0, frees = 0, live_bytes = 0;
   int64_t limit = int64_t{1} << 40;  // allocations past this many live bytes fail
   std::set<void*> live;
@@ -21,6 +23,7 @@ struct CountingMemory {
   BufferCache Cache(int64_t max_cached, int64_t max_block) {
     return BufferCache(
         [this](int64_t bytes) -> void* {
+          absl::MutexLock lock(&mu);
           if (live_bytes + bytes > limit) return nullptr;
           ++allocations;
           live_bytes += bytes;
@@ -30,6 +33,7 @@ struct CountingMemory {
           return p;
         },
         [this](void* p) {
+          absl::MutexLock lock(&mu);
           ++frees;
           EXPECT_EQ(live.erase(p), 1u) << "freed twice or never allocated";
           live_bytes -= sizes[p];

@@ -41,9 +41,11 @@ CudaKernels::CudaKernels(int device_index)
     : device_index_(device_index),
       staging_(std::make_unique<Staging>()),
       cache_(std::make_shared<BufferCache>(
-          [](int64_t bytes) -> void* {
+          [device_index](int64_t bytes) -> void* {
             void* data = nullptr;
-            if (cudaMalloc(&data, bytes) != cudaSuccess) {
+            // On this device whichever thread asks (a cached block may serve any thread later).
+            if (cudaSetDevice(device_index) != cudaSuccess ||
+                cudaMalloc(&data, bytes) != cudaSuccess) {
               (void)cudaGetLastError();  // reported as RESOURCE_EXHAUSTED, not left latched
               return nullptr;
             }

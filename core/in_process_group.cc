@@ -13,7 +13,7 @@
 namespace shardserve::core {
 
 absl::Status RunInProcessGroup(int world_size, const RankBody& body,
-                               CpuKernelOptions kernel_options) {
+                               CpuKernelOptions kernel_options, const GlooOptions& gloo_options) {
   static std::atomic<int> groups{0};
   const std::string prefix = absl::StrCat("in-process-", groups.fetch_add(1));
   InProcessRendezvous store;
@@ -23,7 +23,7 @@ absl::Status RunInProcessGroup(int world_size, const RankBody& body,
   for (int rank = 0; rank < world_size; ++rank) {
     threads.emplace_back([&, rank] {
       absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm =
-          GlooCommunicator::Create(store, prefix, rank, world_size);
+          GlooCommunicator::Create(store, prefix, rank, world_size, gloo_options);
       if (!comm.ok()) {
         results[rank] = comm.status();
         return;

@@ -11,13 +11,15 @@
 #include "absl/status/status.h"
 #include "core/communicator.h"
 #include "core/cpu_kernels.h"
+#include "core/gloo_communicator.h"
 
 namespace shardserve::core {
 
 using RankBody = std::function<absl::Status(int rank, Communicator& comm, CpuKernels& kernels)>;
 
 absl::Status RunInProcessGroup(int world_size, const RankBody& body,
-                               CpuKernelOptions kernel_options = {});
+                               CpuKernelOptions kernel_options = {},
+                               const GlooOptions& gloo_options = {});
 
 }  // namespace shardserve::core
 

@@ -164,6 +164,11 @@ absl::Status NcclCommunicator::SendRecv(const char* what, const std::vector<cons
     return absl::InvalidArgumentError(
         absl::StrCat("nccl: ", what, ": expected one count per rank (", world_size_, ")"));
   }
+  if (send_counts[rank_] > recv_counts[rank_]) {  // the own block would overrun its place
+    return absl::InvalidArgumentError(absl::StrCat("nccl: ", what, ": own block of ",
+                                                   send_counts[rank_], " elements, room for ",
+                                                   recv_counts[rank_]));
+  }
   const size_t elem = SizeOf(type);
   const std::vector<int64_t> recv_off = Offsets(recv_counts);
   if (send_counts[rank_] > 0) {

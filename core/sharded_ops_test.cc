@@ -101,7 +101,8 @@ struct Case {
 // The CPU kernels seen as a device whose memory the host does not read directly (as a GPU's):
 // ShardedOps and ShardedTable then take their device paths (copies through staging, column
 // blocks placed by the kernels and copied back in one piece), checked here without a GPU. The
-// "device" memory is host memory, so Gloo can still carry it.
+// "device" memory is host memory, so Gloo can still carry it; its shared memory is off, so every
+// block lands in the exchange's own storage, as NCCL puts it.
 class SeparateMemoryKernels : public LocalKernels {
  public:
   explicit SeparateMemoryKernels(LocalKernels& cpu) : cpu_(cpu) {}
@@ -160,6 +161,8 @@ std::vector<Outcome> RunCases(int world, const std::vector<Case>& cases,
     o.results.resize(world, absl::UnknownError("not run"));
     o.shards.resize(world);
   }
+  GlooOptions gloo;
+  if (separate_memory) gloo.shared_memory_block_bytes = 0;
   absl::Status status = RunInProcessGroup(world, [&](int rank, Communicator& comm,
                                                      CpuKernels& cpu) -> absl::Status {
     SeparateMemoryKernels separate(cpu);
@@ -213,7 +216,7 @@ std::vector<Outcome> RunCases(int world, const std::vector<Case>& cases,
       outcomes[c].shards[rank] = *shard;
     }
     return absl::OkStatus();
-  });
+  }, {}, gloo);
   EXPECT_TRUE(status.ok()) << status;
   return outcomes;
 }
