@@ -41,6 +41,9 @@ T* Upload(const std::vector<T>& host) {
   void* device = nullptr;
   cudaMalloc(&device, std::max<size_t>(host.size(), 1) * sizeof(T));
   cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+  // A pageable upload may still be landing when cudaMemcpy returns, and NCCL's stream is not
+  // ordered after the legacy one.
+  cudaDeviceSynchronize();
   return static_cast<T*>(device);
 }
 
