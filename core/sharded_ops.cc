@@ -256,38 +256,28 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   return absl::OkStatus();
 }
 
-absl::StatusOr<FloatBuffer> ShardedOps::AssembleColumnsFrom(
-    const ShardLayout& layout, int64_t rows, const std::vector<const float*>& blocks) {
-  if (kernels_.host_accessible()) return AssembleColumns(layout, rows, blocks);
-  const int64_t width = layout.n();
-  ASSIGN_OR_RETURN(DeviceBuffer placed, kernels_.Allocate(rows * width * sizeof(float)));
-  for (int q = 0; q < layout.world_size(); ++q) {
-    RETURN_IF_ERROR(kernels_.PlaceColumns(blocks[q], rows, layout.SizeOfRank(q), placed.floats(),
-                                          width, layout.OffsetOfRank(q)));
-  }
-  FloatBuffer out(rows * width);
-  RETURN_IF_ERROR(kernels_.CopyToHost(placed.data(), out.data(), rows * width * sizeof(float)));
-  return out;
-}
-
-FloatBuffer ShardedOps::AssembleColumns(const ShardLayout& layout, int64_t rows,
-                                        const std::vector<const float*>& blocks) {
+absl::StatusOr<FloatBuffer> ShardedOps::AssembleColumns(const ShardLayout& layout, int64_t rows,
+                                                        const std::vector<const float*>& blocks) {
   FloatBuffer out(rows * layout.n());  // every element is written below
-  PlaceColumns(layout, rows, blocks, /*skip=*/-1, out.data());
+  if (kernels_.host_accessible()) {
+    RETURN_IF_ERROR(PlaceColumns(layout, rows, blocks, /*skip=*/-1, out.data()));
+    return out;
+  }
+  ASSIGN_OR_RETURN(DeviceBuffer placed, kernels_.Allocate(out.size() * sizeof(float)));
+  RETURN_IF_ERROR(PlaceColumns(layout, rows, blocks, /*skip=*/-1, placed.floats()));
+  RETURN_IF_ERROR(kernels_.CopyToHost(placed.data(), out.data(), out.size() * sizeof(float)));
   return out;
 }
 
-void ShardedOps::PlaceColumns(const ShardLayout& layout, int64_t rows,
-                              const std::vector<const float*>& blocks, int skip, float* out) {
-  const int64_t width = layout.n();
+absl::Status ShardedOps::PlaceColumns(const ShardLayout& layout, int64_t rows,
+                                      const std::vector<const float*>& blocks, int skip,
+                                      float* out) {
   for (int q = 0; q < layout.world_size(); ++q) {
     if (q == skip) continue;
-    const int64_t cols = layout.SizeOfRank(q);
-    const int64_t col0 = layout.OffsetOfRank(q);
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(out + r * width + col0, blocks[q] + r * cols, cols * sizeof(float));
-    }
+    RETURN_IF_ERROR(kernels_.PlaceColumns(blocks[q], rows, layout.SizeOfRank(q), out, layout.n(),
+                                          layout.OffsetOfRank(q)));
   }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
@@ -331,9 +321,9 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
         },
         /*staging=*/nullptr, &received, &storage));
     if (direct) {
-      PlaceColumns(layout, mine.num_ids, received, me, result.values.data());
+      RETURN_IF_ERROR(PlaceColumns(layout, mine.num_ids, received, me, result.values.data()));
     } else {
-      ASSIGN_OR_RETURN(result.values, AssembleColumnsFrom(layout, mine.num_ids, received));
+      ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, mine.num_ids, received));
     }
   } else {
     // Row chunks: each rank sends every source exactly the rows it owns of that source's ids.
@@ -411,7 +401,7 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
     };
     RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), shard.cols), recv, pool, /*staging=*/nullptr,
                              &received, &storage));
-    ASSIGN_OR_RETURN(result.values, AssembleColumnsFrom(layout, mine.num_bags, received));
+    ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, mine.num_bags, received));
   } else {
     // Row chunks: pool each source's bags over the ids this rank owns (sum for sum/mean, max with
     // -inf for bags with none), send each source its partials, and reduce what comes back.
@@ -489,7 +479,7 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
                                  bias ? bias + table.row_begin() : nullptr, block);
         },
         /*staging=*/nullptr, &received, &storage));
-    ASSIGN_OR_RETURN(result.values, AssembleColumnsFrom(layout, my_rows, received));
+    ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, my_rows, received));
   } else {
     // Input features are split: partial products over this rank's inputs, summed across ranks,
     // and the bias added once, after the sum.

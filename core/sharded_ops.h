@@ -65,22 +65,21 @@ class ShardedOps {
   // `produce` write that destination's send_counts[dest] floats and sends them. Returns where
   // each rank's block lies, readable by the host (in `storage` or `staging`, or in a peer's shared
   // memory until the next exchange). With `staging` null, blocks received on a device without
-  // host access stay there (device pointers into `storage`), for AssembleColumnsFrom.
+  // host access stay there (device pointers into `storage`), for AssembleColumns.
   using BlockProducer = std::function<absl::Status(int dest, float* block)>;
   absl::Status Exchange(const std::vector<int64_t>& send_counts,
                         const std::vector<int64_t>& recv_counts, const BlockProducer& produce,
                         std::vector<float>* staging, std::vector<const float*>* received,
                         DeviceBuffer* storage);
-  // Places column blocks (block q: `rows` rows of rank q's columns) at each rank's column offset.
-  static FloatBuffer AssembleColumns(const ShardLayout& layout, int64_t rows,
-                                     const std::vector<const float*>& blocks);
-  // AssembleColumns wherever the blocks are: on the host, or in device memory (an Exchange
-  // without staging), placed there and copied back in one piece.
-  absl::StatusOr<FloatBuffer> AssembleColumnsFrom(const ShardLayout& layout, int64_t rows,
-                                                  const std::vector<const float*>& blocks);
-  // The same into `out` (rows x layout.n()), for the blocks of every rank but `skip` (-1: none).
-  static void PlaceColumns(const ShardLayout& layout, int64_t rows,
-                           const std::vector<const float*>& blocks, int skip, float* out);
+  // Places column blocks (block q: `rows` rows of rank q's columns) at each rank's column offset,
+  // wherever the blocks are: on the host, or in device memory (an Exchange without staging),
+  // placed there and copied back in one piece.
+  absl::StatusOr<FloatBuffer> AssembleColumns(const ShardLayout& layout, int64_t rows,
+                                              const std::vector<const float*>& blocks);
+  // The same into `out` (rows x layout.n(), the kernels' memory), for the blocks of every rank but
+  // `skip` (-1: none).
+  absl::Status PlaceColumns(const ShardLayout& layout, int64_t rows,
+                            const std::vector<const float*>& blocks, int skip, float* out);
 
   Communicator& control_;
   Communicator& data_;

@@ -1,8 +1,9 @@
 #include "core/sharded_table.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -45,23 +46,30 @@ absl::StatusOr<std::unique_ptr<ShardedTable>> ShardedTable::Create(const TableCo
   const int64_t other = config.spec.dim() == 0 ? config.num_cols : config.num_rows;
   const int64_t bytes = layout.SizeOfRank(rank) * other * static_cast<int64_t>(sizeof(float));
   ASSIGN_OR_RETURN(DeviceBuffer storage, kernels.Allocate(bytes));
-  if (kernels.host_accessible()) {
-    std::memset(storage.data(), 0, bytes);
-  } else {
-    std::vector<float> zeros(static_cast<size_t>(bytes / sizeof(float)), 0.0f);
-    RETURN_IF_ERROR(kernels.CopyFromHost(zeros.data(), storage.data(), bytes));
+  std::unique_ptr<ShardedTable> table(new ShardedTable(config, rank, kernels, std::move(storage)));
+  RETURN_IF_ERROR(table->WriteShard([bytes](float* shard) { std::memset(shard, 0, bytes); }));
+  return table;
+}
+
+absl::Status ShardedTable::WriteShard(const std::function<void(float* shard)>& fill) {
+  // Host-accessible shards are filled in place: loading needs no second copy of the shard.
+  if (kernels_.host_accessible()) {
+    fill(storage_.floats());
+    return absl::OkStatus();
   }
-  return std::unique_ptr<ShardedTable>(new ShardedTable(config, rank, kernels, std::move(storage)));
+  std::vector<float> staging(static_cast<size_t>(shard_rows_ * shard_cols_));
+  fill(staging.data());
+  return kernels_.CopyFromHost(staging.data(), storage_.data(),
+                               static_cast<int64_t>(staging.size() * sizeof(float)));
 }
 
 absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* bias) {
-  std::vector<float> host(static_cast<size_t>(shard_rows_ * shard_cols_));
-  for (int64_t r = 0; r < shard_rows_; ++r) {
-    const float* src = full_weight + (row_begin_ + r) * config_.num_cols + col_begin_;
-    std::copy(src, src + shard_cols_, host.begin() + r * shard_cols_);
-  }
-  RETURN_IF_ERROR(kernels_.CopyFromHost(host.data(), storage_.data(),
-                                        static_cast<int64_t>(host.size() * sizeof(float))));
+  RETURN_IF_ERROR(WriteShard([&](float* shard) {
+    for (int64_t r = 0; r < shard_rows_; ++r) {
+      const float* src = full_weight + (row_begin_ + r) * config_.num_cols + col_begin_;
+      std::copy(src, src + shard_cols_, shard + r * shard_cols_);
+    }
+  }));
   if (!bias_.empty()) {
     if (bias != nullptr) {
       std::copy(bias, bias + config_.num_rows, bias_.begin());
@@ -73,18 +81,9 @@ absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* b
 }
 
 absl::Status ShardedTable::LoadSeeded(uint64_t seed) {
-  // Host-accessible shards are filled in place: loading needs no second copy of the shard.
-  std::vector<float> staging;
-  float* target = storage_.floats();
-  if (!kernels_.host_accessible()) {
-    staging.resize(static_cast<size_t>(shard_rows_ * shard_cols_));
-    target = staging.data();
-  }
-  FillSeededWeight(config_, seed, row_begin_, shard_rows_, col_begin_, shard_cols_, target);
-  if (!staging.empty()) {
-    RETURN_IF_ERROR(kernels_.CopyFromHost(staging.data(), storage_.data(),
-                                          static_cast<int64_t>(staging.size() * sizeof(float))));
-  }
+  RETURN_IF_ERROR(WriteShard([&](float* shard) {
+    FillSeededWeight(config_, seed, row_begin_, shard_rows_, col_begin_, shard_cols_, shard);
+  }));
   if (!bias_.empty()) FillSeededBias(config_, seed, bias_.data());
   return absl::OkStatus();
 }
@@ -101,29 +100,21 @@ absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
                           : absl::StrCat(", has ", weight->dtype, " [",
                                          absl::StrJoin(weight->shape, ","), "]")));
   }
-  std::vector<float> staging;
-  float* target = storage_.floats();
-  if (!kernels_.host_accessible()) {
-    staging.resize(static_cast<size_t>(shard_rows_ * shard_cols_));
-    target = staging.data();
-  }
   // The file is mapped: copy this rank's slice in chunks of rows, dropping each chunk's pages
   // once copied, so a large checkpoint passes through in bounded memory.
   const int64_t row_bytes = config_.num_cols * static_cast<int64_t>(sizeof(float));
   const char* base = weight->data + row_begin_ * row_bytes;
   const int64_t chunk_rows = std::max<int64_t>(1, (int64_t{16} << 20) / row_bytes);
-  for (int64_t r0 = 0; r0 < shard_rows_; r0 += chunk_rows) {
-    const int64_t n = std::min(chunk_rows, shard_rows_ - r0);
-    for (int64_t r = r0; r < r0 + n; ++r) {
-      std::memcpy(target + r * shard_cols_, base + r * row_bytes + col_begin_ * sizeof(float),
-                  shard_cols_ * sizeof(float));
+  RETURN_IF_ERROR(WriteShard([&](float* shard) {
+    for (int64_t r0 = 0; r0 < shard_rows_; r0 += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, shard_rows_ - r0);
+      for (int64_t r = r0; r < r0 + n; ++r) {
+        std::memcpy(shard + r * shard_cols_, base + r * row_bytes + col_begin_ * sizeof(float),
+                    shard_cols_ * sizeof(float));
+      }
+      file->Release(base + r0 * row_bytes, n * row_bytes);
     }
-    file->Release(base + r0 * row_bytes, n * row_bytes);
-  }
-  if (!staging.empty()) {
-    RETURN_IF_ERROR(kernels_.CopyFromHost(staging.data(), storage_.data(),
-                                          static_cast<int64_t>(staging.size() * sizeof(float))));
-  }
+  }));
   if (!bias_.empty()) {
     const SafetensorsTensor* bias = file->Find("bias");
     if (bias == nullptr || bias->dtype != "F32" ||

@@ -9,6 +9,7 @@
 #define SHARDSERVE_CORE_SHARDED_TABLE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,6 +50,9 @@ class ShardedTable {
 
  private:
   ShardedTable(const TableConfig& config, int rank, LocalKernels& kernels, DeviceBuffer storage);
+  // Runs `fill` on the shard's rows (row-major, shard_rows_ x shard_cols_): in place where the host
+  // can write the kernels' memory, else in a host copy uploaded afterwards.
+  absl::Status WriteShard(const std::function<void(float* shard)>& fill);
 
   TableConfig config_;
   int rank_;

@@ -91,6 +91,10 @@ StepLoop::StepLoop(Options options, LocalKernels& kernels)
 
 StepLoop::~StepLoop() { Stop(); }
 
+void StepLoop::UnparkLocked() {
+  if (active_comm_ != nullptr) active_comm_->Unpark();
+}
+
 void StepLoop::Start() {
   {
     absl::MutexLock lock(&mu_);
@@ -100,7 +104,7 @@ void StepLoop::Start() {
   park_checker_ = std::thread([this] {
     absl::MutexLock lock(&mu_);
     while (!mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.park_check)) {
-      if (active_comm_ != nullptr) active_comm_->Unpark();
+      UnparkLocked();
     }
   });
 }
@@ -115,7 +119,7 @@ void StepLoop::RunBetweenSteps(const std::function<void()>& fn) {
         absl::MutexLock done_lock(&mu_);
         done = true;
       });
-      if (active_comm_ != nullptr) active_comm_->Unpark();
+      UnparkLocked();
       mu_.Await(absl::Condition(&done));
       return;
     }
@@ -127,7 +131,7 @@ void StepLoop::Stop() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
-    if (active_comm_ != nullptr) active_comm_->Unpark();
+    UnparkLocked();
   }
   if (thread_.joinable()) thread_.join();
   if (park_checker_.joinable()) park_checker_.join();
@@ -149,12 +153,12 @@ void StepLoop::SetGroup(std::unique_ptr<Communicator> control, uint64_t epoch,
   pending_comm_ = std::move(control);
   pending_data_ = std::move(data);
   pending_epoch_ = epoch;
-  if (active_comm_ != nullptr) active_comm_->Unpark();
+  UnparkLocked();
 }
 
 uint64_t StepLoop::epoch() const {
   absl::MutexLock lock(&mu_);
-  return has_group_ ? epoch_ : 0;
+  return serving_ ? epoch_ : 0;
 }
 
 bool StepLoop::serving() const { return serving_.load(std::memory_order_relaxed); }
@@ -177,9 +181,9 @@ int64_t StepLoop::busy_steps() const {
 void StepLoop::Submit(std::unique_ptr<StepRequest> request) {
   {
     absl::MutexLock lock(&mu_);
-    if (!stop_ && (has_group_ || pending_comm_ != nullptr)) {
+    if (!stop_ && (serving_ || pending_comm_ != nullptr)) {
       queue_.push_back(std::move(request));
-      if (active_comm_ != nullptr) active_comm_->Unpark();
+      UnparkLocked();
       return;
     }
   }
@@ -222,7 +226,6 @@ void StepLoop::Run() {
         idle_rounds = 0;  // counted from the group's first round on every rank
         data = std::move(pending_data_);
         epoch_ = pending_epoch_;
-        has_group_ = true;
         serving_ = true;
       }
       int64_t rows = 0;
@@ -393,8 +396,7 @@ void StepLoop::Run() {
       std::deque<std::unique_ptr<StepRequest>> queued;
       {
         absl::MutexLock lock(&mu_);
-        has_group_ = false;  // from now on Submit refuses at once
-        serving_ = false;
+        serving_ = false;  // from now on Submit refuses at once
         queued.swap(queue_);
       }
       for (auto& r : queued) Answer(*r, status);

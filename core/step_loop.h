@@ -107,6 +107,8 @@ class StepLoop {
  private:
   void Run();
   void FailAll(std::vector<std::unique_ptr<StepRequest>>& batch, const absl::Status& status);
+  // Wakes the loop if it is parked (news for it: work, a group, a task, Stop).
+  void UnparkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   LocalKernels& kernels_;
@@ -120,8 +122,8 @@ class StepLoop {
   Communicator* active_comm_ ABSL_GUARDED_BY(mu_) = nullptr;  // the loop's; Unpark()ed on news
   std::unique_ptr<Communicator> pending_data_ ABSL_GUARDED_BY(mu_);
   uint64_t pending_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  bool has_group_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<bool> serving_{false};  // has_group_, readable without mu_ (per-request checks)
+  // Has a group. Written under mu_; read without it too (per-request checks).
+  std::atomic<bool> serving_{false};
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, std::shared_ptr<ShardedTable>> tables_ ABSL_GUARDED_BY(mu_);
   std::deque<std::function<void()>> between_steps_ ABSL_GUARDED_BY(mu_);

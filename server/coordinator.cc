@@ -303,11 +303,7 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
 // The data API for thin clients: each call goes whole to one live worker (one extra hop), as raw
 // bytes, never parsed or copied here, and holding no thread while the worker answers; a malformed
 // request gets the worker's INVALID_ARGUMENT.
-class Coordinator::ForwardingService final
-    : public v1::DataService::WithRawCallbackMethod_Embedding<
-          v1::DataService::WithRawCallbackMethod_EmbeddingBag<
-              v1::DataService::WithRawCallbackMethod_Linear<
-                  v1::DataService::WithRawCallbackMethod_Stream<v1::DataService::Service>>>> {
+class Coordinator::ForwardingService final : public RawDataService {
  public:
   explicit ForwardingService(Coordinator& c) : c_(c) {}
 

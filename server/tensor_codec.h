@@ -16,6 +16,7 @@
 #include "core/table_config.h"
 #include "google/protobuf/message_lite.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "proto/shardserve.grpc.pb.h"
 #include "proto/shardserve.pb.h"
 
 namespace shardserve::server {
@@ -24,6 +25,13 @@ absl::Status DecodeInt64(const v1::Tensor& tensor, const std::string& field,
                          std::vector<int64_t>* values, std::vector<int64_t>* shape);
 absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
                          std::vector<float>* values, std::vector<int64_t>* shape);
+// The data API with every method on raw bytes (requests parsed with ParseRaw, answers encoded as
+// below): the worker serves it, the coordinator forwards it untouched.
+using RawDataService = v1::DataService::WithRawCallbackMethod_Embedding<
+    v1::DataService::WithRawCallbackMethod_EmbeddingBag<
+        v1::DataService::WithRawCallbackMethod_Linear<
+            v1::DataService::WithRawCallbackMethod_Stream<v1::DataService::Service>>>>;
+
 // A TensorResponse holding `result` in protobuf's wire format (the very bytes
 // TensorResponse::SerializeAsString() gives), with the values referenced where they lie, not
 // copied: the buffer owns them and frees them once gRPC has sent them.

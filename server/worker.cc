@@ -48,11 +48,7 @@ std::string TableHealthName(const std::string& table) {
 // finishes each call. Every method takes and gives raw bytes so that a result goes out without
 // being copied into a response message (EncodeTensorResponse, EncodeStreamResponse); on the wire
 // they are the same messages.
-class Worker::DataService final
-    : public v1::DataService::WithRawCallbackMethod_Embedding<
-          v1::DataService::WithRawCallbackMethod_EmbeddingBag<
-              v1::DataService::WithRawCallbackMethod_Linear<
-                  v1::DataService::WithRawCallbackMethod_Stream<v1::DataService::Service>>>> {
+class Worker::DataService final : public RawDataService {
  public:
   explicit DataService(Worker& worker) : worker_(worker) {}
 
