@@ -1,6 +1,7 @@
 // GPU benchmark (device check): shardserve's CUDA bag-pooling kernel and cuBLAS linear against the
 // device's measured copy bandwidth; bench/gpu_torch_baseline.py measures PyTorch on the same GPU.
-// Kernel time only (inputs already on the device), CUDA events, median of --iters.
+// Kernel time only (inputs already on the device), CUDA events, median of --iters. Tables, weights
+// and inputs hold random values, never zeros (zeros can hide unwritten outputs and time faster).
 //
 //   gpu_bench --rows=10000000 --dim=128 --bags=65536 --bag=32     (EmbeddingBag sum)
 #include <cuda_runtime.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -24,6 +26,7 @@ ABSL_FLAG(int64_t, linear_rows, 65536, "linear: batch");
 ABSL_FLAG(int64_t, linear_in, 1024, "linear: in_features");
 ABSL_FLAG(int64_t, linear_out, 1024, "linear: out_features");
 ABSL_FLAG(int, iters, 20, "timed iterations");
+ABSL_FLAG(int64_t, copy_mib, 256, "host<->device copies: MiB per copy");
 
 namespace {
 
@@ -55,6 +58,23 @@ double MedianMs(int iters, Fn&& fn) {
   return ms[ms.size() / 2];
 }
 
+std::vector<float> RandomFloats(int64_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> values(n);
+  for (float& v : values) v = uniform(rng);
+  return values;
+}
+
+// Fills n device floats with random values: a 64 MiB random tile uploaded over and over.
+void FillRandom(float* device, int64_t n, std::mt19937_64& rng) {
+  const std::vector<float> tile = RandomFloats(std::min<int64_t>(n, int64_t{1} << 24), rng);
+  for (int64_t done = 0; done < n;) {
+    const int64_t count = std::min<int64_t>(n - done, tile.size());
+    Check(cudaMemcpy(device + done, tile.data(), count * 4, cudaMemcpyHostToDevice), "fill");
+    done += count;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -75,8 +95,8 @@ int main(int argc, char** argv) {
   Check(cudaMalloc(&copy_dst, rows * dim * 4 / 4), "copy buffer");
   Check(cudaMalloc(&ids, bags * bag * 8), "ids");
   Check(cudaMalloc(&offsets, (bags + 1) * 8), "offsets");
-  Check(cudaMemset(table, 0, rows * dim * 4), "table init");
   std::mt19937_64 rng(0);
+  FillRandom(table, rows * dim, rng);
   std::vector<int64_t> h_ids(bags * bag), h_offsets(bags + 1);
   for (auto& id : h_ids) id = rng() % rows;
   for (int64_t b = 0; b <= bags; ++b) h_offsets[b] = b * bag;
@@ -105,30 +125,93 @@ int main(int argc, char** argv) {
       static_cast<long long>(bag), pool_ms, bags / (pool_ms / 1e3), pool_gbps, copy_gbps,
       pool_gbps / copy_gbps);
 
+  // Host <-> device copies of pageable memory: through the driver (0 lanes) and through
+  // CudaKernels' pinned lanes; the pinned-to-device copy is the link's ceiling.
+  const int64_t copy_size = absl::GetFlag(FLAGS_copy_mib) << 20;
+  const std::vector<float> pageable = RandomFloats(copy_size / 4, rng);
+  std::vector<float> back(copy_size / 4);
+  float* pinned;
+  Check(cudaHostAlloc(&pinned, copy_size, cudaHostAllocDefault), "pinned");
+  std::memcpy(pinned, pageable.data(), copy_size);
+  const double pinned_ms = MedianMs(iters / 2, [&] {
+    Check(cudaMemcpy(copy_dst, pinned, copy_size, cudaMemcpyHostToDevice), "pinned copy");
+  });
+  std::printf("{\"op\": \"copy_pinned_to_device\", \"mib\": %lld, \"gb_per_s\": %.1f}\n",
+              static_cast<long long>(copy_size >> 20), copy_size / (pinned_ms * 1e6));
+  cudaFreeHost(pinned);
+  for (int lanes : {0, 1, 2, 4, 8}) {
+    auto k = CudaKernels::Create(0, lanes);
+    if (!k.ok()) {
+      std::fprintf(stderr, "gpu_bench: %s\n", k.status().ToString().c_str());
+      return 1;
+    }
+    auto checked = [](const absl::Status& status) {
+      if (status.ok()) return;
+      std::fprintf(stderr, "gpu_bench: copy: %s\n", status.ToString().c_str());
+      std::exit(1);
+    };
+    const double up_ms = MedianMs(iters / 2, [&] {
+      checked((*k)->CopyFromHost(pageable.data(), copy_dst, copy_size));
+    });
+    const double down_ms = MedianMs(iters / 2, [&] {
+      checked((*k)->CopyToHost(copy_dst, back.data(), copy_size));
+    });
+    if (std::memcmp(back.data(), pageable.data(), copy_size) != 0) {
+      std::fprintf(stderr, "gpu_bench: copy with %d lanes changed the bytes\n", lanes);
+      return 1;
+    }
+    std::printf("{\"op\": \"copy_pageable\", \"lanes\": %d, \"mib\": %lld, "
+                "\"to_device_gb_per_s\": %.1f, \"to_host_gb_per_s\": %.1f}\n",
+                lanes, static_cast<long long>(copy_size >> 20), copy_size / (up_ms * 1e6),
+                copy_size / (down_ms * 1e6));
+  }
+
   const int64_t lr = absl::GetFlag(FLAGS_linear_rows), li = absl::GetFlag(FLAGS_linear_in),
                 lo = absl::GetFlag(FLAGS_linear_out);
-  auto weight = (*kernels)->Allocate(lo * li * 4);
-  auto y = (*kernels)->Allocate(lr * lo * 4);
-  if (!weight.ok() || !y.ok()) {
-    std::fprintf(stderr, "gpu_bench: linear: %s\n",
-                 (weight.ok() ? y.status() : weight.status()).ToString().c_str());
-    return 1;
-  }
-  Check(cudaMemset(weight->data(), 0, lo * li * 4), "weight init");  // as the baseline's zeros
-  Check(cudaDeviceSynchronize(), "weight init");  // Linear runs on another stream
-  std::vector<float> x(lr * li, 0.5f), bias(lo, 0.1f);
-  const shardserve::core::MatrixView w{weight->floats(), lo, li};
-  // Includes the upload of x (host input), as the service does.
-  const double linear_ms = MedianMs(std::max(3, iters / 4), [&] {
-    const absl::Status status = (*kernels)->Linear(x.data(), lr, li, 0, w, bias.data(), y->floats());
-    if (!status.ok()) {
-      std::fprintf(stderr, "gpu_bench: linear: %s\n", status.ToString().c_str());
-      std::exit(1);
+  const std::vector<float> x = RandomFloats(lr * li, rng), bias = RandomFloats(lo, rng);
+  for (int lanes : {0, CudaKernels::kDefaultCopyLanes}) {
+    auto k = CudaKernels::Create(0, lanes);
+    if (!k.ok()) {
+      std::fprintf(stderr, "gpu_bench: %s\n", k.status().ToString().c_str());
+      return 1;
     }
-  });
-  std::printf("{\"impl\": \"shardserve-cuda\", \"op\": \"linear\", \"rows\": %lld, \"in\": %lld, "
-              "\"out\": %lld, \"ms_including_upload\": %.3f}\n",
-              static_cast<long long>(lr), static_cast<long long>(li), static_cast<long long>(lo),
-              linear_ms);
+    auto weight = (*k)->Allocate(lo * li * 4);
+    auto y = (*k)->Allocate(lr * lo * 4);
+    if (!weight.ok() || !y.ok()) {
+      std::fprintf(stderr, "gpu_bench: linear: %s\n",
+                   (weight.ok() ? y.status() : weight.status()).ToString().c_str());
+      return 1;
+    }
+    FillRandom(weight->floats(), lo * li, rng);
+    Check(cudaDeviceSynchronize(), "weight init");  // Linear runs on another stream
+    const shardserve::core::MatrixView w{weight->floats(), lo, li};
+    // Includes the upload of x (host input), as the service does.
+    const double linear_ms = MedianMs(std::max(3, iters / 4), [&] {
+      const absl::Status status = (*k)->Linear(x.data(), lr, li, 0, w, bias.data(), y->floats());
+      if (!status.ok()) {
+        std::fprintf(stderr, "gpu_bench: linear: %s\n", status.ToString().c_str());
+        std::exit(1);
+      }
+    });
+    // The same call with x already on the device: bias broadcast and cuBLAS alone.
+    auto d_x = (*k)->Allocate(lr * li * 4);
+    if (!d_x.ok() || !(*k)->CopyFromHost(x.data(), d_x->data(), lr * li * 4).ok()) {
+      std::fprintf(stderr, "gpu_bench: linear: cannot stage x on the device\n");
+      return 1;
+    }
+    const double device_ms = MedianMs(iters, [&] {
+      const absl::Status status =
+          (*k)->LinearOnDevice(d_x->floats(), lr, li, 0, w, bias.data(), y->floats());
+      if (!status.ok()) {
+        std::fprintf(stderr, "gpu_bench: linear: %s\n", status.ToString().c_str());
+        std::exit(1);
+      }
+    });
+    std::printf("{\"impl\": \"shardserve-cuda\", \"op\": \"linear\", \"copy_lanes\": %d, "
+                "\"rows\": %lld, \"in\": %lld, \"out\": %lld, \"ms\": %.3f, "
+                "\"ms_including_upload\": %.3f}\n",
+                lanes, static_cast<long long>(lr), static_cast<long long>(li),
+                static_cast<long long>(lo), device_ms, linear_ms);
+  }
   return 0;
 }

@@ -2,7 +2,8 @@
 """PyTorch on the same GPU, the baseline of bench/gpu_bench (run on the device machine).
 
 F.embedding_bag (sum) over N x D with B bags of L ids, and F.linear, timed with CUDA events
-(median of --iters), inputs already on the GPU; prints one JSON line per op.
+(median of --iters), inputs already on the GPU and random (as bench/gpu_bench's); prints one JSON
+line per op.
 """
 import argparse
 import json
@@ -37,15 +38,15 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args()
     dev = torch.device("cuda:0")
-    table = torch.zeros(a.rows, a.dim, device=dev)
+    table = torch.rand(a.rows, a.dim, device=dev) * 2 - 1
     ids = torch.randint(0, a.rows, (a.bags, a.bag), device=dev)
     with torch.no_grad():
         ms = median_ms(lambda: F.embedding_bag(ids, table, mode="sum"), a.iters)
         print(json.dumps({"impl": f"torch-{torch.__version__}", "op": "embedding_bag", "ms": round(ms, 3),
                           "bags_per_s": round(a.bags / (ms / 1e3))}))
-        x = torch.full((a.linear_rows, a.linear_in), 0.5, device=dev)
-        w = torch.zeros(a.linear_out, a.linear_in, device=dev)
-        b = torch.full((a.linear_out,), 0.1, device=dev)
+        x = torch.rand(a.linear_rows, a.linear_in, device=dev) * 2 - 1
+        w = torch.rand(a.linear_out, a.linear_in, device=dev) * 2 - 1
+        b = torch.rand(a.linear_out, device=dev) * 2 - 1
         ms = median_ms(lambda: F.linear(x, w, b), a.iters)
         xh = x.cpu()
         ms_up = median_ms(lambda: F.linear(xh.to(dev, non_blocking=False), w, b), max(3, a.iters // 4))

@@ -259,5 +259,42 @@ TEST_F(CudaConformance, LinearMatchesCpuWithAndWithoutBiasAndInputSlices) {
   }
 }
 
+TEST_F(CudaConformance, LinearOfAnInputLargeEnoughForTheCopyLanes) {
+  // x is 13 MiB: its upload is split among the pinned copy lanes.
+  const int64_t rows = 3001, stride = 1103, col_begin = 50;
+  MakeShard(40, 1000);
+  std::vector<float> x(rows * stride), bias(40);
+  for (float& v : x) v = normal_(rng_);
+  for (float& v : bias) v = normal_(rng_);
+  auto op = [&](LocalKernels& k, const MatrixView& s, float* out) {
+    return k.Linear(x.data(), rows, stride, col_begin, s, bias.data(), out);
+  };
+  ExpectNear(Run(rows * 40, op, false), Run(rows * 40, op, true));
+}
+
+// Copies from 2 MiB up go through pinned memory on several lanes: every byte must arrive, for
+// sizes that split unevenly among lanes and chunks, at unaligned addresses, with any lane count.
+TEST(CudaCopies, LargeCopiesArriveByteForByteWithAnyLaneCount) {
+  if (CudaKernels::DeviceCount() == 0) GTEST_SKIP() << "no GPU visible";
+  std::mt19937 rng(std::random_device{}());
+  for (int lanes : {0, 1, 3, 4, 8}) {
+    auto kernels = CudaKernels::Create(0, lanes);
+    ASSERT_TRUE(kernels.ok()) << kernels.status();
+    (*kernels)->InitThread();
+    for (int64_t bytes : {int64_t{1} << 20, (int64_t{2} << 20) + 1, (int64_t{19} << 20) + 13}) {
+      SCOPED_TRACE(testing::Message() << lanes << " lanes, " << bytes << " bytes");
+      std::vector<unsigned char> data(bytes + 1), back(bytes + 1, 0xAB);
+      for (auto& b : data) b = static_cast<unsigned char>(rng());
+      auto device = (*kernels)->Allocate(bytes + 1);
+      ASSERT_TRUE(device.ok());
+      char* d = static_cast<char*>(device->data()) + 1;  // unaligned on both sides
+      ASSERT_TRUE((*kernels)->CopyFromHost(data.data() + 1, d, bytes).ok());
+      ASSERT_TRUE((*kernels)->CopyToHost(d, back.data() + 1, bytes).ok());
+      EXPECT_EQ(back[0], 0xAB);
+      EXPECT_TRUE(std::equal(data.begin() + 1, data.end(), back.begin() + 1));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace shardserve::core

@@ -267,6 +267,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   if (options.rank < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--rank: ", options.rank, " must be >= 0"));
   }
+  if (options.copy_lanes < 0 || options.copy_lanes > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--copy_lanes: ", options.copy_lanes, " must be in [0, 64]"));
+  }
   ASSIGN_OR_RETURN(core::Device device, core::Device::Parse(options.device));
   std::unique_ptr<Worker> worker(new Worker(std::move(options)));
   Worker* w = worker.get();
@@ -279,7 +283,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
 #endif
   } else {
 #ifdef SHARDSERVE_WITH_CUDA
-    ASSIGN_OR_RETURN(w->kernels_, core::CudaKernels::Create(device.index));
+    ASSIGN_OR_RETURN(w->kernels_, core::CudaKernels::Create(device.index, w->options_.copy_lanes));
     w->cuda_device_ = device.index;
 #else
     return absl::InvalidArgumentError(absl::StrCat(

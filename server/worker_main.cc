@@ -20,6 +20,9 @@ ABSL_FLAG(bool, rank_from_hostname, false,
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "data API address (port 0: pick a free port)");
 ABSL_FLAG(std::string, advertise_host, "127.0.0.1", "host peers and clients use to reach this worker");
 ABSL_FLAG(std::string, device, "cpu", "cpu (cuda:N in GPU builds)");
+ABSL_FLAG(int, copy_lanes, 4,
+          "cuda:N: threads that copy each host<->device transfer of 2 MiB or more through pinned "
+          "memory (0: the driver's single-threaded pageable copy)");
 ABSL_FLAG(int64_t, row_budget, int64_t{1} << 18, "rows (ids, input rows) per rank per step");
 ABSL_FLAG(int, collective_timeout_ms, 10000, "a collective that takes longer fails the step");
 ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
@@ -48,6 +51,7 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.device = absl::GetFlag(FLAGS_device);
+  options.copy_lanes = absl::GetFlag(FLAGS_copy_lanes);
   options.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
   options.step.row_budget = absl::GetFlag(FLAGS_row_budget);
   options.step.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
