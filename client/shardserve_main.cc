@@ -3,7 +3,8 @@
 //   shardserve up [--workers=2] [--port=50051] [--exit_after_demo] [--no_demo] [--row_budget=N]
 //                 [--device=cpu|cuda:0]
 //   shardserve create-table --name=T --kind=embedding|linear --rows=N --cols=D
-//                           [--sharding_dim=1] [--placements=rank:1/cpu,rank:0/cpu | --world=2]
+//                           [--sharding_dim=1] [--placements=rank:1/cpu,rank:0/cpu | --world=2
+//                           [--device=cuda:0]]
 //                           [--seed=S | --checkpoint=PATH] [--padding_idx=P] [--max_norm=M]
 //                           [--norm_type=2] [--no_bias]
 //   shardserve tables | describe T | drop T | export T PATH
@@ -48,14 +49,16 @@ ABSL_FLAG(std::string, server_dir, "", "up: where coordinator_main and worker_ma
 ABSL_FLAG(bool, no_demo, false, "up: do not create the demo tables and run the demo calls");
 ABSL_FLAG(bool, exit_after_demo, false, "up: stop the cluster after the demo");
 ABSL_FLAG(int64_t, row_budget, 0, "up: workers' rows per step (0: their default)");
-ABSL_FLAG(std::string, device, "cpu", "up: the workers' --device (cuda:0 with one GPU and --workers=1)");
+ABSL_FLAG(std::string, device, "cpu",
+          "up: the workers' --device (cuda:0 with one GPU and --workers=1); create-table --world: "
+          "the placements' device (rank:R/DEVICE)");
 // create-table
 ABSL_FLAG(std::string, name, "", "table name");
 ABSL_FLAG(std::string, kind, "embedding", "embedding | linear");
 ABSL_FLAG(int64_t, rows, 0, "num_embeddings, or out_features");
 ABSL_FLAG(int64_t, cols, 0, "embedding_dim, or in_features");
 ABSL_FLAG(int, sharding_dim, 1, "sharded dim of the weight (embedding 1 = col-wise; linear 0 = col-wise)");
-ABSL_FLAG(std::string, placements, "", "comma-separated rank:R/cpu in chunk order");
+ABSL_FLAG(std::string, placements, "", "comma-separated rank:R/cpu or rank:R/cuda:N in chunk order");
 ABSL_FLAG(int, world, 0, "with no --placements: rank:0..world-1 in order");
 ABSL_FLAG(uint64_t, seed, 0, "seeded init");
 ABSL_FLAG(std::string, checkpoint, "", "safetensors file to load instead of a seed");
@@ -166,7 +169,8 @@ absl::StatusOr<v1::TableSpec> SpecFromFlags() {
     }
   } else {
     for (int r = 0; r < absl::GetFlag(FLAGS_world); ++r) {
-      spec.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
+      spec.mutable_sharding()->add_placements(
+          absl::StrCat("rank:", r, "/", absl::GetFlag(FLAGS_device)));
     }
   }
   if (const std::string p = absl::GetFlag(FLAGS_padding_idx); !p.empty()) {
@@ -222,7 +226,8 @@ double MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
   return m;
 }
 
-int RunDemo(const std::string& coordinator, const std::string& work_dir, int world) {
+int RunDemo(const std::string& coordinator, const std::string& work_dir, int world,
+            const std::string& device) {
   absl::StatusOr<std::unique_ptr<Client>> direct = MakeClient(coordinator);
   ClientOptions forwarded_options;
   forwarded_options.direct = false;
@@ -238,7 +243,9 @@ int RunDemo(const std::string& coordinator, const std::string& work_dir, int wor
   emb.set_padding_idx(0);
   emb.set_seed(7);
   emb.mutable_sharding()->set_dim(1);  // col-wise, chunks in reverse rank order
-  for (int r = world - 1; r >= 0; --r) emb.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
+  for (int r = world - 1; r >= 0; --r) {
+    emb.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/", device));
+  }
   v1::TableSpec lin;
   lin.set_name("demo_linear");
   lin.set_kind(v1::LINEAR);
@@ -246,7 +253,9 @@ int RunDemo(const std::string& coordinator, const std::string& work_dir, int wor
   lin.set_num_cols(128);
   lin.set_seed(11);
   lin.mutable_sharding()->set_dim(1);  // row-wise: input features split, partial sums reduced
-  for (int r = 0; r < world; ++r) lin.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
+  for (int r = 0; r < world; ++r) {
+    lin.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/", device));
+  }
   for (const v1::TableSpec& spec : {emb, lin}) {
     (void)client.DropTable(spec.name());  // a persisted state dir may have them already
     absl::StatusOr<v1::TableInfo> info = client.CreateTable(spec);
@@ -339,7 +348,8 @@ int Up(const std::string& argv0) {
   if (!absl::GetFlag(FLAGS_no_demo)) {
     char tmpl[] = "/tmp/shardserve-demo-XXXXXX";
     const std::string work = ::mkdtemp(tmpl) ? tmpl : "/tmp";
-    const int rc = RunDemo((*cluster)->coordinator_address(), work, options.workers);
+    const int rc = RunDemo((*cluster)->coordinator_address(), work, options.workers,
+                           absl::GetFlag(FLAGS_device));
     if (rc != 0 || absl::GetFlag(FLAGS_exit_after_demo)) return rc;
   }
   std::printf("serving; try: shardserve tables --coordinator=%s   (Ctrl-C stops the cluster)\n",

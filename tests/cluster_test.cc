@@ -531,6 +531,18 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   EXPECT_EQ(created.status().code(), absl::StatusCode::kResourceExhausted) << created.status();
   EXPECT_THAT(std::string(created.status().message()), HasSubstr("could not be loaded"));
   EXPECT_THAT(std::string(created.status().message()), HasSubstr("cannot allocate"));
+  // A placement on a device its rank's worker does not serve: refused by that worker.
+  spec = emb.spec;
+  spec.set_name("ongpu");
+  spec.clear_checkpoint();
+  spec.set_seed(3);
+  spec.mutable_sharding()->clear_placements();
+  spec.mutable_sharding()->add_placements("rank:0/cpu");
+  spec.mutable_sharding()->add_placements("rank:1/cuda:0");
+  created = c->CreateTable(spec);
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument) << created.status();
+  EXPECT_THAT(std::string(created.status().message()),
+              HasSubstr("\"rank:1/cuda:0\" places rank 1's shard on cuda:0, but that worker serves cpu"));
 
   // Nothing changed: the stored table is as before, and the servers still serve.
   const std::string after = dir + "/after.safetensors";
