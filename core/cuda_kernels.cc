@@ -162,7 +162,7 @@ absl::StatusOr<std::unique_ptr<CudaKernels>> CudaKernels::Create(int device_inde
 }
 
 CudaKernels::~CudaKernels() {
-  lanes_.reset();
+  lanes_.reset();  // no copy runs: the kernels are being destroyed
   for (void* p : staging_->buffers) {
     if (p != nullptr) cudaFree(p);
   }
@@ -224,6 +224,10 @@ absl::Status CudaKernels::ToHost(const void* device, void* host, int64_t bytes) 
 absl::StatusOr<bool> CudaKernels::LaneCopy(void* dst, const void* src, int64_t bytes,
                                            bool to_device) {
   if (copy_lanes_ == 0 || bytes < kCopyChunk) return false;
+  // Another thread's copy holds the lanes (a table loading while steps run): the driver's copy
+  // rather than waiting behind it.
+  std::unique_lock<std::mutex> lock(lanes_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
   if (lanes_ == nullptr) {
     lanes_ = std::make_unique<Lanes>();
     if (!lanes_->Init(copy_lanes_).ok()) {

@@ -6,13 +6,16 @@
 // stream before returning, so results are ready when it returns. Copies between host and device
 // of 2 MiB or more go through pinned memory on up to `copy_lanes` threads at once (a pageable
 // cudaMemcpy copies through the driver's pinned buffers on one thread); 0 lanes leaves every copy
-// to the driver. Thread-compatible: the device's
-// executor thread calls InitThread() (binds the device) and then the kernels. Create() returns
-// UNAVAILABLE where there is no usable GPU; calls return INTERNAL on CUDA/cuBLAS errors.
+// to the driver. Thread-compatible: the device's executor thread calls InitThread() (binds the
+// device) and then the kernels; Allocate, CopyFromHost and CopyToHost may also be called from one
+// other thread that called InitThread() (a worker loads tables while it serves): a copy that finds
+// the lanes busy with the other thread's goes through the driver. Create() returns UNAVAILABLE
+// where there is no usable GPU; calls return INTERNAL on CUDA/cuBLAS errors.
 #ifndef SHARDSERVE_CORE_CUDA_KERNELS_H_
 #define SHARDSERVE_CORE_CUDA_KERNELS_H_
 
 #include <memory>
+#include <mutex>
 
 #include "absl/status/statusor.h"
 #include "core/buffer_cache.h"
@@ -73,7 +76,8 @@ class CudaKernels : public LocalKernels {
   void* stream_ = nullptr;  // cudaStream_t
   void* cublas_ = nullptr;  // cublasHandle_t
   std::unique_ptr<Staging> staging_;
-  std::unique_ptr<Lanes> lanes_;  // created at the first large copy
+  std::mutex lanes_mu_;           // held by the copy using the lanes
+  std::unique_ptr<Lanes> lanes_;  // created at the first large copy; guarded by lanes_mu_
   std::shared_ptr<BufferCache> cache_;  // device memory for Allocate
 };
 

@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -294,6 +295,33 @@ TEST(CudaCopies, LargeCopiesArriveByteForByteWithAnyLaneCount) {
       EXPECT_TRUE(std::equal(data.begin() + 1, data.end(), back.begin() + 1));
     }
   }
+}
+
+// A worker loads tables (CopyFromHost on its reconcile thread) while its step loop serves: two
+// threads copying at once must each get their own bytes, whichever takes the lanes.
+TEST(CudaCopies, CopiesFromTwoThreadsAtOnceEachArriveIntact) {
+  if (CudaKernels::DeviceCount() == 0) GTEST_SKIP() << "no GPU visible";
+  auto kernels = CudaKernels::Create(0, 4);
+  ASSERT_TRUE(kernels.ok()) << kernels.status();
+  const int64_t bytes = (int64_t{24} << 20) + 7;
+  auto copy_back_and_forth = [&](unsigned seed, bool* ok) {
+    (*kernels)->InitThread();
+    std::mt19937 rng(seed);
+    std::vector<unsigned char> data(bytes), back(bytes);
+    auto device = (*kernels)->Allocate(bytes);
+    *ok = device.ok();
+    for (int round = 0; round < 20 && *ok; ++round) {
+      for (auto& b : data) b = static_cast<unsigned char>(rng());
+      *ok = (*kernels)->CopyFromHost(data.data(), device->data(), bytes).ok() &&
+            (*kernels)->CopyToHost(device->data(), back.data(), bytes).ok() && back == data;
+    }
+  };
+  bool ok_a = false, ok_b = false;
+  std::thread a(copy_back_and_forth, 1u, &ok_a), b(copy_back_and_forth, 2u, &ok_b);
+  a.join();
+  b.join();
+  EXPECT_TRUE(ok_a);
+  EXPECT_TRUE(ok_b);
 }
 
 }  // namespace
