@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
   }
   const int64_t rows = absl::GetFlag(FLAGS_rows), dim = absl::GetFlag(FLAGS_dim);
   const int64_t bags = absl::GetFlag(FLAGS_bags), bag = absl::GetFlag(FLAGS_bag);
-  const int iters = absl::GetFlag(FLAGS_iters);
+  const int iters = std::max(2, absl::GetFlag(FLAGS_iters));
   float *table, *out, *copy_dst;
   int64_t *ids, *offsets;
   Check(cudaMalloc(&table, rows * dim * 4), "table");
@@ -128,13 +128,15 @@ int main(int argc, char** argv) {
   // Host <-> device copies of pageable memory: through the driver (0 lanes) and through
   // CudaKernels' pinned lanes; the pinned-to-device copy is the link's ceiling.
   const int64_t copy_size = absl::GetFlag(FLAGS_copy_mib) << 20;
+  float* copy_device;
+  Check(cudaMalloc(&copy_device, copy_size), "copy buffer");
   const std::vector<float> pageable = RandomFloats(copy_size / 4, rng);
   std::vector<float> back(copy_size / 4);
   float* pinned;
   Check(cudaHostAlloc(&pinned, copy_size, cudaHostAllocDefault), "pinned");
   std::memcpy(pinned, pageable.data(), copy_size);
   const double pinned_ms = MedianMs(iters / 2, [&] {
-    Check(cudaMemcpy(copy_dst, pinned, copy_size, cudaMemcpyHostToDevice), "pinned copy");
+    Check(cudaMemcpy(copy_device, pinned, copy_size, cudaMemcpyHostToDevice), "pinned copy");
   });
   std::printf("{\"op\": \"copy_pinned_to_device\", \"mib\": %lld, \"gb_per_s\": %.1f}\n",
               static_cast<long long>(copy_size >> 20), copy_size / (pinned_ms * 1e6));
@@ -151,10 +153,10 @@ int main(int argc, char** argv) {
       std::exit(1);
     };
     const double up_ms = MedianMs(iters / 2, [&] {
-      checked((*k)->CopyFromHost(pageable.data(), copy_dst, copy_size));
+      checked((*k)->CopyFromHost(pageable.data(), copy_device, copy_size));
     });
     const double down_ms = MedianMs(iters / 2, [&] {
-      checked((*k)->CopyToHost(copy_dst, back.data(), copy_size));
+      checked((*k)->CopyToHost(copy_device, back.data(), copy_size));
     });
     if (std::memcmp(back.data(), pageable.data(), copy_size) != 0) {
       std::fprintf(stderr, "gpu_bench: copy with %d lanes changed the bytes\n", lanes);

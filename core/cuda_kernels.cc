@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -225,7 +226,7 @@ absl::StatusOr<bool> CudaKernels::LaneCopy(void* dst, const void* src, int64_t b
                                            bool to_device) {
   if (copy_lanes_ == 0 || bytes < kCopyChunk) return false;
   // Another thread's copy holds the lanes (a table loading while steps run): the driver's copy
-  // rather than waiting behind it.
+  // rather than waiting for the lanes.
   std::unique_lock<std::mutex> lock(lanes_mu_, std::try_to_lock);
   if (!lock.owns_lock()) return false;
   if (lanes_ == nullptr) {
@@ -255,7 +256,13 @@ absl::StatusOr<bool> CudaKernels::LaneCopy(void* dst, const void* src, int64_t b
     }
   };
   std::vector<std::thread> threads;
-  for (int i = 1; i < count; ++i) threads.emplace_back(run, i);
+  for (int i = 1; i < count; ++i) {
+    try {
+      threads.emplace_back(run, i);
+    } catch (const std::system_error&) {
+      run(i);  // no thread to be had: this one copies that part too
+    }
+  }
   run(0);
   for (std::thread& thread : threads) thread.join();
   // Work queued on the kernels' stream from here on runs after every lane's copies (also after a

@@ -74,6 +74,18 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
       return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                           absl::StrCat("table \"", spec.name(), "\" already exists"));
     }
+    // A placement names the device its rank holds the shard on: that rank's worker's, where the
+    // worker has registered. (Tables stored before are served where their ranks' workers are.)
+    for (const core::Placement& p : config->spec.placements()) {
+      const absl::StatusOr<core::Device> serves = core::Device::Parse(c_.members_[p.rank].device);
+      if (serves.ok() && !(*serves == p.device)) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("table.sharding.placements: \"", p.ToString(),
+                                         "\" places rank ", p.rank, "'s shard on ",
+                                         p.device.ToString(), ", but that worker serves ",
+                                         serves->ToString()));
+      }
+    }
     v1::TableSpec stored = spec;
     stored.set_dtype(v1::FLOAT32);
     if (config->padding_idx) stored.set_padding_idx(*config->padding_idx);  // normalised

@@ -477,15 +477,6 @@ void Worker::ReconcileLoop() {
     for (const v1::TableSpec& spec : to_load) {
       absl::Status status = [&]() -> absl::Status {
         ASSIGN_OR_RETURN(core::TableConfig config, ConfigFromSpec(spec, world));
-        // A placement names the device its rank holds the shard on: this worker's own.
-        const core::Placement& mine =
-            config.spec.placements()[config.spec.PlacementIndexOfRank(options_.rank)];
-        if (!(mine.device == kernels_->device())) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "table.sharding.placements: \"", mine.ToString(), "\" places rank ",
-              options_.rank, "'s shard on ", mine.device.ToString(), ", but that worker serves ",
-              kernels_->device().ToString()));
-        }
         ASSIGN_OR_RETURN(std::unique_ptr<core::ShardedTable> table,
                          core::ShardedTable::Create(config, options_.rank, *kernels_));
         if (spec.init_case() == v1::TableSpec::kCheckpoint) {
