@@ -69,7 +69,8 @@ struct CudaKernels::Lanes {
     RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "lanes"));
     lanes.resize(count);
     for (Lane& lane : lanes) {
-      RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking), "lane"));
+      RETURN_IF_ERROR(
+          Check(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking), "lane"));
       for (cudaEvent_t* event : {&lane.chunk_done[0], &lane.chunk_done[1], &lane.done}) {
         RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "lane"));
       }
@@ -249,7 +250,9 @@ absl::StatusOr<bool> CudaKernels::LaneCopy(void* dst, const void* src, int64_t b
     const int64_t begin = bytes * i / count, end = bytes * (i + 1) / count;
     // A new thread starts on device 0.
     results[i] = i == 0 ? absl::OkStatus() : Check(cudaSetDevice(device_index_), "copy");
-    if (results[i].ok()) results[i] = Check(cudaStreamWaitEvent(lane.stream, lanes_->ready), "copy");
+    if (results[i].ok()) {
+      results[i] = Check(cudaStreamWaitEvent(lane.stream, lanes_->ready), "copy");
+    }
     if (results[i].ok()) {
       results[i] = lane.Copy(static_cast<char*>(dst) + begin,
                              static_cast<const char*>(src) + begin, end - begin, to_device);

@@ -9,8 +9,8 @@
 // to the driver. Thread-compatible: the device's executor thread calls InitThread() (binds the
 // device) and then the kernels; Allocate, CopyFromHost and CopyToHost may also be called from one
 // other thread that called InitThread() (a worker loads tables while it serves): a copy that finds
-// the lanes busy with the other thread's goes through the driver (on the same stream). Create() returns UNAVAILABLE
-// where there is no usable GPU; calls return INTERNAL on CUDA/cuBLAS errors.
+// the lanes busy with the other thread's goes through the driver (on the same stream). Create()
+// returns UNAVAILABLE where there is no usable GPU; calls return INTERNAL on CUDA/cuBLAS errors.
 #ifndef SHARDSERVE_CORE_CUDA_KERNELS_H_
 #define SHARDSERVE_CORE_CUDA_KERNELS_H_
 

@@ -531,7 +531,7 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   EXPECT_EQ(created.status().code(), absl::StatusCode::kResourceExhausted) << created.status();
   EXPECT_THAT(std::string(created.status().message()), HasSubstr("could not be loaded"));
   EXPECT_THAT(std::string(created.status().message()), HasSubstr("cannot allocate"));
-  // A placement on a device its rank's worker does not serve: refused by that worker.
+  // A placement on a device its rank's worker does not serve: refused at once.
   spec = emb.spec;
   spec.set_name("ongpu");
   spec.clear_checkpoint();
