@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -35,6 +36,18 @@ void Check(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return;
   std::fprintf(stderr, "gpu_bench: %s: %s\n", what, cudaGetErrorString(error));
   std::exit(1);
+}
+
+void Check(const absl::Status& status, const char* what) {
+  if (status.ok()) return;
+  std::fprintf(stderr, "gpu_bench: %s: %s\n", what, status.ToString().c_str());
+  std::exit(1);
+}
+
+std::unique_ptr<shardserve::core::CudaKernels> Kernels(int copy_lanes) {
+  auto kernels = shardserve::core::CudaKernels::Create(0, copy_lanes);
+  Check(kernels.status(), "cuda:0");
+  return *std::move(kernels);
 }
 
 template <typename Fn>
@@ -80,11 +93,7 @@ void FillRandom(float* device, int64_t n, std::mt19937_64& rng) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   using shardserve::core::CudaKernels;
-  auto kernels = CudaKernels::Create(0);
-  if (!kernels.ok()) {
-    std::fprintf(stderr, "gpu_bench: %s\n", kernels.status().ToString().c_str());
-    return 1;
-  }
+  Kernels(CudaKernels::kDefaultCopyLanes);  // ends here, with the reason, without a usable GPU
   const int64_t rows = absl::GetFlag(FLAGS_rows), dim = absl::GetFlag(FLAGS_dim);
   const int64_t bags = absl::GetFlag(FLAGS_bags), bag = absl::GetFlag(FLAGS_bag);
   const int iters = std::max(2, absl::GetFlag(FLAGS_iters));
@@ -142,21 +151,12 @@ int main(int argc, char** argv) {
               static_cast<long long>(copy_size >> 20), copy_size / (pinned_ms * 1e6));
   cudaFreeHost(pinned);
   for (int lanes : {0, 1, 2, 4, 8}) {
-    auto k = CudaKernels::Create(0, lanes);
-    if (!k.ok()) {
-      std::fprintf(stderr, "gpu_bench: %s\n", k.status().ToString().c_str());
-      return 1;
-    }
-    auto checked = [](const absl::Status& status) {
-      if (status.ok()) return;
-      std::fprintf(stderr, "gpu_bench: copy: %s\n", status.ToString().c_str());
-      std::exit(1);
-    };
+    const std::unique_ptr<CudaKernels> k = Kernels(lanes);
     const double up_ms = MedianMs(iters / 2, [&] {
-      checked((*k)->CopyFromHost(pageable.data(), copy_device, copy_size));
+      Check(k->CopyFromHost(pageable.data(), copy_device, copy_size), "copy to device");
     });
     const double down_ms = MedianMs(iters / 2, [&] {
-      checked((*k)->CopyToHost(copy_device, back.data(), copy_size));
+      Check(k->CopyToHost(copy_device, back.data(), copy_size), "copy to host");
     });
     if (std::memcmp(back.data(), pageable.data(), copy_size) != 0) {
       std::fprintf(stderr, "gpu_bench: copy with %d lanes changed the bytes\n", lanes);
@@ -172,42 +172,24 @@ int main(int argc, char** argv) {
                 lo = absl::GetFlag(FLAGS_linear_out);
   const std::vector<float> x = RandomFloats(lr * li, rng), bias = RandomFloats(lo, rng);
   for (int lanes : {0, CudaKernels::kDefaultCopyLanes}) {
-    auto k = CudaKernels::Create(0, lanes);
-    if (!k.ok()) {
-      std::fprintf(stderr, "gpu_bench: %s\n", k.status().ToString().c_str());
-      return 1;
-    }
-    auto weight = (*k)->Allocate(lo * li * 4);
-    auto y = (*k)->Allocate(lr * lo * 4);
-    if (!weight.ok() || !y.ok()) {
-      std::fprintf(stderr, "gpu_bench: linear: %s\n",
-                   (weight.ok() ? y.status() : weight.status()).ToString().c_str());
-      return 1;
-    }
+    const std::unique_ptr<CudaKernels> k = Kernels(lanes);
+    auto weight = k->Allocate(lo * li * 4);
+    auto y = k->Allocate(lr * lo * 4);
+    auto d_x = k->Allocate(lr * li * 4);
+    Check(weight.status(), "linear weight");
+    Check(y.status(), "linear output");
+    Check(d_x.status(), "linear input");
     FillRandom(weight->floats(), lo * li, rng);
     Check(cudaDeviceSynchronize(), "weight init");  // Linear runs on another stream
     const shardserve::core::MatrixView w{weight->floats(), lo, li};
     // Includes the upload of x (host input), as the service does.
     const double linear_ms = MedianMs(std::max(3, iters / 4), [&] {
-      const absl::Status status = (*k)->Linear(x.data(), lr, li, 0, w, bias.data(), y->floats());
-      if (!status.ok()) {
-        std::fprintf(stderr, "gpu_bench: linear: %s\n", status.ToString().c_str());
-        std::exit(1);
-      }
+      Check(k->Linear(x.data(), lr, li, 0, w, bias.data(), y->floats()), "linear");
     });
     // The same call with x already on the device: bias broadcast and cuBLAS alone.
-    auto d_x = (*k)->Allocate(lr * li * 4);
-    if (!d_x.ok() || !(*k)->CopyFromHost(x.data(), d_x->data(), lr * li * 4).ok()) {
-      std::fprintf(stderr, "gpu_bench: linear: cannot stage x on the device\n");
-      return 1;
-    }
+    Check(k->CopyFromHost(x.data(), d_x->data(), lr * li * 4), "linear input upload");
     const double device_ms = MedianMs(iters, [&] {
-      const absl::Status status =
-          (*k)->LinearOnDevice(d_x->floats(), lr, li, 0, w, bias.data(), y->floats());
-      if (!status.ok()) {
-        std::fprintf(stderr, "gpu_bench: linear: %s\n", status.ToString().c_str());
-        std::exit(1);
-      }
+      Check(k->LinearOnDevice(d_x->floats(), lr, li, 0, w, bias.data(), y->floats()), "linear");
     });
     std::printf("{\"impl\": \"shardserve-cuda\", \"op\": \"linear\", \"copy_lanes\": %d, "
                 "\"rows\": %lld, \"in\": %lld, \"out\": %lld, \"ms\": %.3f, "
