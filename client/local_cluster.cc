@@ -163,14 +163,15 @@ absl::Status LocalCluster::StartWorker(int rank) {
   return absl::OkStatus();
 }
 
-absl::Status LocalCluster::KillWorker(int rank, int signal) {
+absl::StatusOr<int> LocalCluster::KillWorker(int rank, int signal) {
   if (rank < 0 || rank >= options_.workers || workers_[rank] <= 0) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", rank, " is not running"));
   }
   ::kill(workers_[rank], signal);
-  ::waitpid(workers_[rank], nullptr, 0);
+  int wait_status = 0;
+  ::waitpid(workers_[rank], &wait_status, 0);
   workers_[rank] = -1;
-  return absl::OkStatus();
+  return wait_status;
 }
 
 absl::Status LocalCluster::KillCoordinator(int signal) {

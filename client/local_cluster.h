@@ -40,7 +40,8 @@ class LocalCluster {
   std::string worker_address(int rank) const;
   int workers() const { return options_.workers; }
 
-  absl::Status KillWorker(int rank, int signal);  // SIGKILL simulates a crash
+  // Sends `signal` and waits for the worker to exit; returns its wait status (waitpid's).
+  absl::StatusOr<int> KillWorker(int rank, int signal);  // SIGKILL simulates a crash
   absl::Status StartWorker(int rank);             // (re)starts a worker that is not running
   absl::Status KillCoordinator(int signal);
   absl::Status StartCoordinator();                // on the same port as before

@@ -197,6 +197,7 @@ void StepLoop::FailAll(std::vector<std::unique_ptr<StepRequest>>& batch,
 }
 
 void StepLoop::Run() {
+  loop_thread_id_ = std::this_thread::get_id();
   kernels_.InitThread();
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<Communicator> data;  // null: `comm` carries results too
@@ -204,6 +205,7 @@ void StepLoop::Run() {
   int idle_rounds = 0;  // consecutive rounds without work
   std::vector<std::unique_ptr<StepRequest>> batch;
   while (true) {
+    if (options_.after_answers) options_.after_answers();  // the last round's answers
     batch.clear();
     {
       absl::MutexLock lock(&mu_);
@@ -408,6 +410,8 @@ void StepLoop::Run() {
     active_comm_ = nullptr;
   }
   FailAll(batch, absl::UnavailableError("worker is shutting down"));
+  if (options_.after_answers) options_.after_answers();
+  loop_thread_id_ = std::thread::id();  // a later thread may be given this one's id
 }
 
 }  // namespace shardserve::core

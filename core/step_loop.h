@@ -74,6 +74,9 @@ class StepLoop {
     absl::Duration collective_timeout = absl::Seconds(10);
     InputLimits limits;
     std::function<void(const absl::Status&)> on_group_broken;
+    // Called on the loop's thread after each round, once all its answers are given: a server may
+    // hold the answers given on the loop's thread (OnLoopThread) and send them together here.
+    std::function<void()> after_answers;
   };
 
   StepLoop(Options options, LocalKernels& kernels);
@@ -104,6 +107,9 @@ class StepLoop {
   // Steps run so far that carried work (for tests and metrics).
   int64_t busy_steps() const;
 
+  // Whether the calling thread is the loop's own.
+  bool OnLoopThread() const { return std::this_thread::get_id() == loop_thread_id_.load(); }
+
  private:
   void Run();
   void FailAll(std::vector<std::unique_ptr<StepRequest>>& batch, const absl::Status& status);
@@ -113,6 +119,7 @@ class StepLoop {
   const Options options_;
   LocalKernels& kernels_;
   std::thread thread_;
+  std::atomic<std::thread::id> loop_thread_id_{};
   std::thread park_checker_;  // unparks the loop every Options::park_check
 
   mutable absl::Mutex mu_;

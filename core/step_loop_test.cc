@@ -1,5 +1,6 @@
 #include "core/step_loop.h"
 
+#include <functional>
 #include <future>
 #include <memory>
 #include <random>
@@ -41,6 +42,8 @@ struct Fixture {
   CpuKernels kernels;
   absl::Mutex mu;
   std::vector<absl::Status> broken = std::vector<absl::Status>(kWorld);
+  // Optional: adjusts a rank's options before its loop is made.
+  std::function<void(int rank, StepLoop::Options&)> configure;
   std::vector<std::unique_ptr<StepLoop>> loops;  // last: stopped before what they report into
 
   Fixture() {
@@ -73,6 +76,7 @@ struct Fixture {
         absl::MutexLock lock(&mu);
         broken[r] = s;
       };
+      if (configure) configure(r, options);
       loops.push_back(std::make_unique<StepLoop>(options, kernels));
       auto e = ShardedTable::Create(emb, r, kernels);
       auto l = ShardedTable::Create(lin, r, kernels);
@@ -181,6 +185,63 @@ TEST(StepLoop, QueuedRequestsOfBothRanksRunInOneStepAndEachGetsItsOwnRows) {
   }
   EXPECT_EQ(f.loops[0]->busy_steps(), 1);
   EXPECT_EQ(f.loops[1]->busy_steps(), 1);
+}
+
+TEST(StepLoop, AfterAnswersRunsOnTheLoopThreadOnceARoundsAnswersAreGiven) {
+  struct Seen {
+    absl::Mutex mu;
+    int answered = 0;            // answers given, not yet followed by after_answers
+    int flushed = 0;             // answers that after_answers followed
+    int off_loop_thread = 0;     // answers or after_answers calls not on the loop's thread
+  };
+  std::vector<Seen> seen(Fixture::kWorld);
+  Fixture f;  // after `seen`: its loops stop (and report into it) first
+  f.configure = [&](int rank, StepLoop::Options& options) {
+    options.after_answers = [&f, &seen, rank] {
+      Seen& s = seen[rank];
+      absl::MutexLock lock(&s.mu);
+      if (!f.loops[rank]->OnLoopThread()) ++s.off_loop_thread;
+      s.flushed += s.answered;
+      s.answered = 0;
+    };
+  };
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "after-answers", store));
+  for (auto& loop : f.loops) loop->Start();
+  std::mt19937 rng(3);
+  constexpr int kCalls = 40;
+  std::vector<std::future<absl::StatusOr<DenseResult>>> futures;
+  for (int i = 0; i < kCalls; ++i) {
+    const int rank = i % 2;
+    std::vector<int64_t> ids(2 * 3);
+    for (auto& id : ids) id = rng() % 50;
+    auto r = BagRequest(f.emb, ids, 3, PoolMode::kSum);
+    auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
+    futures.push_back(promise->get_future());
+    r->done = [&f, &seen, rank, promise](absl::StatusOr<DenseResult> result) {
+      {
+        Seen& s = seen[rank];
+        absl::MutexLock lock(&s.mu);
+        if (!f.loops[rank]->OnLoopThread()) ++s.off_loop_thread;
+        ++s.answered;
+      }
+      promise->set_value(std::move(result));
+    };
+    f.loops[rank]->Submit(std::move(r));
+  }
+  for (auto& future : futures) ASSERT_TRUE(future.get().ok());
+  for (int rank = 0; rank < Fixture::kWorld; ++rank) {
+    Seen& s = seen[rank];
+    absl::MutexLock lock(&s.mu);
+    // The round that gave the last answers calls after_answers right after them.
+    EXPECT_TRUE(s.mu.AwaitWithTimeout(
+        absl::Condition(+[](Seen* s) { return s->flushed == kCalls / Fixture::kWorld; }, &s),
+        absl::Seconds(10)))
+        << "rank " << rank << ": after_answers followed " << s.flushed << " answers";
+    EXPECT_EQ(s.answered, 0);
+    EXPECT_EQ(s.off_loop_thread, 0);
+  }
+  EXPECT_FALSE(f.loops[0]->OnLoopThread());
 }
 
 TEST(StepLoop, ResultsCanTravelOnASeparateDataGroup) {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "grpcpp/alarm.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -32,8 +33,8 @@
 namespace shardserve::server {
 namespace {
 
-absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
-  const auto deadline = context->deadline();
+absl::Time DeadlineOf(const grpc::ServerContextBase& context) {
+  const auto deadline = context.deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
   return absl::FromChrono(deadline);
 }
@@ -44,37 +45,51 @@ std::string TableHealthName(const std::string& table) {
 
 }  // namespace
 
-// The data API, on gRPC's callback API: handlers validate, enqueue and return; the StepLoop
-// finishes each call. Every method takes and gives raw bytes so that a result goes out without
-// being copied into a response message (EncodeTensorResponse, EncodeStreamResponse); on the wire
-// they are the same messages.
-class Worker::DataService final : public RawDataService {
+// The data API. Unary calls are served on gRPC's async API by one thread (RunUnary): it takes
+// each call as it arrives, validates and queues it for the StepLoop, and sends the answers the
+// loop hands back - a whole step's answers per wake-up, not one wake-up of a gRPC thread per
+// call. Streams use the callback API. Every method takes and gives raw bytes so that a result
+// goes out without being copied into a response message (EncodeTensorResponse,
+// EncodeStreamResponse); on the wire they are the same messages.
+using WorkerDataService = v1::DataService::WithRawMethod_Embedding<
+    v1::DataService::WithRawMethod_EmbeddingBag<v1::DataService::WithRawMethod_Linear<
+        v1::DataService::WithRawCallbackMethod_Stream<v1::DataService::Service>>>>;
+
+class Worker::DataService final : public WorkerDataService {
  public:
   explicit DataService(Worker& worker) : worker_(worker) {}
 
-  template <typename Request>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw,
-                                  grpc::ByteBuffer* response) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    Request request;
-    const absl::Status parsed = ParseRaw(*raw, &request);
-    absl::StatusOr<std::unique_ptr<core::StepRequest>> step =
-        parsed.ok() ? Prepare(request) : parsed;
-    if (!step.ok()) {
-      reactor->Finish(ToGrpcStatus(step.status()));
-      return reactor;
+  // The server's completion queue for unary calls: set before the server is built, served from
+  // StartUnary (once it is built) until StopUnary.
+  void UseQueue(std::unique_ptr<grpc::ServerCompletionQueue> cq) { cq_ = std::move(cq); }
+  void StartUnary() {
+    for (int i = 0; i < kCallsAwaited; ++i) {
+      for (Method m : {Method::kEmbedding, Method::kEmbeddingBag, Method::kLinear}) Await(m);
     }
-    (*step)->deadline = DeadlineOf(context);
-    (*step)->done = [reactor, response](absl::StatusOr<core::DenseResult> result) {
-      if (!result.ok()) {
-        reactor->Finish(ToGrpcStatus(result.status()));
-        return;
+    unary_thread_ = std::thread([this] { RunUnary(); });
+  }
+  // After the server's Shutdown and the StepLoop's Stop, when nothing answers calls any more.
+  void StopUnary() {
+    if (cq_ == nullptr) return;
+    {
+      absl::MutexLock lock(&answers_mu_);
+      unary_stopped_ = true;  // no new calls awaited: the queue is shutting down
+    }
+    cq_->Shutdown();
+    if (unary_thread_.joinable()) {
+      unary_thread_.join();
+    } else {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq_->Next(&tag, &ok)) {
       }
-      *response = EncodeTensorResponse(*std::move(result));
-      reactor->Finish(grpc::Status::OK);
-    };
-    worker_.loop().Submit(std::move(*step));
-    return reactor;
+    }
+    cq_.reset();
+  }
+  // The StepLoop's after_answers: wakes RunUnary once for the round's answers.
+  void WakeForStepAnswers() {
+    absl::MutexLock lock(&answers_mu_);
+    if (!answers_.empty()) WakeUnaryLocked();
   }
 
   template <typename Request>
@@ -82,22 +97,6 @@ class Worker::DataService final : public RawDataService {
     ASSIGN_OR_RETURN(std::shared_ptr<const core::TableConfig> table,
                      worker_.ServingTable(request.table()));
     return MakeStepRequest(request, *table, worker_.limits());
-  }
-
-  grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* context,
-                                      const grpc::ByteBuffer* request,
-                                      grpc::ByteBuffer* response) override {
-    return Unary<v1::EmbeddingRequest>(context, request, response);
-  }
-  grpc::ServerUnaryReactor* EmbeddingBag(grpc::CallbackServerContext* context,
-                                         const grpc::ByteBuffer* request,
-                                         grpc::ByteBuffer* response) override {
-    return Unary<v1::EmbeddingBagRequest>(context, request, response);
-  }
-  grpc::ServerUnaryReactor* Linear(grpc::CallbackServerContext* context,
-                                   const grpc::ByteBuffer* request,
-                                   grpc::ByteBuffer* response) override {
-    return Unary<v1::LinearRequest>(context, request, response);
   }
 
   // Pipelines many requests on one stream: each read is validated and queued at once, responses
@@ -211,11 +210,147 @@ class Worker::DataService final : public RawDataService {
 
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override {
-    return new StreamReactor(*this, DeadlineOf(context));
+    return new StreamReactor(*this, DeadlineOf(*context));
   }
 
  private:
+  enum class Method { kEmbedding, kEmbeddingBag, kLinear };
+  static constexpr int kCallsAwaited = 8;  // per method: calls gRPC may hand over at once
+  // What a completion-queue tag points at.
+  struct Event {
+    enum class Kind { kCall, kAnswersReady } kind;
+  };
+  struct Call : Event {
+    explicit Call(Method m) : Event{Kind::kCall}, method(m) {}
+    const Method method;
+    bool finishing = false;
+    grpc::ServerContext context;
+    grpc::ByteBuffer request;
+    grpc::ByteBuffer response;
+    grpc::Status status;
+    grpc::ServerAsyncResponseWriter<grpc::ByteBuffer> responder{&context};
+  };
+  struct AnswersReady : Event {
+    AnswersReady() : Event{Kind::kAnswersReady} {}
+    grpc::Alarm alarm;
+  };
+
+  void Await(Method method) {
+    auto* call = new Call(method);
+    void* tag = static_cast<Event*>(call);
+    grpc::ServerCompletionQueue* cq = cq_.get();
+    switch (method) {
+      case Method::kEmbedding:
+        RequestEmbedding(&call->context, &call->request, &call->responder, cq, cq, tag);
+        break;
+      case Method::kEmbeddingBag:
+        RequestEmbeddingBag(&call->context, &call->request, &call->responder, cq, cq, tag);
+        break;
+      case Method::kLinear:
+        RequestLinear(&call->context, &call->request, &call->responder, cq, cq, tag);
+        break;
+    }
+  }
+
+  template <typename Request>
+  absl::StatusOr<std::unique_ptr<core::StepRequest>> PrepareRaw(const grpc::ByteBuffer& raw) {
+    Request request;
+    RETURN_IF_ERROR(ParseRaw(raw, &request));
+    return Prepare(request);
+  }
+
+  void RunUnary() {
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_->Next(&tag, &ok)) {
+      Event* event = static_cast<Event*>(tag);
+      if (event->kind == Event::Kind::kAnswersReady) {
+        delete static_cast<AnswersReady*>(event);
+        SendAnswers();
+        continue;
+      }
+      Call* call = static_cast<Call*>(event);
+      if (call->finishing || !ok) {  // sent (or not), or the server is shutting down
+        delete call;
+        continue;
+      }
+      {
+        absl::MutexLock lock(&answers_mu_);
+        if (!unary_stopped_) Await(call->method);
+      }
+      absl::StatusOr<std::unique_ptr<core::StepRequest>> step = absl::InternalError("no method");
+      switch (call->method) {
+        case Method::kEmbedding:
+          step = PrepareRaw<v1::EmbeddingRequest>(call->request);
+          break;
+        case Method::kEmbeddingBag:
+          step = PrepareRaw<v1::EmbeddingBagRequest>(call->request);
+          break;
+        case Method::kLinear:
+          step = PrepareRaw<v1::LinearRequest>(call->request);
+          break;
+      }
+      call->request.Clear();
+      if (!step.ok()) {
+        call->status = ToGrpcStatus(step.status());
+        Finish(call);
+        continue;
+      }
+      (*step)->deadline = DeadlineOf(call->context);
+      (*step)->done = [this, call](absl::StatusOr<core::DenseResult> result) {
+        if (result.ok()) {
+          call->response = EncodeTensorResponse(*std::move(result));
+        } else {
+          call->status = ToGrpcStatus(result.status());
+        }
+        HandBack(call);
+      };
+      worker_.loop().Submit(std::move(*step));
+    }
+  }
+
+  void Finish(Call* call) {
+    call->finishing = true;
+    void* tag = static_cast<Event*>(call);
+    if (call->status.ok()) {
+      call->responder.Finish(call->response, grpc::Status::OK, tag);
+    } else {
+      call->responder.FinishWithError(call->status, tag);
+    }
+  }
+
+  // Any thread: queues an answered call for RunUnary. Answers given on the StepLoop's thread wait
+  // for the end of its round (WakeForStepAnswers), so that a step's answers go out together.
+  void HandBack(Call* call) {
+    absl::MutexLock lock(&answers_mu_);
+    answers_.push_back(call);
+    if (!worker_.loop().OnLoopThread()) WakeUnaryLocked();
+  }
+
+  void WakeUnaryLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(answers_mu_) {
+    if (answers_ready_pending_) return;
+    answers_ready_pending_ = true;
+    auto* ready = new AnswersReady;
+    ready->alarm.Set(cq_.get(), gpr_time_0(GPR_CLOCK_MONOTONIC), static_cast<Event*>(ready));
+  }
+
+  void SendAnswers() {
+    std::vector<Call*> calls;
+    {
+      absl::MutexLock lock(&answers_mu_);
+      calls.swap(answers_);
+      answers_ready_pending_ = false;
+    }
+    for (Call* call : calls) Finish(call);
+  }
+
   Worker& worker_;
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  std::thread unary_thread_;
+  absl::Mutex answers_mu_;
+  std::vector<Call*> answers_ ABSL_GUARDED_BY(answers_mu_);
+  bool answers_ready_pending_ ABSL_GUARDED_BY(answers_mu_) = false;
+  bool unary_stopped_ ABSL_GUARDED_BY(answers_mu_) = false;
 };
 
 // Shard reads for the coordinator's ExportTable.
@@ -297,6 +432,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
     w->group_broken_ = true;
     w->UpdateHealth();
   };
+  step.after_answers = [w] { w->data_service_->WakeForStepAnswers(); };
   w->loop_ = std::make_unique<core::StepLoop>(step, *w->kernels_);
   w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(
       grpc::CreateChannel(w->options_.coordinator, grpc::InsecureChannelCredentials()));
@@ -311,10 +447,12 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   builder.SetMaxSendMessageSize(1 << 30);
   builder.RegisterService(w->data_service_.get());
   builder.RegisterService(w->internal_service_.get());
+  w->data_service_->UseQueue(builder.AddCompletionQueue());
   w->server_ = builder.BuildAndStart();
   if (w->server_ == nullptr || w->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("worker: cannot listen on ", w->options_.listen));
   }
+  w->data_service_->StartUnary();
   {
     absl::MutexLock lock(&w->mu_);
     w->UpdateHealth();
@@ -342,6 +480,7 @@ void Worker::Shutdown() {
   }
   if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   if (loop_) loop_->Stop();  // absent when Start() failed early
+  if (data_service_) data_service_->StopUnary();
 }
 
 void Worker::Wait() {

@@ -3,9 +3,12 @@
 // against the unsharded LibTorch op on the full weight (written by the test as a safetensors
 // checkpoint, or read back with ExportTable).
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -415,7 +418,6 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   request.set_table("emb");
   *request.mutable_ids() = client::Int64Tensor({2}, {1, 2});
   for (int i = 0; i < 3; ++i) {
-    ClientOptions direct_to_rank0 = options;
     const absl::Time start = absl::Now();
     auto stub = v1::DataService::NewStub(
         grpc::CreateChannel(cluster->worker_address(0), grpc::InsecureChannelCredentials()));
@@ -438,6 +440,65 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   auto fresh = Connect(*cluster);  // new worker address: the client refreshes its map
   CheckOps(*fresh, emb, "after the restart");
   CheckOps(*c, emb, "old client after the restart");
+}
+
+TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::EMBEDDING, 200, 8, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  // Callers straight to rank 0 (unary calls on its completion queue) while it is stopped.
+  auto stub = v1::DataService::NewStub(
+      grpc::CreateChannel(cluster->worker_address(0), grpc::InsecureChannelCredentials()));
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, wrong{0}, refused{0}, other{0}, slow{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 16; ++t) {
+    callers.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      while (!stop) {
+        v1::EmbeddingBagRequest request;
+        request.set_table("emb");
+        std::vector<int64_t> ids(4);
+        for (auto& id : ids) id = rng() % 200;
+        *request.mutable_ids() = client::Int64Tensor({1, 4}, ids);
+        request.set_mode(v1::SUM);
+        grpc::ClientContext context;
+        context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+        v1::TensorResponse response;
+        const absl::Time start = absl::Now();
+        const grpc::Status status = stub->EmbeddingBag(&context, request, &response);
+        if (absl::Now() - start > absl::Seconds(4)) ++slow;
+        if (status.ok()) {
+          ++ok;
+          float want = 0;
+          for (int64_t id : ids) want += emb.weight[id][3].item<float>();
+          float got = 0;
+          std::memcpy(&got, response.output().data().data() + 3 * sizeof(float), sizeof(float));
+          if (std::abs(got - want) > 1e-5) ++wrong;
+        } else if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                   status.error_code() == grpc::StatusCode::CANCELLED) {
+          ++refused;  // the worker going away
+        } else {
+          ++other;
+          ADD_FAILURE() << status.error_code() << " " << status.error_message();
+        }
+      }
+    });
+  }
+  EXPECT_TRUE(WaitFor([&] { return ok.load() >= 200; }, absl::Seconds(10)));
+  absl::StatusOr<int> exit = cluster->KillWorker(0, SIGTERM);
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << "wait status " << *exit;
+  absl::SleepFor(absl::Milliseconds(200));  // callers now meet the closed port
+  stop = true;
+  for (auto& t : callers) t.join();
+  EXPECT_GE(ok.load(), 200);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(refused.load(), 0);
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(slow.load(), 0);
 }
 
 TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
