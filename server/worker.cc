@@ -8,6 +8,7 @@
 #include <random>
 #include <utility>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
@@ -45,52 +46,84 @@ std::string TableHealthName(const std::string& table) {
 
 }  // namespace
 
-// The data API. Unary calls are served on gRPC's async API by one thread (RunUnary): it takes
-// each call as it arrives, validates and queues it for the StepLoop, and sends the answers the
-// loop hands back - a whole step's answers per wake-up, not one wake-up of a gRPC thread per
-// call. Streams use the callback API. Every method takes and gives raw bytes so that a result
-// goes out without being copied into a response message (EncodeTensorResponse,
+// The data API on gRPC's async API, served by one thread (Run) from the server's completion
+// queue: it takes each call and each stream request as it arrives, validates and queues it for
+// the StepLoop, and sends the answers the loop hands back - a whole step's answers per wake-up,
+// while the loop goes on to its next step. Only this thread starts operations on the queue (the
+// StepLoop's thread only sets the alarm that wakes it). Every method takes and gives raw bytes so
+// that a result goes out without being copied into a response message (EncodeTensorResponse,
 // EncodeStreamResponse); on the wire they are the same messages.
 using WorkerDataService = v1::DataService::WithRawMethod_Embedding<
     v1::DataService::WithRawMethod_EmbeddingBag<v1::DataService::WithRawMethod_Linear<
-        v1::DataService::WithRawCallbackMethod_Stream<v1::DataService::Service>>>>;
+        v1::DataService::WithRawMethod_Stream<v1::DataService::Service>>>>;
 
 class Worker::DataService final : public WorkerDataService {
  public:
   explicit DataService(Worker& worker) : worker_(worker) {}
 
-  // The server's completion queue for unary calls: set before the server is built, served from
-  // StartUnary (once it is built) until StopUnary.
+  // The server's completion queue: set before the server is built, served from Start (once it is
+  // built) until Stop.
   void UseQueue(std::unique_ptr<grpc::ServerCompletionQueue> cq) { cq_ = std::move(cq); }
-  void StartUnary() {
+  void Start() {
     for (int i = 0; i < kCallsAwaited; ++i) {
-      for (Method m : {Method::kEmbedding, Method::kEmbeddingBag, Method::kLinear}) Await(m);
-    }
-    unary_thread_ = std::thread([this] { RunUnary(); });
-  }
-  // After the server's Shutdown and the StepLoop's Stop, when nothing answers calls any more.
-  void StopUnary() {
-    if (cq_ == nullptr) return;
-    {
-      absl::MutexLock lock(&answers_mu_);
-      unary_stopped_ = true;  // no new calls awaited: the queue is shutting down
-    }
-    cq_->Shutdown();
-    if (unary_thread_.joinable()) {
-      unary_thread_.join();
-    } else {
-      void* tag = nullptr;
-      bool ok = false;
-      while (cq_->Next(&tag, &ok)) {
+      for (Method m : {Method::kEmbedding, Method::kEmbeddingBag, Method::kLinear}) {
+        new UnaryCall(*this, m);
       }
     }
-    cq_.reset();
+    new StreamCall(*this);
+    thread_ = std::thread([this] { Run(); });
   }
-  // The StepLoop's after_answers: wakes RunUnary once for the round's answers.
+  // After the server's Shutdown and the StepLoop's Stop, when nothing answers calls any more.
+  void Stop() {
+    if (cq_ == nullptr) return;
+    if (!thread_.joinable()) {  // never served
+      cq_->Shutdown();
+      Drain();
+      return;
+    }
+    {
+      absl::MutexLock lock(&answers_mu_);
+      // Answers handed back before the loop stopped go out first.
+      answers_mu_.AwaitWithTimeout(absl::Condition(this, &DataService::AnswersSentLocked),
+                                   absl::Seconds(5));
+      stop_requested_ = true;
+      WakeLocked();
+    }
+    thread_.join();
+  }
+  // The StepLoop's after_answers: wakes Run once for the round's answers.
   void WakeForStepAnswers() {
     absl::MutexLock lock(&answers_mu_);
-    if (!answers_.empty()) WakeUnaryLocked();
+    if (!answers_.empty()) WakeLocked();
   }
+
+ private:
+  enum class Method { kEmbedding, kEmbeddingBag, kLinear };
+  static constexpr int kCallsAwaited = 8;  // per method: calls gRPC may hand over at once
+
+  // What a completion-queue tag points at; Proceed runs on the serving thread.
+  struct Tag {
+    virtual ~Tag() = default;
+    virtual void Proceed(bool ok) = 0;
+  };
+  // A tag that calls a member function of `T` (for objects with several operations in flight).
+  template <typename T>
+  struct MemberTag final : Tag {
+    MemberTag(T* object, void (T::*fn)(bool)) : object(object), fn(fn) {}
+    void Proceed(bool ok) override { (object->*fn)(ok); }
+    T* object;
+    void (T::*fn)(bool);
+  };
+  // Sets off Run for answers handed back (or to stop): an alarm that is already due.
+  struct Wake final : Tag {
+    explicit Wake(DataService& service) : service(service) {}
+    void Proceed(bool) override {
+      service.SendAnswers();
+      delete this;
+    }
+    DataService& service;
+    grpc::Alarm alarm;
+  };
 
   template <typename Request>
   absl::StatusOr<std::unique_ptr<core::StepRequest>> Prepare(const Request& request) {
@@ -98,27 +131,121 @@ class Worker::DataService final : public WorkerDataService {
                      worker_.ServingTable(request.table()));
     return MakeStepRequest(request, *table, worker_.limits());
   }
+  template <typename Request>
+  absl::StatusOr<std::unique_ptr<core::StepRequest>> PrepareRaw(const grpc::ByteBuffer& raw) {
+    Request request;
+    RETURN_IF_ERROR(ParseRaw(raw, &request));
+    return Prepare(request);
+  }
 
-  // Pipelines many requests on one stream: each read is validated and queued at once, responses
-  // are written as their steps finish (possibly out of order; the id says which).
-  class StreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+  // One unary call: awaited, then queued for a step, then answered.
+  class UnaryCall final : public Tag {
    public:
-    StreamReactor(DataService& service, absl::Time deadline)
-        : service_(service), deadline_(deadline) {
-      StartRead(&raw_);
+    UnaryCall(DataService& service, Method method) : service_(service), method_(method) {
+      grpc::ServerCompletionQueue* cq = service.cq_.get();
+      switch (method) {
+        case Method::kEmbedding:
+          service.RequestEmbedding(&context_, &request_, &responder_, cq, cq, this);
+          break;
+        case Method::kEmbeddingBag:
+          service.RequestEmbeddingBag(&context_, &request_, &responder_, cq, cq, this);
+          break;
+        case Method::kLinear:
+          service.RequestLinear(&context_, &request_, &responder_, cq, cq, this);
+          break;
+      }
     }
 
-    void OnReadDone(bool ok) override {
-      if (!ok) {
-        {
-          absl::MutexLock lock(&mu_);
-          reads_done_ = true;
+    void Proceed(bool ok) override {
+      if (finishing_ || !ok || service_.stopped_) {  // answered, or the server is shutting down
+        delete this;
+        return;
+      }
+      new UnaryCall(service_, method_);  // the next one
+      absl::StatusOr<std::unique_ptr<core::StepRequest>> step = absl::InternalError("no method");
+      switch (method_) {
+        case Method::kEmbedding:
+          step = service_.PrepareRaw<v1::EmbeddingRequest>(request_);
+          break;
+        case Method::kEmbeddingBag:
+          step = service_.PrepareRaw<v1::EmbeddingBagRequest>(request_);
+          break;
+        case Method::kLinear:
+          step = service_.PrepareRaw<v1::LinearRequest>(request_);
+          break;
+      }
+      request_.Clear();
+      if (!step.ok()) {
+        Finish(ToGrpcStatus(step.status()));
+        return;
+      }
+      (*step)->deadline = DeadlineOf(context_);
+      (*step)->done = [this](absl::StatusOr<core::DenseResult> result) {
+        grpc::Status status;
+        if (result.ok()) {
+          response_ = EncodeTensorResponse(*std::move(result));
+        } else {
+          status = ToGrpcStatus(result.status());
         }
-        MaybeFinish();
+        service_.HandBack([this, status = std::move(status)]() { Finish(status); });
+      };
+      service_.worker_.loop().Submit(std::move(*step));
+    }
+
+   private:
+    void Finish(const grpc::Status& status) {
+      if (service_.stopped_) {
+        delete this;
+        return;
+      }
+      finishing_ = true;
+      if (status.ok()) {
+        responder_.Finish(response_, grpc::Status::OK, this);
+      } else {
+        responder_.FinishWithError(status, this);
+      }
+    }
+
+    DataService& service_;
+    const Method method_;
+    bool finishing_ = false;
+    grpc::ServerContext context_;
+    grpc::ByteBuffer request_;
+    grpc::ByteBuffer response_;
+    grpc::ServerAsyncResponseWriter<grpc::ByteBuffer> responder_{&context_};
+  };
+
+  // One Stream: pipelines many requests; each read is validated and queued at once, responses are
+  // written as their steps finish (possibly out of order; the id says which), one write at a time.
+  class StreamCall final {
+   public:
+    explicit StreamCall(DataService& service) : service_(service) {
+      grpc::ServerCompletionQueue* cq = service.cq_.get();
+      service.RequestStream(&context_, &stream_, cq, cq, &accepted_);
+    }
+
+   private:
+    void Accepted(bool ok) {
+      if (!ok || service_.stopped_) {
+        delete this;
+        return;
+      }
+      new StreamCall(service_);  // the next one
+      deadline_ = DeadlineOf(context_);
+      reading_ = true;
+      stream_.Read(&raw_, &read_);
+    }
+
+    void ReadDone(bool ok) {
+      reading_ = false;
+      if (!ok || service_.stopped_) {
+        reads_done_ = true;
+        MaybeEnd();
         return;
       }
       v1::StreamRequest request;
       const absl::Status parsed = ParseRaw(raw_, &request);
+      raw_.Clear();
       const uint64_t id = parsed.ok() ? request.id() : 0;  // nothing in it can be trusted
       absl::StatusOr<std::unique_ptr<core::StepRequest>> step =
           absl::InvalidArgumentError("stream request: set one of embedding, embedding_bag, linear");
@@ -137,220 +264,135 @@ class Worker::DataService final : public WorkerDataService {
       }
       if (!parsed.ok()) step = parsed;
       if (!step.ok()) {
-        Respond(id, step.status());
+        Respond(EncodeStreamResponse(id, step.status()));
       } else {
-        {
-          absl::MutexLock lock(&mu_);
-          ++outstanding_;
-        }
+        ++outstanding_;
         (*step)->deadline = deadline_;
         (*step)->done = [this, id](absl::StatusOr<core::DenseResult> result) {
-          Respond(id, std::move(result));
-          {
-            absl::MutexLock lock(&mu_);
+          grpc::ByteBuffer response = EncodeStreamResponse(id, std::move(result));
+          service_.HandBack([this, response = std::move(response)]() mutable {
             --outstanding_;
-          }
-          MaybeFinish();
+            Respond(std::move(response));
+            MaybeEnd();
+          });
         };
         service_.worker_.loop().Submit(std::move(*step));
       }
-      StartRead(&raw_);
+      reading_ = true;
+      stream_.Read(&raw_, &read_);
     }
 
-    void OnWriteDone(bool ok) override {
-      bool next = false;
-      {
-        absl::MutexLock lock(&mu_);
-        queue_.pop_front();
-        if (!ok) write_failed_ = true;
-        next = !queue_.empty() && !write_failed_;
-        writing_ = next;
-        if (write_failed_) queue_.clear();
+    void Respond(grpc::ByteBuffer response) {
+      if (write_failed_ || service_.stopped_) return;
+      queue_.push_back(std::move(response));
+      if (writing_) return;
+      writing_ = true;
+      stream_.Write(queue_.front(), &written_);
+    }
+
+    void WriteDone(bool ok) {
+      queue_.pop_front();
+      if (!ok || service_.stopped_) {
+        write_failed_ = true;
+        queue_.clear();
       }
-      if (next) StartWrite(&queue_.front());
-      MaybeFinish();
+      writing_ = !queue_.empty();
+      if (writing_) stream_.Write(queue_.front(), &written_);
+      MaybeEnd();
     }
 
-    void OnDone() override { delete this; }
-
-   private:
-    void Respond(uint64_t id, absl::StatusOr<core::DenseResult> result) {
-      grpc::ByteBuffer response = EncodeStreamResponse(id, std::move(result));
-      bool start = false;
-      {
-        absl::MutexLock lock(&mu_);
-        if (write_failed_) return;
-        queue_.push_back(std::move(response));
-        start = !writing_;
-        writing_ = true;
+    // Finishes once the reads are done and every request is answered and written.
+    void MaybeEnd() {
+      if (!reads_done_ || outstanding_ > 0 || writing_ || finishing_) return;
+      if (service_.stopped_) {
+        if (!reading_) delete this;
+        return;
       }
-      if (start) StartWrite(&queue_.front());
+      finishing_ = true;
+      stream_.Finish(grpc::Status::OK, &finished_);
     }
 
-    void MaybeFinish() {
-      {
-        absl::MutexLock lock(&mu_);
-        if (!reads_done_ || outstanding_ > 0 || writing_ || finished_) return;
-        finished_ = true;
-      }
-      Finish(grpc::Status::OK);
-    }
+    void FinishDone(bool) { delete this; }
 
     DataService& service_;
-    const absl::Time deadline_;
+    grpc::ServerContext context_;
+    grpc::ServerAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer> stream_{&context_};
+    MemberTag<StreamCall> accepted_{this, &StreamCall::Accepted};
+    MemberTag<StreamCall> read_{this, &StreamCall::ReadDone};
+    MemberTag<StreamCall> written_{this, &StreamCall::WriteDone};
+    MemberTag<StreamCall> finished_{this, &StreamCall::FinishDone};
+    absl::Time deadline_ = absl::InfiniteFuture();
     grpc::ByteBuffer raw_;  // the request being read
-    absl::Mutex mu_;
-    std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
-    bool writing_ ABSL_GUARDED_BY(mu_) = false;
-    bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
-    bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-    bool finished_ ABSL_GUARDED_BY(mu_) = false;
-    int outstanding_ ABSL_GUARDED_BY(mu_) = 0;
+    std::deque<grpc::ByteBuffer> queue_;  // [0] is being written
+    bool reading_ = false;
+    bool writing_ = false;
+    bool write_failed_ = false;
+    bool reads_done_ = false;
+    bool finishing_ = false;
+    int outstanding_ = 0;  // requests queued for steps, not answered yet
   };
 
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
-      grpc::CallbackServerContext* context) override {
-    return new StreamReactor(*this, DeadlineOf(*context));
+  void Run() {
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_->Next(&tag, &ok)) static_cast<Tag*>(tag)->Proceed(ok);
   }
 
- private:
-  enum class Method { kEmbedding, kEmbeddingBag, kLinear };
-  static constexpr int kCallsAwaited = 8;  // per method: calls gRPC may hand over at once
-  // What a completion-queue tag points at.
-  struct Event {
-    enum class Kind { kCall, kAnswersReady } kind;
-  };
-  struct Call : Event {
-    explicit Call(Method m) : Event{Kind::kCall}, method(m) {}
-    const Method method;
-    bool finishing = false;
-    grpc::ServerContext context;
-    grpc::ByteBuffer request;
-    grpc::ByteBuffer response;
-    grpc::Status status;
-    grpc::ServerAsyncResponseWriter<grpc::ByteBuffer> responder{&context};
-  };
-  struct AnswersReady : Event {
-    AnswersReady() : Event{Kind::kAnswersReady} {}
-    grpc::Alarm alarm;
-  };
-
-  void Await(Method method) {
-    auto* call = new Call(method);
-    void* tag = static_cast<Event*>(call);
-    grpc::ServerCompletionQueue* cq = cq_.get();
-    switch (method) {
-      case Method::kEmbedding:
-        RequestEmbedding(&call->context, &call->request, &call->responder, cq, cq, tag);
-        break;
-      case Method::kEmbeddingBag:
-        RequestEmbeddingBag(&call->context, &call->request, &call->responder, cq, cq, tag);
-        break;
-      case Method::kLinear:
-        RequestLinear(&call->context, &call->request, &call->responder, cq, cq, tag);
-        break;
-    }
-  }
-
-  template <typename Request>
-  absl::StatusOr<std::unique_ptr<core::StepRequest>> PrepareRaw(const grpc::ByteBuffer& raw) {
-    Request request;
-    RETURN_IF_ERROR(ParseRaw(raw, &request));
-    return Prepare(request);
-  }
-
-  void RunUnary() {
+  void Drain() {
     void* tag = nullptr;
     bool ok = false;
     while (cq_->Next(&tag, &ok)) {
-      Event* event = static_cast<Event*>(tag);
-      if (event->kind == Event::Kind::kAnswersReady) {
-        delete static_cast<AnswersReady*>(event);
-        SendAnswers();
-        continue;
-      }
-      Call* call = static_cast<Call*>(event);
-      if (call->finishing || !ok) {  // sent (or not), or the server is shutting down
-        delete call;
-        continue;
-      }
-      {
-        absl::MutexLock lock(&answers_mu_);
-        if (!unary_stopped_) Await(call->method);
-      }
-      absl::StatusOr<std::unique_ptr<core::StepRequest>> step = absl::InternalError("no method");
-      switch (call->method) {
-        case Method::kEmbedding:
-          step = PrepareRaw<v1::EmbeddingRequest>(call->request);
-          break;
-        case Method::kEmbeddingBag:
-          step = PrepareRaw<v1::EmbeddingBagRequest>(call->request);
-          break;
-        case Method::kLinear:
-          step = PrepareRaw<v1::LinearRequest>(call->request);
-          break;
-      }
-      call->request.Clear();
-      if (!step.ok()) {
-        call->status = ToGrpcStatus(step.status());
-        Finish(call);
-        continue;
-      }
-      (*step)->deadline = DeadlineOf(call->context);
-      (*step)->done = [this, call](absl::StatusOr<core::DenseResult> result) {
-        if (result.ok()) {
-          call->response = EncodeTensorResponse(*std::move(result));
-        } else {
-          call->status = ToGrpcStatus(result.status());
-        }
-        HandBack(call);
-      };
-      worker_.loop().Submit(std::move(*step));
     }
   }
 
-  void Finish(Call* call) {
-    call->finishing = true;
-    void* tag = static_cast<Event*>(call);
-    if (call->status.ok()) {
-      call->responder.Finish(call->response, grpc::Status::OK, tag);
-    } else {
-      call->responder.FinishWithError(call->status, tag);
-    }
-  }
-
-  // Any thread: queues an answered call for RunUnary. Answers given on the StepLoop's thread wait
-  // for the end of its round (WakeForStepAnswers), so that a step's answers go out together.
-  void HandBack(Call* call) {
+  // Any thread: `send` runs on the serving thread. Answers given on the StepLoop's thread wait for
+  // the end of its round (WakeForStepAnswers), so that a step's answers go out together.
+  void HandBack(absl::AnyInvocable<void()> send) {
     absl::MutexLock lock(&answers_mu_);
-    answers_.push_back(call);
-    if (!worker_.loop().OnLoopThread()) WakeUnaryLocked();
+    answers_.push_back(std::move(send));
+    if (!worker_.loop().OnLoopThread()) WakeLocked();
   }
 
-  void WakeUnaryLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(answers_mu_) {
-    if (answers_ready_pending_) return;
-    answers_ready_pending_ = true;
-    auto* ready = new AnswersReady;
-    ready->alarm.Set(cq_.get(), gpr_time_0(GPR_CLOCK_MONOTONIC), static_cast<Event*>(ready));
+  void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(answers_mu_) {
+    if (wake_pending_ || stop_sent_) return;
+    wake_pending_ = true;
+    stop_sent_ = stop_requested_;
+    auto* wake = new Wake(*this);
+    wake->alarm.Set(cq_.get(), gpr_time_0(GPR_CLOCK_MONOTONIC), static_cast<Tag*>(wake));
   }
 
+  bool AnswersSentLocked() const ABSL_SHARED_LOCKS_REQUIRED(answers_mu_) {
+    return answers_.empty() && !wake_pending_;
+  }
+
+  // On the serving thread.
   void SendAnswers() {
-    std::vector<Call*> calls;
+    std::vector<absl::AnyInvocable<void()>> answers;
+    bool stop = false;
     {
       absl::MutexLock lock(&answers_mu_);
-      calls.swap(answers_);
-      answers_ready_pending_ = false;
+      answers.swap(answers_);
+      wake_pending_ = false;
+      stop = stop_requested_;
     }
-    for (Call* call : calls) Finish(call);
+    for (auto& send : answers) send();
+    if (stop && !stopped_) {
+      // From now on this thread starts no operation: the queue hands back what is in flight
+      // (each object deletes itself when its last operation returns), then ends Run.
+      stopped_ = true;
+      cq_->Shutdown();
+    }
   }
 
   Worker& worker_;
   std::unique_ptr<grpc::ServerCompletionQueue> cq_;
-  std::thread unary_thread_;
+  std::thread thread_;
+  bool stopped_ = false;  // serving thread only
   absl::Mutex answers_mu_;
-  std::vector<Call*> answers_ ABSL_GUARDED_BY(answers_mu_);
-  bool answers_ready_pending_ ABSL_GUARDED_BY(answers_mu_) = false;
-  bool unary_stopped_ ABSL_GUARDED_BY(answers_mu_) = false;
+  std::vector<absl::AnyInvocable<void()>> answers_ ABSL_GUARDED_BY(answers_mu_);
+  bool wake_pending_ ABSL_GUARDED_BY(answers_mu_) = false;
+  bool stop_requested_ ABSL_GUARDED_BY(answers_mu_) = false;
+  bool stop_sent_ ABSL_GUARDED_BY(answers_mu_) = false;
 };
 
 // Shard reads for the coordinator's ExportTable.
@@ -452,7 +494,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   if (w->server_ == nullptr || w->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("worker: cannot listen on ", w->options_.listen));
   }
-  w->data_service_->StartUnary();
+  w->data_service_->Start();
   {
     absl::MutexLock lock(&w->mu_);
     w->UpdateHealth();
@@ -480,7 +522,7 @@ void Worker::Shutdown() {
   }
   if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   if (loop_) loop_->Stop();  // absent when Start() failed early
-  if (data_service_) data_service_->StopUnary();
+  if (data_service_) data_service_->Stop();
 }
 
 void Worker::Wait() {

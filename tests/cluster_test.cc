@@ -487,7 +487,32 @@ TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {
       }
     });
   }
-  EXPECT_TRUE(WaitFor([&] { return ok.load() >= 200; }, absl::Seconds(10)));
+  // And a stream, one request at a time, until the worker goes away.
+  std::atomic<int> streamed{0};
+  std::atomic<bool> stream_ended_in_time{false};
+  callers.emplace_back([&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto stream = stub->Stream(&context);
+    const absl::Time start = absl::Now();
+    v1::StreamRequest request;
+    request.mutable_embedding()->set_table("emb");
+    *request.mutable_embedding()->mutable_ids() = client::Int64Tensor({2}, {7, 9});
+    v1::StreamResponse response;
+    for (uint64_t id = 1; !stop; ++id) {
+      request.set_id(id);
+      if (!stream->Write(request) || !stream->Read(&response)) break;
+      if (response.id() != id || response.code() != 0) break;
+      ++streamed;
+    }
+    stream->WritesDone();
+    while (stream->Read(&response)) {
+    }
+    stream->Finish().IgnoreError();
+    stream_ended_in_time = absl::Now() - start < absl::Seconds(15);
+  });
+  EXPECT_TRUE(WaitFor([&] { return ok.load() >= 200 && streamed.load() >= 20; },
+                      absl::Seconds(10)));
   absl::StatusOr<int> exit = cluster->KillWorker(0, SIGTERM);
   ASSERT_TRUE(exit.ok()) << exit.status();
   EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << "wait status " << *exit;
@@ -499,6 +524,7 @@ TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {
   EXPECT_GT(refused.load(), 0);
   EXPECT_EQ(other.load(), 0);
   EXPECT_EQ(slow.load(), 0);
+  EXPECT_TRUE(stream_ended_in_time);
 }
 
 TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
