@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/load_stats.h"
@@ -94,6 +96,112 @@ struct Workload {
     const int64_t b = absl::GetFlag(FLAGS_batch);
     return op == Op::kEmbedding ? b * absl::GetFlag(FLAGS_bag) : b;
   }
+};
+
+// One closed-loop caller on a Stream: keeps up to `depth` requests in flight until `end`, then
+// closes its side and ends when every answer is in. Runs on gRPC's callback threads.
+class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1::StreamResponse> {
+ public:
+  StreamCaller(const Workload& w, LoadStats& stats, int depth, int64_t first, absl::Time end,
+               absl::Duration deadline, absl::BlockingCounter& done)
+      : w_(w), stats_(stats), depth_(depth), next_(first), end_(end), done_(done) {
+    context_.set_deadline(absl::ToChronoTime(end + deadline));
+  }
+
+  void Begin(v1::DataService::Stub& stub) {
+    stub.async()->Stream(&context_, this);
+    StartRead(&response_);
+    Actions actions;
+    {
+      absl::MutexLock lock(&mu_);
+      actions = Fill();
+    }
+    Apply(actions);
+    StartCall();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream ended: OnDone follows
+    Actions actions;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = in_flight_.find(response_.id());
+      if (it != in_flight_.end()) {
+        stats_.Record(it->second.first, absl::Now(), response_.code(), it->second.second);
+        in_flight_.erase(it);
+      }
+      actions = Fill();
+    }
+    StartRead(&response_);
+    Apply(actions);
+  }
+
+  void OnWriteDone(bool ok) override {
+    Actions actions;
+    {
+      absl::MutexLock lock(&mu_);
+      queue_.pop_front();
+      writing_ = false;
+      if (!ok) return;  // the stream broke: reads end, then OnDone
+      actions = Fill();
+    }
+    Apply(actions);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    if (!status.ok()) stats_.Record(absl::Now(), absl::Now(), status.error_code(), 0);
+    done_.DecrementCount();
+    delete this;
+  }
+
+ private:
+  struct Actions {
+    const v1::StreamRequest* write = nullptr;
+    bool close = false;
+  };
+
+  // Queues requests up to the pipeline depth (until `end`) and says what to start, outside the
+  // lock: the next write, or closing the writes once nothing is left in flight.
+  Actions Fill() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time now = absl::Now();
+    while (now < end_ && static_cast<int>(in_flight_.size()) < depth_) {
+      const Op op = w_.schedule[next_ % w_.schedule.size()];
+      queue_.push_back(w_.pool.at(op)[next_ % w_.pool.at(op).size()]);
+      ++next_;
+      queue_.back().set_id(++id_);
+      in_flight_[id_] = {now, w_.Items(op)};
+    }
+    Actions actions;
+    if (writing_ || closed_) return actions;
+    if (!queue_.empty()) {
+      writing_ = true;
+      actions.write = &queue_.front();
+    } else if (now >= end_ && in_flight_.empty()) {
+      closed_ = true;
+      actions.close = true;
+    }
+    return actions;
+  }
+
+  void Apply(const Actions& actions) {
+    if (actions.write != nullptr) StartWrite(actions.write);
+    if (actions.close) StartWritesDone();
+  }
+
+  const Workload& w_;
+  LoadStats& stats_;
+  const int depth_;
+  int64_t next_;  // index of the next request in the workload
+  const absl::Time end_;
+  absl::BlockingCounter& done_;
+  grpc::ClientContext context_;
+  v1::StreamResponse response_;  // the answer being read
+  absl::Mutex mu_;
+  std::deque<v1::StreamRequest> queue_ ABSL_GUARDED_BY(mu_);  // [0] is being written
+  std::map<uint64_t, std::pair<absl::Time, int64_t>> in_flight_ ABSL_GUARDED_BY(mu_);
+  uint64_t id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
@@ -261,7 +369,6 @@ int Main(int argc, char** argv) {
     const int callers = absl::GetFlag(FLAGS_concurrency);
     const bool stream = absl::GetFlag(FLAGS_stream);
     const int depth = std::max(1, absl::GetFlag(FLAGS_pipeline));
-    std::vector<std::thread> threads;
     if (!stream) {
       // Unary closed loop: each caller is a chain of asynchronous calls (the answer to one sends
       // the next), so hundreds of callers need no thread each.
@@ -302,50 +409,14 @@ int Main(int argc, char** argv) {
       for (int c = 0; c < callers; ++c) issue(c, c * 7919);
       while (live.load() > 0) absl::SleepFor(absl::Milliseconds(5));
     }
-    for (int c = 0; c < callers; ++c) {
-      threads.emplace_back([&, c] {
-        v1::DataService::Stub& stub = *stubs[c % stubs.size()];
-        int64_t i = c * 7919;
-        if (!stream) return;  // unary callers run as asynchronous chains below
-        // Stream: up to `depth` calls in flight; a reader thread matches answers by id.
-        grpc::ClientContext context;
-        auto rw = stub.Stream(&context);
-        absl::Mutex mu;
-        std::map<uint64_t, std::pair<absl::Time, int64_t>> in_flight;
-        std::thread reader([&] {
-          v1::StreamResponse response;
-          while (rw->Read(&response)) {
-            absl::MutexLock lock(&mu);
-            auto it = in_flight.find(response.id());
-            if (it == in_flight.end()) continue;
-            stats.Record(it->second.first, absl::Now(), response.code(), it->second.second);
-            in_flight.erase(it);
-          }
-        });
-        uint64_t id = 0;
-        while (absl::Now() < end) {
-          {
-            absl::MutexLock lock(&mu);
-            auto room = [&]() { return static_cast<int>(in_flight.size()) < depth; };
-            if (!mu.AwaitWithTimeout(absl::Condition(&room), absl::Milliseconds(100))) continue;
-          }
-          const Op op = w.schedule[i % w.schedule.size()];
-          v1::StreamRequest r = w.pool.at(op)[i % w.pool.at(op).size()];
-          ++i;
-          r.set_id(++id);
-          {
-            absl::MutexLock lock(&mu);
-            in_flight[id] = {absl::Now(), w.Items(op)};
-          }
-          if (!rw->Write(r)) break;
-        }
-        rw->WritesDone();
-        reader.join();
-        grpc::Status status = rw->Finish();
-        if (!status.ok()) stats.Record(absl::Now(), absl::Now(), status.error_code(), 0);
-      });
+    if (stream) {
+      absl::BlockingCounter streams_done(callers);
+      for (int c = 0; c < callers; ++c) {
+        (new StreamCaller(w, stats, depth, c * int64_t{7919}, end, deadline, streams_done))
+            ->Begin(*stubs[c % stubs.size()]);
+      }
+      streams_done.Wait();
     }
-    for (auto& t : threads) t.join();
   }
   done = true;
   progress.join();
