@@ -4,7 +4,8 @@
 #   2. Embedding of 10 240 ids per call vs Redis MGET
 #   3. response bandwidth, client -> worker, vs a trivial gRPC server returning the same bytes;
 #      and the coordinator-forwarded path
-#   4. 64 concurrent callers with one bag each: step-loop coalescing vs one request per step
+#   4. 64 concurrent callers with one bag each: step-loop coalescing vs one request per step, with
+#      unary calls and with each caller on a stream
 # Shapes: N = 100 000 rows, D = 128, fp32, W = 2 CPU workers, col-wise. ROUNDS interleaved rounds,
 # medians reported.   bench/run_e2e.sh [ROUNDS] [SECONDS]
 set -euo pipefail
@@ -69,12 +70,16 @@ for ((round = 1; round <= rounds; round++)); do
   sed -i 's/"impl": "shardserve"/"impl": "shardserve-via-coordinator"/' "$work/r.json"
   sed -i '$ d' "$out"; record "bandwidth_c4" "$work/r.json"
   load "coalesce_64x1" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64
+  load "coalesce_64x1_stream" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64 --stream
   # The baseline cluster runs only while it is measured (idle workers still cost a few % of CPU).
   start_cluster 50152 --row_budget=1   # one request per step per rank: no coalescing
-  load "coalesce_64x1" 50152 --op=embedding_bag --batch=1 --bag=20 --concurrency=64
+  for mode in "" _stream; do
+    load "coalesce_64x1$mode" 50152 --op=embedding_bag --batch=1 --bag=20 --concurrency=64 \
+      ${mode:+--stream}
+    sed -i 's/"impl": "shardserve"/"impl": "shardserve-one-request-per-step"/' "$work/r.json"
+    sed -i '$ d' "$out"; record "coalesce_64x1$mode" "$work/r.json"
+  done
   kill "$cluster_pid"; wait "$cluster_pid" 2>/dev/null || true
-  sed -i 's/"impl": "shardserve"/"impl": "shardserve-one-request-per-step"/' "$work/r.json"
-  sed -i '$ d' "$out"; record "coalesce_64x1" "$work/r.json"
 done
 
 /usr/bin/python3 - "$out" <<'PY'
@@ -95,5 +100,11 @@ for case, impls in by.items():
         print(f"| {case} | {impl} | {rate:,.0f} {runs[0][3].replace('_per_s','')}/s | "
               f"{statistics.median(x[1] for x in runs)/1e3:.2f} | {statistics.median(x[2] for x in runs)/1e3:.2f} | "
               f"{sum(x[4] for x in runs)} | {ours / rate if rate else 0:.2f}x |")
+for case, impls in by.items():
+    base = impls.get("shardserve-one-request-per-step")
+    if base:  # coalescing: the ratio of each round's pair, and their median
+        ratios = [a[0] / b[0] for a, b in zip(impls["shardserve"], base)]
+        print(f"{case}: per-round ratios {', '.join(f'{r:.2f}x' for r in ratios)}; "
+              f"median {statistics.median(ratios):.2f}x")
 print(f"\nraw: {sys.argv[1]}")
 PY
