@@ -54,7 +54,9 @@ ABSL_FLAG(bool, stream, false, "use the Stream RPC (closed loop)");
 ABSL_FLAG(int, pipeline, 1, "--stream: calls in flight per stream");
 ABSL_FLAG(double, warmup_s, 2, "seconds of warm-up, not measured");
 ABSL_FLAG(double, duration_s, 10, "seconds measured");
-ABSL_FLAG(int, deadline_ms, 5000, "deadline of each call");
+ABSL_FLAG(int, deadline_ms, 5000,
+          "deadline of each call; with --stream, of each stream after the run's end (the server "
+          "holds a stream's requests to the stream's deadline)");
 ABSL_FLAG(std::string, report, "", "write the JSON report here");
 ABSL_FLAG(std::string, svg, "", "write the latency/throughput chart here");
 ABSL_FLAG(bool, progress, true, "live progress line on stderr");
@@ -142,7 +144,10 @@ class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1:
       absl::MutexLock lock(&mu_);
       queue_.pop_front();
       writing_ = false;
-      if (!ok) return;  // the stream broke: reads end, then OnDone
+      if (!ok) {  // the stream broke: no more writes; reads end, then OnDone
+        broken_ = true;
+        return;
+      }
       actions = Fill();
     }
     Apply(actions);
@@ -172,7 +177,7 @@ class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1:
       in_flight_[id_] = {now, w_.Items(op)};
     }
     Actions actions;
-    if (writing_ || closed_) return actions;
+    if (writing_ || closed_ || broken_) return actions;
     if (!queue_.empty()) {
       writing_ = true;
       actions.write = &queue_.front();
@@ -202,6 +207,7 @@ class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1:
   uint64_t id_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;  // a write failed
 };
 
 absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {

@@ -244,6 +244,7 @@ void StepLoop::Run() {
     }
     batch.erase(std::remove_if(batch.begin(), batch.end(), [](const auto& r) { return !r->done; }),
                 batch.end());
+    if (options_.after_answers) options_.after_answers();  // the expired ones, before any wait
 
     // Agreement round: every rank learns which (table, op) work any rank has.
     std::vector<std::string> keys;  // keys[i] is batch[i]'s

@@ -74,8 +74,10 @@ class StepLoop {
     absl::Duration collective_timeout = absl::Seconds(10);
     InputLimits limits;
     std::function<void(const absl::Status&)> on_group_broken;
-    // Called on the loop's thread after each round, once all its answers are given: a server may
-    // hold the answers given on the loop's thread (OnLoopThread) and send them together here.
+    // Called on the loop's thread once the answers it gave may go out together: after each round
+    // (a step's answers go out when the whole step is done) and before the loop waits on its
+    // peers after answering expired requests. A server may hold the answers given on the loop's
+    // thread (OnLoopThread) and send them here.
     std::function<void()> after_answers;
   };
 

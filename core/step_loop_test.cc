@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "core/cpu_kernels.h"
 #include "core/gloo_communicator.h"
 #include "core/rendezvous.h"
@@ -242,6 +243,41 @@ TEST(StepLoop, AfterAnswersRunsOnTheLoopThreadOnceARoundsAnswersAreGiven) {
     EXPECT_EQ(s.off_loop_thread, 0);
   }
   EXPECT_FALSE(f.loops[0]->OnLoopThread());
+}
+
+TEST(StepLoop, AnswersToExpiredRequestsOfAParkedGroupAreFollowedByAfterAnswersAtOnce) {
+  absl::Mutex mu;
+  int answered = 0;  // answers given, not yet followed by after_answers
+  int flushed = 0;   // answers that after_answers followed
+  Fixture f;  // after what its loops report into: they stop first
+  f.configure = [&](int rank, StepLoop::Options& options) {
+    options.park_after_idle_rounds = 3;
+    options.park_check = absl::Seconds(60);  // only news wakes the parked group
+    options.after_answers = [&mu, &answered, &flushed] {
+      absl::MutexLock lock(&mu);
+      flushed += answered;
+      answered = 0;
+    };
+  };
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "expired", store));
+  for (auto& loop : f.loops) loop->Start();
+  absl::SleepFor(absl::Milliseconds(300));  // idle: the group parks
+  auto r = BagRequest(f.emb, {1, 2, 3}, 3, PoolMode::kSum);
+  r->deadline = absl::Now() - absl::Seconds(1);
+  absl::Notification done;
+  r->done = [&](absl::StatusOr<DenseResult> result) {
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kDeadlineExceeded);
+    absl::MutexLock lock(&mu);
+    ++answered;
+    done.Notify();
+  };
+  f.loops[0]->Submit(std::move(r));
+  done.WaitForNotification();
+  // Followed at once - not when the group next has work (with no work it parks again).
+  absl::MutexLock lock(&mu);
+  EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(+[](int* n) { return *n == 1; }, &flushed),
+                                  absl::Seconds(10)));
 }
 
 TEST(StepLoop, ResultsCanTravelOnASeparateDataGroup) {

@@ -145,13 +145,13 @@ class Worker::DataService final : public WorkerDataService {
       grpc::ServerCompletionQueue* cq = service.cq_.get();
       switch (method) {
         case Method::kEmbedding:
-          service.RequestEmbedding(&context_, &request_, &responder_, cq, cq, this);
+          service.RequestEmbedding(&context_, &request_, &responder_, cq, cq, AsTag());
           break;
         case Method::kEmbeddingBag:
-          service.RequestEmbeddingBag(&context_, &request_, &responder_, cq, cq, this);
+          service.RequestEmbeddingBag(&context_, &request_, &responder_, cq, cq, AsTag());
           break;
         case Method::kLinear:
-          service.RequestLinear(&context_, &request_, &responder_, cq, cq, this);
+          service.RequestLinear(&context_, &request_, &responder_, cq, cq, AsTag());
           break;
       }
     }
@@ -193,6 +193,8 @@ class Worker::DataService final : public WorkerDataService {
     }
 
    private:
+    void* AsTag() { return static_cast<Tag*>(this); }  // Run reads tags back as Tag*
+
     void Finish(const grpc::Status& status) {
       if (service_.stopped_) {
         delete this;
@@ -200,9 +202,9 @@ class Worker::DataService final : public WorkerDataService {
       }
       finishing_ = true;
       if (status.ok()) {
-        responder_.Finish(response_, grpc::Status::OK, this);
+        responder_.Finish(response_, grpc::Status::OK, AsTag());
       } else {
-        responder_.FinishWithError(status, this);
+        responder_.FinishWithError(status, AsTag());
       }
     }
 
@@ -221,7 +223,7 @@ class Worker::DataService final : public WorkerDataService {
    public:
     explicit StreamCall(DataService& service) : service_(service) {
       grpc::ServerCompletionQueue* cq = service.cq_.get();
-      service.RequestStream(&context_, &stream_, cq, cq, &accepted_);
+      service.RequestStream(&context_, &stream_, cq, cq, static_cast<Tag*>(&accepted_));
     }
 
    private:
@@ -233,7 +235,7 @@ class Worker::DataService final : public WorkerDataService {
       new StreamCall(service_);  // the next one
       deadline_ = DeadlineOf(context_);
       reading_ = true;
-      stream_.Read(&raw_, &read_);
+      stream_.Read(&raw_, static_cast<Tag*>(&read_));
     }
 
     void ReadDone(bool ok) {
@@ -279,7 +281,7 @@ class Worker::DataService final : public WorkerDataService {
         service_.worker_.loop().Submit(std::move(*step));
       }
       reading_ = true;
-      stream_.Read(&raw_, &read_);
+      stream_.Read(&raw_, static_cast<Tag*>(&read_));
     }
 
     void Respond(grpc::ByteBuffer response) {
@@ -287,7 +289,7 @@ class Worker::DataService final : public WorkerDataService {
       queue_.push_back(std::move(response));
       if (writing_) return;
       writing_ = true;
-      stream_.Write(queue_.front(), &written_);
+      stream_.Write(queue_.front(), static_cast<Tag*>(&written_));
     }
 
     void WriteDone(bool ok) {
@@ -297,7 +299,7 @@ class Worker::DataService final : public WorkerDataService {
         queue_.clear();
       }
       writing_ = !queue_.empty();
-      if (writing_) stream_.Write(queue_.front(), &written_);
+      if (writing_) stream_.Write(queue_.front(), static_cast<Tag*>(&written_));
       MaybeEnd();
     }
 
@@ -309,7 +311,7 @@ class Worker::DataService final : public WorkerDataService {
         return;
       }
       finishing_ = true;
-      stream_.Finish(grpc::Status::OK, &finished_);
+      stream_.Finish(grpc::Status::OK, static_cast<Tag*>(&finished_));
     }
 
     void FinishDone(bool) { delete this; }
@@ -374,6 +376,7 @@ class Worker::DataService final : public WorkerDataService {
       answers.swap(answers_);
       wake_pending_ = false;
       stop = stop_requested_;
+      stop_sent_ = stop_sent_ || stop;  // no alarm after the queue shuts down
     }
     for (auto& send : answers) send();
     if (stop && !stopped_) {

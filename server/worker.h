@@ -3,8 +3,8 @@
 // shards of the tables placed on it, and follows the coordinator: heartbeats report its state and
 // bring back the group epoch to join, the members and the tables to hold.
 //
-// Thread-safety: all public methods are thread-safe. Threads: gRPC's, one that serves the unary
-// data calls from a completion queue, the StepLoop's executor, a heartbeat thread, and a reconcile
+// Thread-safety: all public methods are thread-safe. Threads: gRPC's, one that serves the data
+// calls (unary and streams) from a completion queue, the StepLoop's executor, a heartbeat thread, and a reconcile
 // thread that loads/drops tables and forms groups (both can take seconds, so they never delay
 // heartbeats or steps).
 #ifndef SHARDSERVE_SERVER_WORKER_H_
