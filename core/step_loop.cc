@@ -61,6 +61,11 @@ int64_t StepRequest::Rows() const {
   return 1;
 }
 
+int64_t StepRequest::InputBytes() const {
+  return static_cast<int64_t>((ids.size() + offsets.size() + shape.size()) * sizeof(int64_t) +
+                              (weights.size() + values.size()) * sizeof(float));
+}
+
 absl::Status PrepareRequest(const TableConfig& table, const InputLimits& limits,
                             StepRequest& request, absl::Span<const int64_t> raw_offsets,
                             bool has_offsets, bool include_last_offset) {
@@ -141,6 +146,7 @@ void StepLoop::Stop() {
     absl::MutexLock lock(&mu_);
     running_ = false;
     left.swap(queue_);
+    queued_bytes_ = 0;
     tasks.swap(between_steps_);
   }
   for (auto& task : tasks) task();  // callers are waiting for them
@@ -179,16 +185,26 @@ int64_t StepLoop::busy_steps() const {
 }
 
 void StepLoop::Submit(std::unique_ptr<StepRequest> request) {
+  absl::Status refused;
   {
     absl::MutexLock lock(&mu_);
-    if (!stop_ && (serving_ || pending_comm_ != nullptr)) {
+    const int64_t bytes = request->InputBytes();
+    if (stop_ || (!serving_ && pending_comm_ == nullptr)) {
+      refused = absl::UnavailableError(
+          "group not formed: this worker's group is waiting for all its ranks");
+    } else if (!queue_.empty() && queued_bytes_ + bytes > options_.max_queued_bytes) {
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          "worker overloaded: ", queue_.size(), " requests (", queued_bytes_,
+          " bytes of input) are queued, the limit is ", options_.max_queued_bytes,
+          " bytes; retry later"));
+    } else {
+      queued_bytes_ += bytes;
       queue_.push_back(std::move(request));
       UnparkLocked();
       return;
     }
   }
-  Answer(*request, absl::UnavailableError(
-                       "group not formed: this worker's group is waiting for all its ranks"));
+  Answer(*request, refused);
 }
 
 void StepLoop::FailAll(std::vector<std::unique_ptr<StepRequest>>& batch,
@@ -234,6 +250,7 @@ void StepLoop::Run() {
       while (!queue_.empty() &&
              (batch.empty() || rows + queue_.front()->Rows() <= options_.row_budget)) {
         rows += queue_.front()->Rows();
+        queued_bytes_ -= queue_.front()->InputBytes();
         batch.push_back(std::move(queue_.front()));
         queue_.pop_front();
       }
@@ -401,6 +418,7 @@ void StepLoop::Run() {
         absl::MutexLock lock(&mu_);
         serving_ = false;  // from now on Submit refuses at once
         queued.swap(queue_);
+        queued_bytes_ = 0;
       }
       for (auto& r : queued) Answer(*r, status);
       if (options_.on_group_broken) options_.on_group_broken(status);

@@ -54,6 +54,8 @@ struct StepRequest {
 
   // Rows this request adds to a step (ids, bags' ids, or input rows), for the row budget.
   int64_t Rows() const;
+  // Bytes of input it holds while queued, for Options::max_queued_bytes.
+  int64_t InputBytes() const;
 };
 
 // Validates a request against its table and puts it in canonical form (bag offsets). Returns the
@@ -66,6 +68,10 @@ class StepLoop {
  public:
   struct Options {
     int64_t row_budget = int64_t{1} << 18;  // rows (ids, bags' ids, input rows) per step per rank
+    // Input bytes the queue may hold: Submit refuses a request that would go over it with
+    // RESOURCE_EXHAUSTED (an overloaded worker sheds load instead of growing without bound).
+    // A request always fits an empty queue.
+    int64_t max_queued_bytes = int64_t{1} << 30;
     absl::Duration max_idle_sleep = absl::Milliseconds(1);
     int park_after_idle_rounds = 200;  // ~0.2 s of idleness (see Communicator::Park)
     // A parked group still wakes this often for one round, so that a peer that died meanwhile
@@ -99,7 +105,8 @@ class StepLoop {
   void SetTable(std::shared_ptr<ShardedTable> table);
   void DropTable(const std::string& name);
 
-  // Queues a prepared request. Refuses (answers at once) with UNAVAILABLE when there is no group.
+  // Queues a prepared request. Refuses (answers at once) with UNAVAILABLE when there is no group,
+  // RESOURCE_EXHAUSTED when the queue is full (Options::max_queued_bytes).
   void Submit(std::unique_ptr<StepRequest> request);
 
   // Runs `fn` on the loop's thread between steps (so it never races with an op on the shards)
@@ -127,6 +134,7 @@ class StepLoop {
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<std::unique_ptr<StepRequest>> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // InputBytes() of queue_
   std::unique_ptr<Communicator> pending_comm_ ABSL_GUARDED_BY(mu_);
   Communicator* active_comm_ ABSL_GUARDED_BY(mu_) = nullptr;  // the loop's; Unpark()ed on news
   std::unique_ptr<Communicator> pending_data_ ABSL_GUARDED_BY(mu_);

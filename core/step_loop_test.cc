@@ -280,6 +280,40 @@ TEST(StepLoop, AnswersToExpiredRequestsOfAParkedGroupAreFollowedByAfterAnswersAt
                                   absl::Seconds(10)));
 }
 
+TEST(StepLoop, AFullQueueRefusesWithResourceExhaustedAndAcceptsAgainOnceServed) {
+  Fixture f;
+  std::vector<int64_t> ids(3 * 4, 7);
+  const int64_t bytes = BagRequest(f.emb, ids, 4, PoolMode::kSum)->InputBytes();
+  f.configure = [&](int, StepLoop::Options& options) { options.max_queued_bytes = 2 * bytes; };
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "full", store));
+  // Not started yet: requests queue up to the limit, the next one is refused at once.
+  auto first = f.Submit(0, BagRequest(f.emb, ids, 4, PoolMode::kSum));
+  auto second = f.Submit(0, BagRequest(f.emb, ids, 4, PoolMode::kSum));
+  absl::StatusOr<DenseResult> third = f.Submit(0, BagRequest(f.emb, ids, 4, PoolMode::kSum)).get();
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_THAT(std::string(third.status().message()),
+              HasSubstr(absl::StrCat("worker overloaded: 2 requests (", 2 * bytes,
+                                     " bytes of input) are queued, the limit is ", 2 * bytes)));
+  // The other rank's queue is its own.
+  auto other = f.Submit(1, BagRequest(f.emb, ids, 4, PoolMode::kSum));
+  for (auto& loop : f.loops) loop->Start();
+  const std::vector<float> want = f.ExpectedBag(ids, 4, PoolMode::kSum);
+  for (auto* future : {&first, &second, &other}) {
+    absl::StatusOr<DenseResult> got = future->get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_THAT(std::vector<float>(got->values.begin(), got->values.end()),
+                ::testing::Pointwise(::testing::FloatNear(1e-5), want));
+  }
+  // Served: the queue takes requests again, even one larger than the limit when it is empty.
+  std::vector<int64_t> many(3 * 40, 5);
+  absl::StatusOr<DenseResult> big = f.Submit(0, BagRequest(f.emb, many, 4, PoolMode::kSum)).get();
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_THAT(std::vector<float>(big->values.begin(), big->values.end()),
+              ::testing::Pointwise(::testing::FloatNear(1e-5),
+                                   f.ExpectedBag(many, 4, PoolMode::kSum)));
+}
+
 TEST(StepLoop, ResultsCanTravelOnASeparateDataGroup) {
   // A GPU worker's shape: inputs and agreement on one group, results on another.
   Fixture f;

@@ -25,6 +25,8 @@ ABSL_FLAG(int, copy_lanes, 4,
           "memory (0: the driver's single-threaded pageable copy)");
 ABSL_FLAG(int64_t, row_budget, int64_t{1} << 18, "rows (ids, input rows) per rank per step");
 ABSL_FLAG(int, collective_timeout_ms, 10000, "a collective that takes longer fails the step");
+ABSL_FLAG(int64_t, max_queued_mb, 1024,
+          "input the step queue may hold; calls beyond it get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
 ABSL_FLAG(int64_t, shared_memory_block_mb, 16,
           "exchange blocks up to this size go through shared memory between workers that can map "
@@ -63,6 +65,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--row_budget must be >= 1\n");
     return 2;
   }
+  const int64_t max_queued_mb = absl::GetFlag(FLAGS_max_queued_mb);
+  if (max_queued_mb < 1 || max_queued_mb > (int64_t{1} << 30)) {
+    std::fprintf(stderr, "--max_queued_mb must be in [1, 2^30]\n");
+    return 2;
+  }
+  options.step.max_queued_bytes = max_queued_mb << 20;
   absl::StatusOr<std::unique_ptr<shardserve::server::Worker>> worker =
       shardserve::server::Worker::Start(options);
   if (!worker.ok()) {
