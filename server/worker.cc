@@ -275,13 +275,34 @@ class Worker::DataService final : public WorkerDataService {
           service_.HandBack([this, response = std::move(response)]() mutable {
             --outstanding_;
             Respond(std::move(response));
+            ResumeReading();
             MaybeEnd();
           });
         };
         service_.worker_.loop().Submit(std::move(*step));
       }
+      ReadNext();
+      MaybeEnd();  // when stopping, reads end here
+    }
+
+    // Reads the next request unless kWindow requests are queued for steps or not yet written:
+    // a client that sends without reading its answers is held back by flow control, not buffered.
+    void ReadNext() {
+      if (service_.stopped_) {
+        reads_done_ = true;
+        return;
+      }
+      if (outstanding_ + static_cast<int64_t>(queue_.size()) >= kWindow) {
+        read_paused_ = true;
+        return;
+      }
       reading_ = true;
       stream_.Read(&raw_, static_cast<Tag*>(&read_));
+    }
+    void ResumeReading() {
+      if (!read_paused_) return;
+      read_paused_ = false;
+      ReadNext();
     }
 
     void Respond(grpc::ByteBuffer response) {
@@ -300,6 +321,7 @@ class Worker::DataService final : public WorkerDataService {
       }
       writing_ = !queue_.empty();
       if (writing_) stream_.Write(queue_.front(), static_cast<Tag*>(&written_));
+      ResumeReading();
       MaybeEnd();
     }
 
@@ -316,6 +338,8 @@ class Worker::DataService final : public WorkerDataService {
 
     void FinishDone(bool) { delete this; }
 
+    static constexpr int64_t kWindow = 1024;
+
     DataService& service_;
     grpc::ServerContext context_;
     grpc::ServerAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer> stream_{&context_};
@@ -327,6 +351,7 @@ class Worker::DataService final : public WorkerDataService {
     grpc::ByteBuffer raw_;  // the request being read
     std::deque<grpc::ByteBuffer> queue_;  // [0] is being written
     bool reading_ = false;
+    bool read_paused_ = false;  // kWindow requests in flight: reading resumes below it
     bool writing_ = false;
     bool write_failed_ = false;
     bool reads_done_ = false;

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -73,6 +74,11 @@ std::unique_ptr<Client> Connect(const LocalCluster& cluster, bool direct = true)
   options.direct = direct;
   options.deadline = absl::Seconds(20);
   return *Client::Connect(cluster.coordinator_address(), options);
+}
+
+std::unique_ptr<v1::DataService::Stub> DataStub(const std::string& address) {
+  return v1::DataService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
 }
 
 at::Tensor FromDense(const DenseTensor& t) {
@@ -265,8 +271,7 @@ TEST(Cluster, StreamPipelinesManyBatchesOnOneStream) {
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   for (const std::string& address : {cluster->worker_address(0), cluster->coordinator_address()}) {
     SCOPED_TRACE(address);
-    auto stub = v1::DataService::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    auto stub = DataStub(address);
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
     auto stream = stub->Stream(&context);
@@ -375,8 +380,7 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   EXPECT_EQ(Health(cluster->worker_address(0), ""), grpc::health::v1::HealthCheckResponse::SERVING);
 
   // A stream through the coordinator's relay, open across the crash.
-  auto relay_stub = v1::DataService::NewStub(
-      grpc::CreateChannel(cluster->coordinator_address(), grpc::InsecureChannelCredentials()));
+  auto relay_stub = DataStub(cluster->coordinator_address());
   grpc::ClientContext relay_context;
   relay_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   auto relay = relay_stub->Stream(&relay_context);
@@ -419,8 +423,7 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   *request.mutable_ids() = client::Int64Tensor({2}, {1, 2});
   for (int i = 0; i < 3; ++i) {
     const absl::Time start = absl::Now();
-    auto stub = v1::DataService::NewStub(
-        grpc::CreateChannel(cluster->worker_address(0), grpc::InsecureChannelCredentials()));
+    auto stub = DataStub(cluster->worker_address(0));
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
     v1::TensorResponse response;
@@ -442,6 +445,49 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   CheckOps(*c, emb, "old client after the restart");
 }
 
+TEST(Cluster, StreamThatIsNotReadIsHeldBackAndThenAnsweredInFull) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::EMBEDDING, 600, 8, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  auto stub = DataStub(cluster->worker_address(0));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stream = stub->Stream(&context);
+  // 3000 requests with 16 KiB answers, nothing read for the first second: the worker stops
+  // reading once 1024 of them are in flight (the writer blocks), and catches up once read.
+  constexpr int kRequests = 3000;
+  std::thread writer([&] {
+    v1::StreamRequest request;
+    std::vector<int64_t> ids(512);
+    for (int i = 1; i <= kRequests; ++i) {
+      for (size_t k = 0; k < ids.size(); ++k) ids[k] = (i + k) % 600;
+      request.set_id(i);
+      *request.mutable_embedding()->mutable_ids() = client::Int64Tensor({512}, ids);
+      request.mutable_embedding()->set_table("emb");
+      if (!stream->Write(request)) break;
+    }
+    stream->WritesDone();
+  });
+  absl::SleepFor(absl::Seconds(1));
+  std::vector<int> seen(kRequests + 1, 0);
+  int wrong = 0;
+  v1::StreamResponse response;
+  while (stream->Read(&response)) {
+    const uint64_t id = response.id();
+    ASSERT_TRUE(id >= 1 && id <= kRequests) << id;
+    ++seen[id];
+    float first = 0;
+    std::memcpy(&first, response.output().data().data(), sizeof(float));
+    if (response.code() != 0 || first != emb.weight[id % 600][0].item<float>()) ++wrong;
+  }
+  writer.join();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(std::count(seen.begin() + 1, seen.end(), 1), kRequests);
+  EXPECT_EQ(wrong, 0);
+}
+
 TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
@@ -449,8 +495,7 @@ TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {
   Table emb = MakeTable("emb", v1::EMBEDDING, 200, 8, 1, {0, 1}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   // Callers straight to rank 0 (unary calls on its completion queue) while it is stopped.
-  auto stub = v1::DataService::NewStub(
-      grpc::CreateChannel(cluster->worker_address(0), grpc::InsecureChannelCredentials()));
+  auto stub = DataStub(cluster->worker_address(0));
   std::atomic<bool> stop{false};
   std::atomic<int> ok{0}, wrong{0}, refused{0}, other{0}, slow{0};
   std::vector<std::thread> callers;
