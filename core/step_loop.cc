@@ -256,12 +256,18 @@ void StepLoop::Run() {
       }
     }
     const absl::Time now = absl::Now();
+    bool expired = false;
     for (auto& r : batch) {
-      if (r->deadline < now) Answer(*r, absl::DeadlineExceededError("deadline passed in queue"));
+      if (r->deadline >= now) continue;
+      Answer(*r, absl::DeadlineExceededError("deadline passed in queue"));
+      expired = true;
     }
-    batch.erase(std::remove_if(batch.begin(), batch.end(), [](const auto& r) { return !r->done; }),
-                batch.end());
-    if (options_.after_answers) options_.after_answers();  // the expired ones, before any wait
+    if (expired) {
+      batch.erase(
+          std::remove_if(batch.begin(), batch.end(), [](const auto& r) { return !r->done; }),
+          batch.end());
+      if (options_.after_answers) options_.after_answers();  // their answers, before any wait
+    }
 
     // Agreement round: every rank learns which (table, op) work any rank has.
     std::vector<std::string> keys;  // keys[i] is batch[i]'s

@@ -26,7 +26,8 @@ absl::Status DecodeInt64(const v1::Tensor& tensor, const std::string& field,
 absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
                          std::vector<float>* values, std::vector<int64_t>* shape);
 // The data API with every method on raw bytes (requests parsed with ParseRaw, answers encoded as
-// below): the worker serves it, the coordinator forwards it untouched.
+// below): the coordinator forwards it untouched. (Workers serve the same raw methods on the async
+// API.)
 using RawDataService = v1::DataService::WithRawCallbackMethod_Embedding<
     v1::DataService::WithRawCallbackMethod_EmbeddingBag<
         v1::DataService::WithRawCallbackMethod_Linear<

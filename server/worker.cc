@@ -381,9 +381,8 @@ class Worker::DataService final : public WorkerDataService {
   }
 
   void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(answers_mu_) {
-    if (wake_pending_ || stop_sent_) return;
+    if (wake_pending_) return;  // stays set once the wake that stops has been sent
     wake_pending_ = true;
-    stop_sent_ = stop_requested_;
     auto* wake = new Wake(*this);
     wake->alarm.Set(cq_.get(), gpr_time_0(GPR_CLOCK_MONOTONIC), static_cast<Tag*>(wake));
   }
@@ -399,9 +398,8 @@ class Worker::DataService final : public WorkerDataService {
     {
       absl::MutexLock lock(&answers_mu_);
       answers.swap(answers_);
-      wake_pending_ = false;
       stop = stop_requested_;
-      stop_sent_ = stop_sent_ || stop;  // no alarm after the queue shuts down
+      wake_pending_ = stop;  // no alarm after the queue shuts down
     }
     for (auto& send : answers) send();
     if (stop && !stopped_) {
@@ -420,7 +418,6 @@ class Worker::DataService final : public WorkerDataService {
   std::vector<absl::AnyInvocable<void()>> answers_ ABSL_GUARDED_BY(answers_mu_);
   bool wake_pending_ ABSL_GUARDED_BY(answers_mu_) = false;
   bool stop_requested_ ABSL_GUARDED_BY(answers_mu_) = false;
-  bool stop_sent_ ABSL_GUARDED_BY(answers_mu_) = false;
 };
 
 // Shard reads for the coordinator's ExportTable.
