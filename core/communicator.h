@@ -112,6 +112,9 @@ class Communicator {
   }
   // Thread-safe: makes this rank's current Park() return, or its next one at once.
   virtual void Unpark() {}
+  // Whether waking a parked group costs about as little as a round (the caller may then park as
+  // soon as the group is idle instead of backing off first).
+  virtual bool ParksCheaply() const { return false; }
 
   // Typed conveniences.
   template <typename T>

@@ -1,13 +1,16 @@
 #include "core/gloo_communicator.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <fstream>
@@ -69,6 +72,23 @@ class StoreAdapter : public gloo::rendezvous::Store {
   RendezvousStore& store_;
   absl::Duration timeout_;
 };
+
+// A futex word shared between processes (no FUTEX_PRIVATE_FLAG): waits while it reads
+// `expected` (returns early on any wake or signal; callers re-check).
+void FutexWait(uint32_t* word, uint32_t expected) {
+  ::syscall(SYS_futex, word, FUTEX_WAIT, expected, nullptr, nullptr, 0);
+}
+
+// Raises a doorbell to `episode` (never lowers it; episodes wrap, so compared as differences) and
+// wakes whoever waits on it.
+void Ring(uint32_t* bell, uint32_t episode) {
+  uint32_t seen = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
+  while (static_cast<int32_t>(episode - seen) > 0 &&
+         !__atomic_compare_exchange_n(bell, &seen, episode, false, __ATOMIC_SEQ_CST,
+                                      __ATOMIC_SEQ_CST)) {
+  }
+  ::syscall(SYS_futex, bell, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
 
 // Slots of our point-to-point protocols; Gloo's own algorithms use prefixes 0x01-0x0f.
 constexpr uint64_t kMessageSlot = uint64_t{0x40} << 56;
@@ -134,11 +154,13 @@ void IgnoreSigpipe() {
 }  // namespace
 
 // This rank's outbox and the peers' outboxes it maps (see the header). An outbox is a header page
-// (a random nonce) and then two slots of `block_bytes` per peer (peers in rank order without the
-// owner), used by alternate exchanges: a peer reads a block in place until its next exchange
-// starts, and acknowledges it then, while the owner already fills the other slot.
+// (a random nonce, then the owner's doorbell) and then two slots of `block_bytes` per peer (peers
+// in rank order without the owner), used by alternate exchanges: a peer reads a block in place
+// until its next exchange starts, and acknowledges it then, while the owner already fills the
+// other slot. Peers map the outbox read-only and its header page writable (to ring the doorbell).
 struct GlooCommunicator::SharedMemory {
   static constexpr size_t kHeader = 4096;
+  static constexpr size_t kDoorbell = 64;  // offset in the header: a futex word (Park)
 
   static size_t OutboxBytes(int world_size, int64_t block_bytes) {
     return kHeader + static_cast<size_t>(world_size - 1) * 2 * block_bytes;
@@ -146,14 +168,21 @@ struct GlooCommunicator::SharedMemory {
 
   SharedMemory(int rank, int world_size)
       : rank(rank), peer_outbox(world_size, nullptr), peer_size(world_size, 0),
-        peer_block_bytes(world_size, 0), peer_reads_mine(world_size, false),
-        owe_ack(world_size, false), await_ack(world_size, false) {}
+        peer_block_bytes(world_size, 0), peer_header(world_size, nullptr),
+        peer_reads_mine(world_size, false), owe_ack(world_size, false),
+        await_ack(world_size, false) {}
   ~SharedMemory() {
     if (outbox != nullptr) ::munmap(outbox, outbox_size);
     if (fd >= 0) ::close(fd);
     for (size_t q = 0; q < peer_outbox.size(); ++q) {
       if (peer_outbox[q] != nullptr) ::munmap(const_cast<char*>(peer_outbox[q]), peer_size[q]);
+      if (peer_header[q] != nullptr) ::munmap(peer_header[q], kHeader);
     }
+  }
+
+  uint32_t* Doorbell() const { return reinterpret_cast<uint32_t*>(outbox + kDoorbell); }
+  uint32_t* PeerDoorbell(int peer) const {
+    return reinterpret_cast<uint32_t*>(peer_header[peer] + kDoorbell);
   }
 
   static size_t SlotIndex(int peer, int owner, int parity) {
@@ -179,6 +208,8 @@ struct GlooCommunicator::SharedMemory {
   std::vector<const char*> peer_outbox;   // null: that peer's blocks come over the sockets
   std::vector<size_t> peer_size;
   std::vector<int64_t> peer_block_bytes;
+  std::vector<char*> peer_header;         // writable: null when this rank cannot ring that peer
+  bool doorbells = false;                 // every rank of the group can ring every other's
   std::vector<bool> peer_reads_mine;      // the peer maps this rank's outbox
   uint64_t exchanges = 0;                 // exchanges started (the slot parity)
   std::vector<bool> owe_ack;    // read a block of that peer's in the last exchange
@@ -223,39 +254,63 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
         peer_block <= 0) {
       continue;
     }
-    const int peer_fd = ::open(absl::StrCat("/proc/", pid, "/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
+    const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
+    int peer_fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    const bool writable = peer_fd >= 0;
+    if (!writable) peer_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (peer_fd < 0) continue;
     struct stat st;
     const size_t size = SharedMemory::OutboxBytes(world_size, peer_block);
     void* base = MAP_FAILED;
+    void* header = MAP_FAILED;
     if (::fstat(peer_fd, &st) == 0 && static_cast<size_t>(st.st_size) == size) {
       base = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, peer_fd, 0);
+      if (writable) {
+        header = ::mmap(nullptr, SharedMemory::kHeader, PROT_READ | PROT_WRITE, MAP_SHARED,
+                        peer_fd, 0);
+      }
     }
     ::close(peer_fd);
-    if (base == MAP_FAILED) continue;
     uint64_t seen = 0;
-    std::memcpy(&seen, base, sizeof(seen));
-    if (seen != peer_nonce) {  // another process's memory: not our peer's
-      ::munmap(base, size);
+    if (base != MAP_FAILED) std::memcpy(&seen, base, sizeof(seen));
+    if (base == MAP_FAILED || seen != peer_nonce) {  // another nonce: not our peer's memory
+      if (base != MAP_FAILED) ::munmap(base, size);
+      if (header != MAP_FAILED) ::munmap(header, SharedMemory::kHeader);
       continue;
     }
     shm->peer_outbox[q] = static_cast<const char*>(base);
     shm->peer_size[q] = size;
     shm->peer_block_bytes[q] = peer_block;
-    mapped[q] = '1';
+    if (header != MAP_FAILED) shm->peer_header[q] = static_cast<char*>(header);
+    mapped[q] = header != MAP_FAILED ? '2' : '1';  // 2: can ring its doorbell too
   }
-  // Which peers map this rank's outbox. (Once every peer has said, nobody opens it again.)
+  // Which peers map this rank's outbox (and can ring it). Once every peer has said, nobody opens
+  // it again. Every rank reads every rank's answer, so all agree on whether the group parks on
+  // doorbells.
   const std::string ok_key = prefix + "/shm-mapped/";
   RETURN_IF_ERROR(store.Set(absl::StrCat(ok_key, rank), mapped));
   bool any = false;
+  bool doorbells = true;
   for (int q = 0; q < world_size; ++q) {
+    std::string theirs = mapped;
+    if (q != rank) {
+      ASSIGN_OR_RETURN(theirs, store.Get(absl::StrCat(ok_key, q), timeout));
+    }
+    for (int p = 0; p < world_size; ++p) {
+      if (p != q && (theirs.size() != static_cast<size_t>(world_size) || theirs[p] != '2')) {
+        doorbells = false;
+      }
+    }
     if (q == rank) continue;
-    ASSIGN_OR_RETURN(const std::string theirs, store.Get(absl::StrCat(ok_key, q), timeout));
     shm->peer_reads_mine[q] = shm->outbox != nullptr &&
-                              theirs.size() == static_cast<size_t>(world_size) && theirs[rank] == '1';
+                              theirs.size() == static_cast<size_t>(world_size) && theirs[rank] != '0';
     any = any || shm->peer_reads_mine[q] || shm->peer_outbox[q] != nullptr;
   }
-  if (!any) shm.reset();
+  if (!any) {
+    shm.reset();
+  } else {
+    shm->doorbells = doorbells;
+  }
   return shm;
 }
 
@@ -690,12 +745,47 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAll
   return exchange;
 }
 
+bool GlooCommunicator::ParksCheaply() const {
+  return world_size_ == 1 || (shm_ != nullptr && shm_->doorbells);
+}
+
 absl::Status GlooCommunicator::Park(absl::Duration timeout) {
   if (world_size_ == 1) {
     absl::MutexLock lock(&park_mu_);
     park_mu_.Await(absl::Condition(&unparked_));
     unparked_ = false;
     return absl::OkStatus();
+  }
+  if (shm_ != nullptr && shm_->doorbells) {
+    return Guarded("park", [&] {
+      // Episode e ends when this rank's doorbell reads e or later: a peer that left episode e
+      // rang it, or an Unpark here did. Leaving, this rank rings every peer's. (Ranks park in
+      // step, so their episode numbers agree; a peer that rings before this rank parks makes it
+      // leave at once.)
+      if (++next_park_ == 0) ++next_park_;  // 0 means "not parked" (ringing_episode_)
+      const uint32_t episode = next_park_;
+      uint32_t* bell = shm_->Doorbell();
+      bool local = false;
+      {
+        absl::MutexLock lock(&park_mu_);
+        local = unparked_;
+        unparked_ = false;
+        if (!local) ringing_episode_ = episode;
+      }
+      if (!local) {
+        while (true) {
+          const uint32_t rung = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
+          if (static_cast<int32_t>(rung - episode) >= 0) break;
+          FutexWait(bell, rung);
+        }
+        absl::MutexLock lock(&park_mu_);
+        ringing_episode_ = 0;
+        unparked_ = false;  // leaving now serves whatever asked
+      }
+      for (int q = 0; q < world_size_; ++q) {
+        if (q != rank_) Ring(shm_->PeerDoorbell(q), episode);
+      }
+    });
   }
   return Guarded("park", [&] {
     const uint64_t slot = kParkSlot | next_park_++;
@@ -751,6 +841,7 @@ void GlooCommunicator::Unpark() {
   absl::MutexLock lock(&park_mu_);
   unparked_ = true;
   if (parked_ != nullptr) parked_->abortWaitRecv();
+  if (ringing_episode_ != 0) Ring(shm_->Doorbell(), ringing_episode_);
 }
 
 bool GlooCommunicator::SharesMemoryWith(int peer) const {

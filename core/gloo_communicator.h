@@ -17,7 +17,8 @@
 // announced with a small message on the synchronous mesh, and read by the peer where it lies
 // (PendingExchange::Received) until the peer's next exchange starts and acknowledges it;
 // consecutive exchanges alternate slots. Whether a peer really sees the same memory is checked
-// with a random nonce when the group forms, so other peers keep using the sockets.
+// with a random nonce when the group forms, so other peers keep using the sockets. When every
+// rank maps every other's, the group also parks on doorbells in the outboxes' headers (Park).
 // Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
 // marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
 // timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread
@@ -83,9 +84,12 @@ class GlooCommunicator : public Communicator {
       void* out, absl::Span<const int64_t> recv_counts, absl::Span<const int64_t> send_counts,
       DataType type, absl::Duration timeout) override;
   absl::Status Abort() override;
-  // Parked ranks wait on a receive from any peer (no polling); Unpark aborts that wait.
+  // Parked ranks wait on a receive from any peer (no polling); Unpark aborts that wait. Where
+  // every rank can map every other's memory they wait on a doorbell instead (a futex word in
+  // their outbox's header that peers ring), which wakes a parked group in one futex wake.
   absl::Status Park(absl::Duration timeout) override;
   void Unpark() override;
+  bool ParksCheaply() const override;
 
   // Whether exchange blocks between this rank and `peer` go through shared memory.
   bool SharesMemoryWith(int peer) const;
@@ -124,9 +128,10 @@ class GlooCommunicator : public Communicator {
   std::vector<char> outgoing_;
   std::vector<char> scratch_;  // reduce-scatter receive space
   std::unique_ptr<SharedMemory> shm_;  // null when no peer shares memory
-  uint32_t next_park_ = 0;             // park episodes (their slots)
+  uint32_t next_park_ = 0;             // park episodes (their slots; doorbell values)
   absl::Mutex park_mu_;                // Unpark comes from other threads
   bool unparked_ ABSL_GUARDED_BY(park_mu_) = false;
+  uint32_t ringing_episode_ ABSL_GUARDED_BY(park_mu_) = 0;  // parked on the doorbell (0: not)
   gloo::transport::UnboundBuffer* parked_ ABSL_GUARDED_BY(park_mu_) = nullptr;  // being waited on
 };
 

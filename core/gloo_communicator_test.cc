@@ -33,9 +33,9 @@ std::vector<T> BlockFrom(const PendingExchange& exchange, const std::vector<T>& 
   return std::vector<T>(data, data + recv[q]);
 }
 
-// Runs body(rank, communicator) on W threads connected over loopback TCP.
-void RunGroup(int world, const std::function<void(int, GlooCommunicator&)>& body,
-              const GlooOptions& options = {}) {
+// Runs body(rank, communicator) on W threads, rank r created with options_of(r).
+void RunGroupWith(int world, const std::function<GlooOptions(int)>& options_of,
+                  const std::function<void(int, GlooCommunicator&)>& body) {
   static int group_counter = 0;
   const std::string prefix = absl::StrCat("test-group-", ++group_counter);
   InProcessRendezvous store;
@@ -43,12 +43,18 @@ void RunGroup(int world, const std::function<void(int, GlooCommunicator&)>& body
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm =
-          GlooCommunicator::Create(store, prefix, r, world, options);
+          GlooCommunicator::Create(store, prefix, r, world, options_of(r));
       ASSERT_TRUE(comm.ok()) << comm.status();
       body(r, **comm);
     });
   }
   for (std::thread& t : threads) t.join();
+}
+
+// Runs body(rank, communicator) on W threads connected over loopback TCP.
+void RunGroup(int world, const std::function<void(int, GlooCommunicator&)>& body,
+              const GlooOptions& options = {}) {
+  RunGroupWith(world, [&](int) { return options; }, body);
 }
 
 TEST(GlooCommunicator, AllGatherVWithDifferentSizesPerRank) {
@@ -327,44 +333,61 @@ TEST(GlooCommunicator, LargeMessagesAndBlocksTakeTheAsyncPath) {
 }
 
 // Parked ranks stay parked until some rank is unparked (from another thread), then all leave
-// together; an Unpark that comes first makes the next Park return at once.
+// together; an Unpark that comes first makes the next Park return at once. Ranks that share
+// memory park on doorbells, the others on a receive from any peer.
+void ExpectParkedGroupLeavesTogether(int world, const std::function<GlooOptions(int)>& options_of,
+                                     bool cheap) {
+  std::vector<GlooCommunicator*> comms(world, nullptr);
+  absl::Mutex mu;
+  int ready = 0;
+  std::thread waker([&] {
+    {
+      absl::MutexLock lock(&mu);
+      auto all = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return ready == world; };
+      mu.Await(absl::Condition(&all));
+    }
+    absl::SleepFor(absl::Milliseconds(150));
+    comms[world - 1]->Unpark();
+  });
+  RunGroupWith(world, options_of, [&](int rank, GlooCommunicator& comm) {
+    EXPECT_EQ(comm.ParksCheaply(), cheap) << "world " << world << " rank " << rank;
+    // 1. Rank 0 is unparked before it parks: the group leaves at once.
+    if (rank == 0) comm.Unpark();
+    absl::Time start = absl::Now();
+    ASSERT_TRUE(comm.Park(kTimeout).ok());
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "rank " << rank;
+    // 2. Everyone parks; the waker unparks the last rank 150 ms after all got here.
+    start = absl::Now();
+    {
+      absl::MutexLock lock(&mu);
+      comms[rank] = &comm;
+      ++ready;
+    }
+    ASSERT_TRUE(comm.Park(kTimeout).ok());
+    EXPECT_GE(absl::Now() - start, absl::Milliseconds(140)) << "rank " << rank;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(3)) << "rank " << rank;
+    // 3. Many short episodes in a row, each ended by a different rank's Unpark.
+    for (int episode = 0; episode < 50; ++episode) {
+      if (rank == episode % world) comm.Unpark();
+      ASSERT_TRUE(comm.Park(kTimeout).ok()) << "episode " << episode;
+    }
+    // The group is usable afterwards.
+    int64_t x = 1;
+    ASSERT_TRUE(comm.AllReduce(&x, 1, ReduceOp::kSum, kTimeout).ok());
+    EXPECT_EQ(x, world);
+  });
+  waker.join();
+}
+
 TEST(GlooCommunicator, ParkedGroupLeavesTogetherWhenAnyRankIsUnparked) {
-  for (const int world : {1, 3}) {
-    std::vector<GlooCommunicator*> comms(world, nullptr);
-    absl::Mutex mu;
-    int ready = 0;
-    std::thread waker([&] {
-      {
-        absl::MutexLock lock(&mu);
-        auto all = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return ready == world; };
-        mu.Await(absl::Condition(&all));
-      }
-      absl::SleepFor(absl::Milliseconds(150));
-      comms[world - 1]->Unpark();
-    });
-    RunGroup(world, [&](int rank, GlooCommunicator& comm) {
-      // 1. Rank 0 is unparked before it parks: the group leaves at once.
-      if (rank == 0) comm.Unpark();
-      absl::Time start = absl::Now();
-      ASSERT_TRUE(comm.Park(kTimeout).ok());
-      EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "rank " << rank;
-      // 2. Everyone parks; the waker unparks the last rank 150 ms after all got here.
-      start = absl::Now();
-      {
-        absl::MutexLock lock(&mu);
-        comms[rank] = &comm;
-        ++ready;
-      }
-      ASSERT_TRUE(comm.Park(kTimeout).ok());
-      EXPECT_GE(absl::Now() - start, absl::Milliseconds(140)) << "rank " << rank;
-      EXPECT_LT(absl::Now() - start, absl::Seconds(3)) << "rank " << rank;
-      // The group is usable afterwards.
-      int64_t x = 1;
-      ASSERT_TRUE(comm.AllReduce(&x, 1, ReduceOp::kSum, kTimeout).ok());
-      EXPECT_EQ(x, world);
-    });
-    waker.join();
-  }
+  GlooOptions sockets_only;
+  sockets_only.shared_memory_block_bytes = 0;
+  ExpectParkedGroupLeavesTogether(1, [](int) { return GlooOptions(); }, /*cheap=*/true);
+  ExpectParkedGroupLeavesTogether(3, [](int) { return GlooOptions(); }, /*cheap=*/true);
+  ExpectParkedGroupLeavesTogether(3, [&](int) { return sockets_only; }, /*cheap=*/false);
+  // One rank without shared memory: the whole group parks on sockets (all ranks must agree).
+  ExpectParkedGroupLeavesTogether(3, [&](int r) { return r == 1 ? sockets_only : GlooOptions(); },
+                                  /*cheap=*/false);
 }
 
 TEST(GlooCommunicator, BarrierCompletes) {

@@ -292,9 +292,12 @@ void StepLoop::Run() {
     if (broken.ok() && work.empty()) {
       // Idle: back off (each rank sleeps between rounds, waking at once for local work); after
       // park_after_idle_rounds such rounds (the same round on every rank) park the group until any
-      // rank has news - work, a new group, a task, Stop. Waking a parked group costs more than a
-      // round, so traffic with short gaps never parks it.
-      if (++idle_rounds > options_.park_after_idle_rounds) {
+      // rank has news - work, a new group, a task, Stop. Waking a group parked on sockets costs
+      // more than a round, so there traffic with short gaps never parks it; a group that parks on
+      // doorbells parks at once, since a rank's back-off would delay its peers' next request.
+      const int park_after = comm->ParksCheaply() ? options_.cheap_park_after_idle_rounds
+                                                  : options_.park_after_idle_rounds;
+      if (++idle_rounds > park_after) {
         broken = comm->Park(options_.collective_timeout);
         if (broken.ok()) continue;
         if (absl::IsUnimplemented(broken)) broken = absl::OkStatus();  // cannot park: back off

@@ -5,7 +5,9 @@
 // An idle group backs off (sleeps up to Options::max_idle_sleep between rounds) instead of
 // spinning, and after Options::park_after_idle_rounds idle rounds parks (Communicator::Park: no
 // rounds, no polling) until any rank has news - a request, a new group, a task between steps,
-// Stop - or the periodic check (Options::park_check) that finds peers gone.
+// Stop - or the periodic check (Options::park_check) that finds peers gone. A group whose
+// communicator wakes cheaply (ranks that share memory ring each other's doorbells) parks at once
+// (Options::cheap_park_after_idle_rounds), so a lone request does not wait for a peer's back-off.
 //
 // Thread-safety: Submit, SetGroup, SetTable, DropTable, RunBetweenSteps and Stop may be called
 // from any thread;
@@ -74,6 +76,9 @@ class StepLoop {
     int64_t max_queued_bytes = int64_t{1} << 30;
     absl::Duration max_idle_sleep = absl::Milliseconds(1);
     int park_after_idle_rounds = 200;  // ~0.2 s of idleness (see Communicator::Park)
+    // The same where waking a parked group is cheap (Communicator::ParksCheaply): the first round
+    // that finds no work parks the group.
+    int cheap_park_after_idle_rounds = 0;
     // A parked group still wakes this often for one round, so that a peer that died meanwhile
     // is noticed (a parked wait does not see a peer's connection close).
     absl::Duration park_check = absl::Seconds(1);

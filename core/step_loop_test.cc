@@ -1,11 +1,13 @@
 #include "core/step_loop.h"
 
 #include <functional>
+#include <map>
 #include <future>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -22,12 +24,13 @@ namespace {
 using ::testing::HasSubstr;
 
 std::vector<std::unique_ptr<GlooCommunicator>> Connect(int world, const std::string& prefix,
-                                                       RendezvousStore& store) {
+                                                       RendezvousStore& store,
+                                                       const GlooOptions& options = {}) {
   std::vector<std::unique_ptr<GlooCommunicator>> comms(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      auto comm = GlooCommunicator::Create(store, prefix, r, world);
+      auto comm = GlooCommunicator::Create(store, prefix, r, world, options);
       ASSERT_TRUE(comm.ok()) << comm.status();
       comms[r] = std::move(*comm);
     });
@@ -417,62 +420,102 @@ double CpuSecondsWhileSleeping(absl::Duration d) {
   return (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
 }
 
-TEST(StepLoop, IdleGroupSleepsInsteadOfSpinning) {
-  Fixture f;
-  InProcessRendezvous store;
-  f.StartLoops(Connect(Fixture::kWorld, "idle", store));
-  for (auto& loop : f.loops) loop->Start();
-  const double cpu = CpuSecondsWhileSleeping(absl::Milliseconds(500));
-  // Two idle ranks for 0.5 s: a spinning loop would burn ~1 s of CPU; backing off costs a few %.
-  EXPECT_LT(cpu, 0.25) << "idle loops used " << cpu << " s of CPU in 0.5 s";
-  // And a lone request is still answered promptly.
-  const absl::Time start = absl::Now();
-  auto got = f.Submit(1, BagRequest(f.emb, {5, 6}, 2, PoolMode::kMean)).get();
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_LT(absl::Now() - start, absl::Milliseconds(200));
+// Groups whose ranks share memory park on doorbells, the others on sockets (after backing off).
+std::vector<std::pair<std::string, GlooOptions>> ParkingKinds() {
+  GlooOptions sockets_only;
+  sockets_only.shared_memory_block_bytes = 0;
+  return {{"doorbells", GlooOptions()}, {"sockets", sockets_only}};
 }
 
-TEST(StepLoop, LongIdleGroupParksAndWakesForWorkTasksAndStop) {
-  Fixture f;
-  InProcessRendezvous store;
-  f.StartLoops(Connect(Fixture::kWorld, "park", store));
-  for (auto& loop : f.loops) loop->Start();
-  for (int episode = 0; episode < 2; ++episode) {
-    absl::SleepFor(absl::Milliseconds(600));  // > park_after_idle_rounds rounds of back-off
+TEST(StepLoop, IdleGroupSleepsInsteadOfSpinning) {
+  for (const auto& [kind, gloo] : ParkingKinds()) {
+    SCOPED_TRACE(kind);
+    Fixture f;
+    InProcessRendezvous store;
+    f.StartLoops(Connect(Fixture::kWorld, "idle-" + kind, store, gloo));
+    for (auto& loop : f.loops) loop->Start();
     const double cpu = CpuSecondsWhileSleeping(absl::Milliseconds(500));
-    // Backing off costs two ranks ~0.04 s of CPU in 0.5 s; parked, they wait without rounds.
-    EXPECT_LT(cpu, 0.015) << "parked loops used " << cpu << " s of CPU in 0.5 s";
+    // Two idle ranks for 0.5 s: a spinning loop would burn ~1 s of CPU; backing off costs a few %.
+    EXPECT_LT(cpu, 0.25) << "idle loops used " << cpu << " s of CPU in 0.5 s";
+    // And a lone request is still answered promptly.
     const absl::Time start = absl::Now();
-    auto got = f.Submit(episode, BagRequest(f.emb, {5, 6}, 2, PoolMode::kSum)).get();
+    auto got = f.Submit(1, BagRequest(f.emb, {5, 6}, 2, PoolMode::kMean)).get();
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_LT(absl::Now() - start, absl::Milliseconds(200));
   }
-  absl::SleepFor(absl::Milliseconds(600));
-  bool ran = false;
-  f.loops[1]->RunBetweenSteps([&] { ran = true; });  // wakes the parked loop
-  EXPECT_TRUE(ran);
-  absl::SleepFor(absl::Milliseconds(600));
-  const absl::Time start = absl::Now();
-  f.loops[0]->Stop();
-  f.loops[1]->Stop();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
+TEST(StepLoop, LongIdleGroupParksAndWakesForWorkTasksAndStop) {
+  for (const auto& [kind, gloo] : ParkingKinds()) {
+    SCOPED_TRACE(kind);
+    Fixture f;
+    InProcessRendezvous store;
+    f.StartLoops(Connect(Fixture::kWorld, "park-" + kind, store, gloo));
+    for (auto& loop : f.loops) loop->Start();
+    for (int episode = 0; episode < 2; ++episode) {
+      absl::SleepFor(absl::Milliseconds(600));  // > park_after_idle_rounds rounds of back-off
+      const double cpu = CpuSecondsWhileSleeping(absl::Milliseconds(500));
+      // Backing off costs two ranks ~0.04 s of CPU in 0.5 s; parked, they wait without rounds.
+      EXPECT_LT(cpu, 0.015) << "parked loops used " << cpu << " s of CPU in 0.5 s";
+      const absl::Time start = absl::Now();
+      auto got = f.Submit(episode, BagRequest(f.emb, {5, 6}, 2, PoolMode::kSum)).get();
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_LT(absl::Now() - start, absl::Milliseconds(200));
+    }
+    absl::SleepFor(absl::Milliseconds(600));
+    bool ran = false;
+    f.loops[1]->RunBetweenSteps([&] { ran = true; });  // wakes the parked loop
+    EXPECT_TRUE(ran);
+    absl::SleepFor(absl::Milliseconds(600));
+    const absl::Time start = absl::Now();
+    f.loops[0]->Stop();
+    f.loops[1]->Stop();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  }
+}
+
+// Requests that come one at a time with gaps between them: a group that parks on doorbells parks
+// between them instead of backing off (no rounds while idle) and still answers each at once.
+TEST(StepLoop, SparseRequestsFindTheGroupParkedOnDoorbells) {
+  std::map<std::string, double> idle_cpu;
+  for (const auto& [kind, gloo] : ParkingKinds()) {
+    Fixture f;
+    InProcessRendezvous store;
+    f.StartLoops(Connect(Fixture::kWorld, "sparse-" + kind, store, gloo));
+    for (auto& loop : f.loops) loop->Start();
+    for (int i = 0; i < 20; ++i) {
+      idle_cpu[kind] += CpuSecondsWhileSleeping(absl::Milliseconds(30));
+      const absl::Time start = absl::Now();
+      auto got = f.Submit(i % 2, BagRequest(f.emb, {5, 6}, 2, PoolMode::kSum)).get();
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_LT(absl::Now() - start, absl::Milliseconds(200)) << kind << " request " << i;
+    }
+    EXPECT_EQ(f.loops[0]->busy_steps(), 20) << kind;
+  }
+  // Backing off runs a round every <= 1 ms on both ranks (~0.04 s of CPU in these 0.6 s here).
+  EXPECT_LT(idle_cpu["doorbells"], idle_cpu["sockets"] / 3)
+      << "idle CPU parked on doorbells " << idle_cpu["doorbells"] << " s, backing off on sockets "
+      << idle_cpu["sockets"] << " s";
 }
 
 TEST(StepLoop, ParkedGroupNoticesADeadPeer) {
-  Fixture f;
-  InProcessRendezvous store;
-  f.StartLoops(Connect(Fixture::kWorld, "park-dead", store));
-  for (auto& loop : f.loops) loop->Start();
-  absl::SleepFor(absl::Milliseconds(600));  // parked by now
-  f.loops[1].reset();                       // rank 1 goes away (its sockets close)
-  const absl::Time start = absl::Now();
-  while (f.loops[0]->serving() && absl::Now() - start < absl::Seconds(5)) {
-    absl::SleepFor(absl::Milliseconds(10));
+  for (const auto& [kind, gloo] : ParkingKinds()) {
+    SCOPED_TRACE(kind);
+    Fixture f;
+    InProcessRendezvous store;
+    f.StartLoops(Connect(Fixture::kWorld, "park-dead-" + kind, store, gloo));
+    for (auto& loop : f.loops) loop->Start();
+    absl::SleepFor(absl::Milliseconds(600));  // parked by now
+    f.loops[1].reset();                       // rank 1 goes away (its sockets close)
+    const absl::Time start = absl::Now();
+    while (f.loops[0]->serving() && absl::Now() - start < absl::Seconds(5)) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_FALSE(f.loops[0]->serving());
+    EXPECT_LT(absl::Now() - start, absl::Seconds(3));  // within Options::park_check and a round
+    absl::MutexLock lock(&f.mu);
+    EXPECT_EQ(f.broken[0].code(), absl::StatusCode::kUnavailable);
   }
-  EXPECT_FALSE(f.loops[0]->serving());
-  EXPECT_LT(absl::Now() - start, absl::Seconds(3));  // within Options::park_check and a round
-  absl::MutexLock lock(&f.mu);
-  EXPECT_EQ(f.broken[0].code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(StepLoop, RunBetweenStepsRunsOnTheLoopThreadWhileServing) {
