@@ -1,8 +1,12 @@
 // A trivial gRPC DataService that answers every call with a float tensor of the size the real
-// service would return (no lookup, no collectives): the ceiling for response bandwidth.
+// service would return (no lookup, no collectives): the ceiling for response bandwidth, and for
+// calls per second. --api=callback serves on gRPC's callback API (what a service usually
+// writes); --api=async on one thread draining one completion queue, gRPC's cheapest way to serve
+// many small calls on a small machine (no hand-offs between its pollers).
 //
-//   echo_server --port=50099 --dim=128
+//   echo_server --port=50099 --dim=128 [--api=async]
 #include <cstdio>
+#include <memory>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -16,40 +20,100 @@
 ABSL_FLAG(int, port, 50099, "port on 127.0.0.1");
 ABSL_FLAG(int64_t, dim, 128, "floats per id (embedding) or per bag");
 ABSL_FLAG(int64_t, out, 1024, "out_features (linear)");
+ABSL_FLAG(std::string, api, "callback", "callback | async (one thread, one completion queue)");
 
 namespace {
 
-class Echo final : public shardserve::v1::DataService::CallbackService {
+using shardserve::v1::DataService;
+using shardserve::v1::EmbeddingBagRequest;
+using shardserve::v1::EmbeddingRequest;
+using shardserve::v1::LinearRequest;
+using shardserve::v1::TensorResponse;
+
+void Fill(int64_t rows, int64_t dim, TensorResponse* response) {
+  auto* t = response->mutable_output();
+  t->set_dtype(shardserve::v1::FLOAT32);
+  t->add_shape(rows);
+  t->add_shape(dim);
+  t->mutable_data()->assign(rows * dim * 4, '\0');
+}
+void Answer(const EmbeddingRequest& r, TensorResponse* response) {
+  Fill(r.ids().data().size() / 8, absl::GetFlag(FLAGS_dim), response);
+}
+void Answer(const EmbeddingBagRequest& r, TensorResponse* response) {
+  const int64_t bags = r.ids().shape_size() == 2 ? r.ids().shape(0) : r.offsets().shape(0);
+  Fill(bags, absl::GetFlag(FLAGS_dim), response);
+}
+void Answer(const LinearRequest& r, TensorResponse* response) {
+  Fill(r.input().shape(0), absl::GetFlag(FLAGS_out), response);
+}
+
+class CallbackEcho final : public DataService::CallbackService {
  public:
-  static void Fill(int64_t rows, int64_t dim, shardserve::v1::TensorResponse* response) {
-    auto* t = response->mutable_output();
-    t->set_dtype(shardserve::v1::FLOAT32);
-    t->add_shape(rows);
-    t->add_shape(dim);
-    t->mutable_data()->assign(rows * dim * 4, '\0');
+  grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* c, const EmbeddingRequest* r,
+                                      TensorResponse* response) override {
+    return Reply(c, *r, response);
   }
-  grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* c, const shardserve::v1::EmbeddingRequest* r,
-                                      shardserve::v1::TensorResponse* response) override {
-    Fill(r->ids().data().size() / 8, absl::GetFlag(FLAGS_dim), response);
+  grpc::ServerUnaryReactor* EmbeddingBag(grpc::CallbackServerContext* c,
+                                         const EmbeddingBagRequest* r,
+                                         TensorResponse* response) override {
+    return Reply(c, *r, response);
+  }
+  grpc::ServerUnaryReactor* Linear(grpc::CallbackServerContext* c, const LinearRequest* r,
+                                   TensorResponse* response) override {
+    return Reply(c, *r, response);
+  }
+
+ private:
+  template <typename Request>
+  static grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* c, const Request& r,
+                                         TensorResponse* response) {
+    Answer(r, response);
     auto* reactor = c->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
   }
-  grpc::ServerUnaryReactor* EmbeddingBag(grpc::CallbackServerContext* c, const shardserve::v1::EmbeddingBagRequest* r,
-                                         shardserve::v1::TensorResponse* response) override {
-    const int64_t bags = r->ids().shape_size() == 2 ? r->ids().shape(0) : r->offsets().shape(0);
-    Fill(bags, absl::GetFlag(FLAGS_dim), response);
-    auto* reactor = c->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
+};
+
+// What a completion-queue tag points at; Proceed runs on the serving thread.
+struct Tag {
+  virtual ~Tag() = default;
+  virtual void Proceed(bool ok) = 0;
+};
+
+// One call on the async API: awaited, answered at once, then deleted. Each call awaits its
+// successor as it starts.
+template <typename Request>
+class AsyncCall final : public Tag {
+ public:
+  using Await = void (DataService::AsyncService::*)(
+      grpc::ServerContext*, Request*, grpc::ServerAsyncResponseWriter<TensorResponse>*,
+      grpc::CompletionQueue*, grpc::ServerCompletionQueue*, void*);
+  AsyncCall(DataService::AsyncService& service, grpc::ServerCompletionQueue& cq, Await await)
+      : service_(service), cq_(cq), await_(await) {
+    (service_.*await_)(&context_, &request_, &writer_, &cq_, &cq_, static_cast<Tag*>(this));
   }
-  grpc::ServerUnaryReactor* Linear(grpc::CallbackServerContext* c, const shardserve::v1::LinearRequest* r,
-                                   shardserve::v1::TensorResponse* response) override {
-    Fill(r->input().shape(0), absl::GetFlag(FLAGS_out), response);
-    auto* reactor = c->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
+
+  void Proceed(bool ok) override {
+    if (answered_ || !ok) {
+      delete this;
+      return;
+    }
+    new AsyncCall(service_, cq_, await_);
+    TensorResponse response;
+    Answer(request_, &response);
+    answered_ = true;
+    writer_.Finish(response, grpc::Status::OK, static_cast<Tag*>(this));
   }
+
+ private:
+  DataService::AsyncService& service_;
+  grpc::ServerCompletionQueue& cq_;
+  const Await await_;
+  bool answered_ = false;
+  grpc::ServerContext context_;
+  Request request_;
+  grpc::ServerAsyncResponseWriter<TensorResponse> writer_{&context_};
 };
 
 }  // namespace
@@ -57,15 +121,40 @@ class Echo final : public shardserve::v1::DataService::CallbackService {
 int main(int argc, char** argv) {
   shardserve::core::SetUpServingProcess();  // the same malloc settings as the workers
   absl::ParseCommandLine(argc, argv);
-  Echo echo;
+  const std::string api = absl::GetFlag(FLAGS_api);
+  if (api != "callback" && api != "async") {
+    std::fprintf(stderr, "echo_server: --api=%s: expected callback or async\n", api.c_str());
+    return 2;
+  }
+  CallbackEcho callback_echo;
+  DataService::AsyncService async_echo;
   grpc::ServerBuilder builder;
   builder.AddListeningPort("127.0.0.1:" + std::to_string(absl::GetFlag(FLAGS_port)),
                            grpc::InsecureServerCredentials());
   builder.SetMaxSendMessageSize(1 << 30);
-  builder.RegisterService(&echo);
+  std::unique_ptr<grpc::ServerCompletionQueue> cq;
+  if (api == "callback") {
+    builder.RegisterService(&callback_echo);
+  } else {
+    builder.RegisterService(&async_echo);
+    cq = builder.AddCompletionQueue();
+  }
   auto server = builder.BuildAndStart();
   if (!server) return 1;
-  std::fprintf(stderr, "echo server on 127.0.0.1:%d\n", absl::GetFlag(FLAGS_port));
-  server->Wait();
+  std::fprintf(stderr, "echo server (%s API) on 127.0.0.1:%d\n", api.c_str(),
+               absl::GetFlag(FLAGS_port));
+  if (cq == nullptr) {
+    server->Wait();
+    return 0;
+  }
+  for (int i = 0; i < 16; ++i) {  // calls gRPC may hand over at once, per method
+    new AsyncCall<EmbeddingRequest>(async_echo, *cq, &DataService::AsyncService::RequestEmbedding);
+    new AsyncCall<EmbeddingBagRequest>(async_echo, *cq,
+                                       &DataService::AsyncService::RequestEmbeddingBag);
+    new AsyncCall<LinearRequest>(async_echo, *cq, &DataService::AsyncService::RequestLinear);
+  }
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq->Next(&tag, &ok)) static_cast<Tag*>(tag)->Proceed(ok);  // runs until killed
   return 0;
 }
