@@ -163,6 +163,15 @@ absl::StatusOr<v1::TableSpec> SpecFromFlags() {
   spec.set_dtype(v1::FLOAT32);
   spec.mutable_sharding()->set_dim(absl::GetFlag(FLAGS_sharding_dim));
   const std::string placements = absl::GetFlag(FLAGS_placements);
+  if (!placements.empty() && absl::GetFlag(FLAGS_world) != 0) {
+    return absl::InvalidArgumentError(
+        "--placements and --world both place the chunks: give one of them");
+  }
+  if (!placements.empty() && absl::GetFlag(FLAGS_device) != "cpu") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device=", absl::GetFlag(FLAGS_device),
+        " goes with --world; with --placements, name each chunk's device in it (rank:R/cuda:N)"));
+  }
   if (!placements.empty()) {
     for (absl::string_view p : absl::StrSplit(placements, ',')) {
       spec.mutable_sharding()->add_placements(std::string(p));

@@ -14,6 +14,18 @@ coordinator=$(grep -o 'coordinator on [0-9.:]*' "$tmp/up.log" | awk '{print $3}'
   --world=2 --seed=1 >/dev/null
 "$root/client/shardserve" create-table --coordinator="$coordinator" --name=l --kind=linear --rows=8 \
   --cols=16 --world=2 --sharding_dim=0 --seed=1 >/dev/null
+# Flags that contradict each other are refused, naming both, and create nothing.
+refused() {  # expected message, create-table flags...
+  if out=$("$root/client/shardserve" create-table --coordinator="$coordinator" --name=bad \
+      --rows=1000 --cols=16 "${@:2}" 2>&1) || ! grep -qF -- "$1" <<<"$out"; then
+    echo "FAIL: create-table ${*:2}: $out"; exit 1
+  fi
+}
+refused "--placements and --world both place the chunks" --placements=rank:0/cpu,rank:1/cpu --world=2
+refused "--device=cuda:0 goes with --world" --placements=rank:0/cpu,rank:1/cpu --device=cuda:0
+if "$root/client/shardserve" describe bad --coordinator="$coordinator" >/dev/null 2>&1; then
+  echo "FAIL: a refused create-table created a table"; exit 1
+fi
 check() {  # report file: calls > 0, no errors
   python3 - "$1" <<'PY'
 import json, sys
