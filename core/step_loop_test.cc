@@ -1,8 +1,8 @@
 #include "core/step_loop.h"
 
 #include <functional>
-#include <map>
 #include <future>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
