@@ -103,10 +103,11 @@ class Communicator {
   // Breaks the group: pending and later collectives fail with UNAVAILABLE. Idempotent.
   virtual absl::Status Abort() = 0;
 
-  // Idle groups (SPMD): every rank calls Park() when a round found no work on any rank. It blocks
-  // until some rank of the group is unparked, then every rank tells every other, so the whole
-  // group returns together; `timeout` bounds that exchange (UNAVAILABLE after it, or when a peer
-  // is gone). UNIMPLEMENTED: the caller has to poll instead.
+  // Idle groups (SPMD): every rank calls Park() when a round found no work on any rank (the same
+  // number of times on every rank). It blocks until some rank of the group is unparked, and a rank
+  // that leaves makes every other leave the same park, so the whole group returns (an exchange of
+  // tokens, which `timeout` bounds - UNAVAILABLE after it, or when a peer is gone - or doorbells
+  // rung without waiting for replies). UNIMPLEMENTED: the caller has to poll instead.
   virtual absl::Status Park(absl::Duration timeout) {
     return absl::UnimplementedError("this communicator cannot park");
   }

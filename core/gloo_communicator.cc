@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -74,20 +75,27 @@ class StoreAdapter : public gloo::rendezvous::Store {
 };
 
 // A futex word shared between processes (no FUTEX_PRIVATE_FLAG): waits while it reads
-// `expected` (returns early on any wake or signal; callers re-check).
+// `expected` (returns early on any wake or signal; callers re-check). Throws on anything else,
+// which would otherwise turn the caller's wait into a spin.
 void FutexWait(uint32_t* word, uint32_t expected) {
-  ::syscall(SYS_futex, word, FUTEX_WAIT, expected, nullptr, nullptr, 0);
+  if (::syscall(SYS_futex, word, FUTEX_WAIT, expected, nullptr, nullptr, 0) != 0 &&
+      errno != EAGAIN && errno != EINTR) {
+    throw std::runtime_error(absl::StrCat("futex wait failed: errno ", errno));
+  }
 }
 
 // Raises a doorbell to `episode` (never lowers it; episodes wrap, so compared as differences) and
-// wakes whoever waits on it.
+// wakes whoever waits on it. A bell already at `episode` or later was rung, and its waiters woken,
+// by whoever raised it.
 void Ring(uint32_t* bell, uint32_t episode) {
   uint32_t seen = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
-  while (static_cast<int32_t>(episode - seen) > 0 &&
-         !__atomic_compare_exchange_n(bell, &seen, episode, false, __ATOMIC_SEQ_CST,
-                                      __ATOMIC_SEQ_CST)) {
+  while (static_cast<int32_t>(episode - seen) > 0) {
+    if (__atomic_compare_exchange_n(bell, &seen, episode, false, __ATOMIC_SEQ_CST,
+                                    __ATOMIC_SEQ_CST)) {
+      ::syscall(SYS_futex, bell, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+      return;
+    }
   }
-  ::syscall(SYS_futex, bell, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 // Slots of our point-to-point protocols; Gloo's own algorithms use prefixes 0x01-0x0f.
@@ -308,8 +316,12 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
   }
   if (!any) {
     shm.reset();
-  } else {
-    shm->doorbells = doorbells;
+    return shm;
+  }
+  shm->doorbells = doorbells;
+  for (int q = 0; q < world_size && !doorbells; ++q) {  // nobody rings: no writable mappings
+    if (shm->peer_header[q] != nullptr) ::munmap(shm->peer_header[q], SharedMemory::kHeader);
+    shm->peer_header[q] = nullptr;
   }
   return shm;
 }
