@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -99,10 +100,11 @@ struct ShardedOps::Gathered {
   }
 };
 
-absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherInputs(
-    bool valid, InputKind kind, absl::Span<const int64_t> ids,
-    const std::vector<int64_t>* offsets, const float* weights, PoolMode mode,
-    absl::Span<const float> rows) {
+std::vector<int64_t> ShardedOps::EncodeInput(bool valid, InputKind kind,
+                                             absl::Span<const int64_t> ids,
+                                             const std::vector<int64_t>* offsets,
+                                             const float* weights, PoolMode mode,
+                                             absl::Span<const float> rows) {
   const bool bagged = kind == InputKind::kBags;
   const bool linear = kind == InputKind::kRows;
   // An invalid input is sent as an empty one: no ids, and for bags the offsets {0} of zero bags.
@@ -132,11 +134,57 @@ absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherInputs(
       std::memcpy(message.data() + at, weights, num * sizeof(float));
     }
   }
-  ASSIGN_OR_RETURN(std::vector<absl::Span<const char>> views,
-                   control_.AllGatherMessages(
-                       absl::MakeConstSpan(reinterpret_cast<const char*>(message.data()),
-                                           message.size() * sizeof(int64_t)),
-                       options_.collective_timeout));
+  return message;
+}
+
+namespace {
+std::string AsBytes(const std::vector<int64_t>& words) {
+  return std::string(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(int64_t));
+}
+}  // namespace
+
+std::string ShardedOps::InputMessage(const TableConfig& config, const InputLimits& limits,
+                                     const EmbeddingInput& input) {
+  const bool valid = ValidateEmbeddingInput(config, input, limits).ok();
+  return AsBytes(EncodeInput(valid, InputKind::kIds, input.ids, nullptr, nullptr, PoolMode::kSum, {}));
+}
+
+std::string ShardedOps::InputMessage(const TableConfig& config, const InputLimits& limits,
+                                     const EmbeddingBagInput& input) {
+  absl::StatusOr<CanonicalBags> bags = ValidateEmbeddingBagInput(config, input, limits);
+  const bool valid = bags.ok();
+  const float* weights =
+      valid && input.per_sample_weights.has_value() ? input.per_sample_weights->data() : nullptr;
+  return AsBytes(EncodeInput(valid, InputKind::kBags, input.ids, valid ? &bags->offsets : nullptr,
+                             weights, input.mode, {}));
+}
+
+std::string ShardedOps::InputMessage(const TableConfig& config, const InputLimits& limits,
+                                     const LinearInput& input) {
+  const bool valid = ValidateLinearInput(config, input, limits).ok();
+  return AsBytes(EncodeInput(valid, InputKind::kRows, {}, nullptr, nullptr, PoolMode::kSum,
+                             input.values));
+}
+
+absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherInputs(
+    bool valid, InputKind kind, absl::Span<const int64_t> ids,
+    const std::vector<int64_t>* offsets, const float* weights, PoolMode mode,
+    absl::Span<const float> rows, const InputMessages* gathered) {
+  const bool linear = kind == InputKind::kRows;
+  const std::vector<int64_t> message = EncodeInput(valid, kind, ids, offsets, weights, mode, rows);
+  const absl::Span<const char> mine(reinterpret_cast<const char*>(message.data()),
+                                    message.size() * sizeof(int64_t));
+  std::vector<absl::Span<const char>> views;
+  if (gathered != nullptr) {
+    const int me = control_.rank();
+    if (gathered->size() != static_cast<size_t>(control_.world_size()) ||
+        (*gathered)[me] != mine) {
+      return absl::InternalError("gathered inputs do not hold this rank's input message");
+    }
+    views = *gathered;
+  } else {
+    ASSIGN_OR_RETURN(views, control_.AllGatherMessages(mine, options_.collective_timeout));
+  }
   Gathered g;
   g.sources.resize(views.size());
   for (size_t s = 0; s < views.size(); ++s) {
@@ -281,12 +329,13 @@ absl::Status ShardedOps::PlaceColumns(const ShardLayout& layout, int64_t rows,
 }
 
 absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
-                                                  const EmbeddingInput& input) {
+                                                  const EmbeddingInput& input,
+                                                  const InputMessages* gathered) {
   const TableConfig& config = table.config();
   const absl::Status validation = ValidateEmbeddingInput(config, input, options_.limits);
   const bool valid = validation.ok();
   ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kIds, input.ids, nullptr, nullptr,
-                                            PoolMode::kSum, {}));
+                                            PoolMode::kSum, {}, gathered));
   RETURN_IF_ERROR(RenormLookedUpRows(table, g));
 
   const int me = data_.rank();
@@ -358,7 +407,8 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
 }
 
 absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
-                                                     const EmbeddingBagInput& input) {
+                                                     const EmbeddingBagInput& input,
+                                                     const InputMessages* gathered) {
   const TableConfig& config = table.config();
   absl::StatusOr<CanonicalBags> bags = ValidateEmbeddingBagInput(config, input, options_.limits);
   const bool valid = bags.ok();
@@ -366,7 +416,7 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
       valid && input.per_sample_weights.has_value() ? input.per_sample_weights->data() : nullptr;
   ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kBags, input.ids,
                                             valid ? &bags->offsets : nullptr, weights,
-                                            input.mode, {}));
+                                            input.mode, {}, gathered));
   RETURN_IF_ERROR(RenormLookedUpRows(table, g));
 
   const int me = data_.rank();
@@ -448,7 +498,8 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
   return result;
 }
 
-absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const LinearInput& input) {
+absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const LinearInput& input,
+                                               const InputMessages* gathered) {
   const TableConfig& config = table.config();
   absl::StatusOr<int64_t> rows = ValidateLinearInput(config, input, options_.limits);
   const bool valid = rows.ok();
@@ -456,7 +507,7 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
   const int me = data_.rank();
   const int64_t in = config.num_cols, out_features = config.num_rows;
   ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kRows, {}, nullptr, nullptr,
-                                            PoolMode::kSum, input.values));
+                                            PoolMode::kSum, input.values, gathered));
   std::vector<int64_t> rows_of = g.NumIds();  // values per source -> rows
   for (int64_t& r : rows_of) r /= in;
   const int64_t my_rows = rows_of[me];

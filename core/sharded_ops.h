@@ -23,6 +23,7 @@
 #define SHARDSERVE_CORE_SHARDED_OPS_H_
 
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -47,18 +48,41 @@ class ShardedOps {
              OpOptions options = {})
       : control_(control), data_(data), kernels_(kernels), options_(options) {}
 
-  absl::StatusOr<DenseResult> Embedding(ShardedTable& table, const EmbeddingInput& input);
-  absl::StatusOr<DenseResult> EmbeddingBag(ShardedTable& table, const EmbeddingBagInput& input);
-  absl::StatusOr<DenseResult> Linear(ShardedTable& table, const LinearInput& input);
+  // Every rank's input message, in rank order (see InputMessage).
+  using InputMessages = std::vector<absl::Span<const char>>;
+
+  // With `gathered` (every rank's InputMessage for this op, this rank's included, each 8-byte
+  // aligned), an op skips its input round: the caller carried the inputs (the step loop sends them
+  // with its agreement round).
+  absl::StatusOr<DenseResult> Embedding(ShardedTable& table, const EmbeddingInput& input,
+                                        const InputMessages* gathered = nullptr);
+  absl::StatusOr<DenseResult> EmbeddingBag(ShardedTable& table, const EmbeddingBagInput& input,
+                                           const InputMessages* gathered = nullptr);
+  absl::StatusOr<DenseResult> Linear(ShardedTable& table, const LinearInput& input,
+                                     const InputMessages* gathered = nullptr);
+
+  // What an op sends of `input` in its input round (an invalid input as an empty one).
+  static std::string InputMessage(const TableConfig& config, const InputLimits& limits,
+                                  const EmbeddingInput& input);
+  static std::string InputMessage(const TableConfig& config, const InputLimits& limits,
+                                  const EmbeddingBagInput& input);
+  static std::string InputMessage(const TableConfig& config, const InputLimits& limits,
+                                  const LinearInput& input);
 
  private:
   struct Gathered;
   enum class InputKind { kIds, kBags, kRows };
-  // All-gathers every rank's input in one message round (ids, bags and weights, or linear rows).
-  // An invalid input travels as an empty one.
+  static std::vector<int64_t> EncodeInput(bool valid, InputKind kind,
+                                          absl::Span<const int64_t> ids,
+                                          const std::vector<int64_t>* offsets,
+                                          const float* weights, PoolMode mode,
+                                          absl::Span<const float> rows);
+  // All-gathers every rank's input in one message round (ids, bags and weights, or linear rows),
+  // or takes `gathered` (which must hold this rank's message as encoded here).
   absl::StatusOr<Gathered> GatherInputs(bool valid, InputKind kind, absl::Span<const int64_t> ids,
                                         const std::vector<int64_t>* offsets, const float* weights,
-                                        PoolMode mode, absl::Span<const float> rows);
+                                        PoolMode mode, absl::Span<const float> rows,
+                                        const InputMessages* gathered);
   absl::Status RenormLookedUpRows(ShardedTable& table, const Gathered& gathered);
   // The result exchange: posts the receives (recv_counts floats from each rank), then for each
   // destination - peers first, this rank last, so transfers overlap the remaining compute - lets

@@ -4,6 +4,7 @@
 #include "core/sharded_ops.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -28,6 +29,7 @@
 #include "ATen/TensorOperators.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "c10/core/InferenceMode.h"
 #include "core/in_process_group.h"
 #include "gmock/gmock.h"
@@ -635,6 +637,74 @@ TEST(ShardedOps, BadInputOnOneRankIsRejectedWhilePeersAreServedAndNothingIsRenor
     EXPECT_TRUE(at::allclose(at::from_blob(shards[r].data(), chunk.sizes(), at::kFloat), chunk,
                              1e-5, 1e-6));
   }
+}
+
+// A caller that carries the inputs itself (the step loop, with its agreement round) passes every
+// rank's InputMessage: the op then runs without its input round, to the same result; a set that
+// does not hold this rank's own message is refused before any collective.
+TEST(ShardedOps, GatheredInputMessagesStandInForTheInputRound) {
+  c10::InferenceMode guard;
+  TableConfig config;
+  config.name = "emb";
+  config.num_rows = 50;
+  config.num_cols = 8;
+  config.spec = Spec(1, {1, 0});
+  ASSERT_TRUE(config.Validate().ok());
+  at::Tensor weight = at::randn({50, 8}, Gen(), at::kFloat);
+  const std::vector<std::vector<int64_t>> ids = {{1, 2, 3, 4, 5, 6}, {7, 8, 9}};
+  const std::vector<std::vector<int64_t>> offsets = {{0, 2, 6}, {0, 1, 1, 3}};  // an empty bag
+  const std::vector<std::vector<float>> weights = {{1, 2, 3, 4, 5, 6}, {0.5, 1, 2}};
+  // Each rank's message, as int64 words (ops read them as words: 8-byte aligned).
+  std::vector<std::vector<int64_t>> words(2);
+  absl::Mutex mu;
+  int published = 0;
+  std::vector<DenseResult> plain(2), carried(2);
+  std::vector<absl::Status> refused(2);
+  absl::Status status = RunInProcessGroup(2, [&](int rank, Communicator& comm, CpuKernels& kernels) {
+    ShardedOps ops(comm, comm, kernels);
+    auto table = ShardedTable::Create(config, rank, kernels);
+    if (!table.ok()) return table.status();
+    if (auto s = (*table)->LoadFromFull(weight.data_ptr<float>(), nullptr); !s.ok()) return s;
+    EmbeddingBagInput in;
+    in.ids = ids[rank];
+    in.shape = {static_cast<int64_t>(ids[rank].size())};
+    in.offsets = offsets[rank];
+    in.include_last_offset = true;
+    in.per_sample_weights = absl::MakeConstSpan(weights[rank]);
+    in.mode = PoolMode::kSum;
+    absl::StatusOr<DenseResult> r = ops.EmbeddingBag(**table, in);
+    if (!r.ok()) return r.status();
+    plain[rank] = *std::move(r);
+    const std::string message = ShardedOps::InputMessage(config, InputLimits(), in);
+    {
+      absl::MutexLock lock(&mu);
+      words[rank].resize(message.size() / 8);
+      std::memcpy(words[rank].data(), message.data(), message.size());
+      ++published;
+      mu.Await(absl::Condition(+[](int* n) { return *n == 2; }, &published));
+    }
+    auto view = [&](int q) {
+      return absl::Span<const char>(reinterpret_cast<const char*>(words[q].data()),
+                                    words[q].size() * 8);
+    };
+    const ShardedOps::InputMessages gathered = {view(0), view(1)};
+    r = ops.EmbeddingBag(**table, in, &gathered);
+    if (!r.ok()) return r.status();
+    carried[rank] = *std::move(r);
+    const ShardedOps::InputMessages swapped = {view(1), view(0)};
+    refused[rank] = ops.EmbeddingBag(**table, in, &swapped).status();
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(carried[rank].shape, plain[rank].shape) << "rank " << rank;
+    EXPECT_EQ(carried[rank].values, plain[rank].values) << "rank " << rank;
+    EXPECT_EQ(refused[rank].code(), absl::StatusCode::kInternal) << refused[rank];
+  }
+  at::Tensor want = std::get<0>(at::embedding_bag(
+      weight, at::tensor(ids[1], at::kLong), at::tensor(std::vector<int64_t>{0, 1, 1}, at::kLong),
+      false, /*mode=*/0, false, at::tensor(weights[1]), false));
+  EXPECT_TRUE(at::allclose(FromResult(carried[1]), want, 1e-5, 1e-6));
 }
 
 TEST(ShardedOps, EveryValidationErrorNamesFieldValueAndBound) {

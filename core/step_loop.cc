@@ -1,12 +1,15 @@
 #include "core/step_loop.h"
 
 #include <algorithm>
-#include <set>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/sharded_ops.h"
 #include "core/status_macros.h"
@@ -37,6 +40,84 @@ absl::StatusOr<Key> ParseKey(absl::string_view text) {
   }
   return Key{static_cast<StepRequest::Op>(op), static_cast<PoolMode>(mode), weights == 1,
              std::string(parts[3])};
+}
+
+// One (table, op) key's work on this rank in a step: its requests, concatenated into one input.
+struct KeyWork {
+  std::vector<StepRequest*> reqs;
+  std::vector<int64_t> ids, offsets = {0};
+  std::vector<float> weights, values;
+};
+
+// Calls fn with `w` as the op's input for `key` (table width `in_features` for linear).
+template <typename Fn>
+auto WithInput(const Key& key, const KeyWork& w, int64_t in_features, Fn&& fn) {
+  switch (key.op) {
+    case StepRequest::Op::kEmbedding:
+      return fn(EmbeddingInput{w.ids, {static_cast<int64_t>(w.ids.size())}});
+    case StepRequest::Op::kEmbeddingBag: {
+      EmbeddingBagInput in;
+      in.ids = w.ids;
+      in.shape = {static_cast<int64_t>(w.ids.size())};
+      in.offsets = absl::MakeConstSpan(w.offsets);
+      in.include_last_offset = true;
+      if (key.has_weights) in.per_sample_weights = absl::MakeConstSpan(w.weights);
+      in.mode = key.mode;
+      return fn(in);
+    }
+    case StepRequest::Op::kLinear:
+    default:
+      return fn(LinearInput{w.values, {static_cast<int64_t>(w.values.size()) / in_features,
+                                       in_features}});
+  }
+}
+
+absl::StatusOr<DenseResult> RunOp(ShardedOps& ops, ShardedTable& table, const EmbeddingInput& in,
+                                  const ShardedOps::InputMessages* gathered) {
+  return ops.Embedding(table, in, gathered);
+}
+absl::StatusOr<DenseResult> RunOp(ShardedOps& ops, ShardedTable& table,
+                                  const EmbeddingBagInput& in,
+                                  const ShardedOps::InputMessages* gathered) {
+  return ops.EmbeddingBag(table, in, gathered);
+}
+absl::StatusOr<DenseResult> RunOp(ShardedOps& ops, ShardedTable& table, const LinearInput& in,
+                                  const ShardedOps::InputMessages* gathered) {
+  return ops.Linear(table, in, gathered);
+}
+
+// The agreement message: for each key this rank has work for, [key bytes][message bytes] (two
+// int64s), the key padded to whole int64s, then its input message (whole int64s: ops read it as
+// words).
+void AppendEntry(std::vector<int64_t>& out, const std::string& key, const std::string& message) {
+  out.push_back(static_cast<int64_t>(key.size()));
+  out.push_back(static_cast<int64_t>(message.size()));
+  for (const std::string* bytes : {&key, &message}) {
+    const size_t at = out.size();
+    out.resize(at + (bytes->size() + 7) / 8, 0);
+    std::memcpy(out.data() + at, bytes->data(), bytes->size());
+  }
+}
+
+// Parses one rank's agreement message (copied into `words`) into key -> input message.
+absl::Status ParseEntries(const std::vector<int64_t>& words,
+                          std::map<std::string, absl::Span<const char>>& entries) {
+  size_t at = 0;
+  while (at < words.size()) {
+    if (at + 2 > words.size() || words[at] < 0 || words[at + 1] < 0) {
+      return absl::InternalError("step: bad agreement message");
+    }
+    const size_t key_words = (static_cast<size_t>(words[at]) + 7) / 8;
+    const size_t message_words = (static_cast<size_t>(words[at + 1]) + 7) / 8;
+    if (at + 2 + key_words + message_words > words.size()) {
+      return absl::InternalError("step: bad agreement message");
+    }
+    const char* base = reinterpret_cast<const char*>(words.data() + at + 2);
+    entries[std::string(base, words[at])] =
+        absl::Span<const char>(base + key_words * 8, words[at + 1]);
+    at += 2 + key_words + message_words;
+  }
+  return absl::OkStatus();
 }
 
 void Answer(StepRequest& r, absl::StatusOr<DenseResult> result) {
@@ -207,6 +288,12 @@ void StepLoop::Submit(std::unique_ptr<StepRequest> request) {
   Answer(*request, refused);
 }
 
+std::shared_ptr<ShardedTable> StepLoop::TableNamed(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tables_.find(name);
+  return it != tables_.end() ? it->second : nullptr;
+}
+
 void StepLoop::FailAll(std::vector<std::unique_ptr<StepRequest>>& batch,
                        const absl::Status& status) {
   for (auto& r : batch) Answer(*r, status);
@@ -269,23 +356,62 @@ void StepLoop::Run() {
       if (options_.after_answers) options_.after_answers();  // their answers, before any wait
     }
 
-    // Agreement round: every rank learns which (table, op) work any rank has.
-    std::vector<std::string> keys;  // keys[i] is batch[i]'s
-    keys.reserve(batch.size());
-    for (const auto& r : batch) keys.push_back(KeyOf(*r));
-    const std::set<std::string> mine(keys.begin(), keys.end());
-    const std::string message = absl::StrJoin(mine, "\n");
-    absl::StatusOr<std::vector<absl::Span<const char>>> views = comm->AllGatherMessages(
-        absl::MakeConstSpan(message.data(), message.size()), options_.collective_timeout);
+    // Agreement round: every rank learns which (table, op) work any rank has, and with it every
+    // rank's input for that work (so the ops need no input round of their own).
+    std::map<std::string, KeyWork> mine;  // this rank's work by key
+    for (auto& r : batch) {
+      KeyWork& w = mine[KeyOf(*r)];
+      w.reqs.push_back(r.get());
+      const int64_t base = static_cast<int64_t>(w.ids.size());
+      w.ids.insert(w.ids.end(), r->ids.begin(), r->ids.end());
+      for (size_t b = 1; b < r->offsets.size(); ++b) w.offsets.push_back(base + r->offsets[b]);
+      w.weights.insert(w.weights.end(), r->weights.begin(), r->weights.end());
+      w.values.insert(w.values.end(), r->values.begin(), r->values.end());
+    }
     absl::Status broken;
-    std::set<std::string> work;
+    std::vector<int64_t> message;
+    for (const auto& [text, w] : mine) {
+      absl::StatusOr<Key> key = ParseKey(text);
+      std::shared_ptr<ShardedTable> table = key.ok() ? TableNamed(key->table) : nullptr;
+      if (table == nullptr) {
+        // Dropped since the request came: the group cannot run it (as for a peer's key below).
+        comm->Abort().IgnoreError();
+        if (data != nullptr) data->Abort().IgnoreError();
+        broken = key.ok() ? absl::UnavailableError(absl::StrCat(
+                                "table \"", key->table, "\" is not loaded on this rank"))
+                          : key.status();
+        break;
+      }
+      AppendEntry(message, text,
+                  WithInput(*key, w, table->config().num_cols, [&](const auto& in) {
+                    return ShardedOps::InputMessage(table->config(), options_.limits, in);
+                  }));
+    }
+    rounds_.fetch_add(1);
+    absl::StatusOr<std::vector<absl::Span<const char>>> views =
+        !broken.ok() ? absl::StatusOr<std::vector<absl::Span<const char>>>(broken)
+                     : comm->AllGatherMessages(
+                           absl::MakeConstSpan(reinterpret_cast<const char*>(message.data()),
+                                               message.size() * sizeof(int64_t)),
+                           options_.collective_timeout);
+    // Copied out of the communicator's buffers, which its next message round reuses.
+    std::vector<std::vector<int64_t>> received;
+    std::map<std::string, std::vector<absl::Span<const char>>> work;  // key -> input per rank
     if (!views.ok()) {
       broken = views.status();
     } else {
-      for (absl::Span<const char> view : *views) {
-        if (view.empty()) continue;
-        for (absl::string_view key : absl::StrSplit(absl::string_view(view.data(), view.size()), '\n')) {
-          work.insert(std::string(key));
+      received.resize(views->size());
+      for (size_t q = 0; q < views->size() && broken.ok(); ++q) {
+        const absl::Span<const char> view = (*views)[q];
+        received[q].resize(view.size() / 8);
+        if (view.size() % 8 != 0) broken = absl::InternalError("step: bad agreement message");
+        if (!view.empty()) std::memcpy(received[q].data(), view.data(), view.size());
+        std::map<std::string, absl::Span<const char>> entries;
+        if (broken.ok()) broken = ParseEntries(received[q], entries);
+        for (const auto& [text, input] : entries) {
+          auto& inputs = work[text];
+          inputs.resize(views->size());
+          inputs[q] = input;
         }
       }
     }
@@ -322,14 +448,9 @@ void StepLoop::Run() {
       broken = [&]() -> absl::Status {
         ShardedOps ops(*comm, data != nullptr ? *data : *comm, kernels_,
                        OpOptions{options_.collective_timeout, options_.limits});
-        for (const std::string& text : work) {
+        for (auto& [text, inputs] : work) {
           ASSIGN_OR_RETURN(Key key, ParseKey(text));
-          std::shared_ptr<ShardedTable> table;
-          {
-            absl::MutexLock lock(&mu_);
-            auto it = tables_.find(key.table);
-            if (it != tables_.end()) table = it->second;
-          }
+          std::shared_ptr<ShardedTable> table = TableNamed(key.table);
           if (table == nullptr) {
             // A peer has work for a table this rank does not hold: the group cannot run it.
             comm->Abort().IgnoreError();
@@ -337,43 +458,24 @@ void StepLoop::Run() {
             return absl::UnavailableError(
                 absl::StrCat("table \"", key.table, "\" is not loaded on this rank"));
           }
-          std::vector<StepRequest*> reqs;
-          for (size_t i = 0; i < batch.size(); ++i) {
-            if (keys[i] == text) reqs.push_back(batch[i].get());
-          }
-          // Concatenate this rank's requests into one input (empty when it has none).
-          std::vector<int64_t> ids, offsets = {0};
-          std::vector<float> weights, values;
-          for (StepRequest* r : reqs) {
-            const int64_t base = static_cast<int64_t>(ids.size());
-            ids.insert(ids.end(), r->ids.begin(), r->ids.end());
-            for (size_t b = 1; b < r->offsets.size(); ++b) offsets.push_back(base + r->offsets[b]);
-            weights.insert(weights.end(), r->weights.begin(), r->weights.end());
-            values.insert(values.end(), r->values.begin(), r->values.end());
-          }
-          absl::StatusOr<DenseResult> result;
           const int64_t in_features = table->config().num_cols;
-          switch (key.op) {
-            case StepRequest::Op::kEmbedding:
-              result = ops.Embedding(*table, EmbeddingInput{ids, {static_cast<int64_t>(ids.size())}});
-              break;
-            case StepRequest::Op::kEmbeddingBag: {
-              EmbeddingBagInput in;
-              in.ids = ids;
-              in.shape = {static_cast<int64_t>(ids.size())};
-              in.offsets = absl::MakeConstSpan(offsets);
-              in.include_last_offset = true;
-              if (key.has_weights) in.per_sample_weights = absl::MakeConstSpan(weights);
-              in.mode = key.mode;
-              result = ops.EmbeddingBag(*table, in);
-              break;
-            }
-            case StepRequest::Op::kLinear:
-              result = ops.Linear(
-                  *table, LinearInput{values, {static_cast<int64_t>(values.size()) / in_features,
-                                               in_features}});
-              break;
+          const KeyWork none;
+          auto it = mine.find(text);
+          const KeyWork& w = it != mine.end() ? it->second : none;
+          // Ranks without work for this key sent no input: theirs is the empty one.
+          std::vector<std::string> empty(inputs.size());
+          for (size_t q = 0; q < inputs.size(); ++q) {
+            if (inputs[q].data() != nullptr) continue;
+            empty[q] = WithInput(key, none, in_features, [&](const auto& in) {
+              return ShardedOps::InputMessage(table->config(), options_.limits, in);
+            });
+            inputs[q] = absl::MakeConstSpan(empty[q].data(), empty[q].size());
           }
+          absl::StatusOr<DenseResult> result =
+              WithInput(key, w, in_features, [&](const auto& in) {
+                return RunOp(ops, *table, in, &inputs);
+              });
+          const std::vector<StepRequest*>& reqs = w.reqs;
           if (!result.ok()) {
             if (result.status().code() == absl::StatusCode::kUnavailable) return result.status();
             for (StepRequest* r : reqs) Answer(*r, result.status());

@@ -75,6 +75,7 @@ class StepLoop {
     // A request always fits an empty queue.
     int64_t max_queued_bytes = int64_t{1} << 30;
     absl::Duration max_idle_sleep = absl::Milliseconds(1);
+    // Ranks park together (Communicator::Park), so these two must be the same on every rank.
     int park_after_idle_rounds = 200;  // ~0.2 s of idleness (see Communicator::Park)
     // The same where waking a parked group is cheap (Communicator::ParksCheaply): the first round
     // that finds no work parks the group.
@@ -118,8 +119,10 @@ class StepLoop {
   // and returns once it ran. Runs it on the calling thread when the loop has stopped.
   void RunBetweenSteps(const std::function<void()>& fn);
 
-  // Steps run so far that carried work (for tests and metrics).
+  // Steps run so far that carried work, and agreement rounds (busy or idle) (for tests and
+  // metrics).
   int64_t busy_steps() const;
+  int64_t rounds() const { return rounds_.load(); }
 
   // Whether the calling thread is the loop's own.
   bool OnLoopThread() const { return std::this_thread::get_id() == loop_thread_id_.load(); }
@@ -127,6 +130,7 @@ class StepLoop {
  private:
   void Run();
   void FailAll(std::vector<std::unique_ptr<StepRequest>>& batch, const absl::Status& status);
+  std::shared_ptr<ShardedTable> TableNamed(const std::string& name) const;  // null: not held
   // Wakes the loop if it is parked (news for it: work, a group, a task, Stop).
   void UnparkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -151,6 +155,7 @@ class StepLoop {
   std::deque<std::function<void()>> between_steps_ ABSL_GUARDED_BY(mu_);
   bool running_ ABSL_GUARDED_BY(mu_) = false;
   int64_t busy_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int64_t> rounds_{0};
 };
 
 }  // namespace shardserve::core
