@@ -6,7 +6,7 @@
 // input: F.embedding / F.embedding_bag / F.linear on the full weight.
 //
 // Algorithm: inputs are all-gathered over the control communicator (host memory, one message
-// round); each rank runs the local kernel on its shard for every rank's input; results go back
+// round, or carried by the caller: `gathered`); each rank runs the local kernel on its shard for every rank's input; results go back
 // over the data communicator (the kernels' memory) in one split-phase all-to-all, each peer's block
 // sent as soon as it is computed - column blocks for column-split weights (embedding dim 1, linear
 // dim 0), assembled in placement (column) order; partial sums (max for max-mode bags) for

@@ -1,7 +1,8 @@
 // StepLoop: a worker's executor. It owns the group's Communicator and runs the step loop of
-// DESIGN.md: each iteration the ranks all-gather which (table, op) work they have queued (the
-// agreement round); if any rank has work, every rank runs each sharded op in the agreed order
-// with whatever it has queued for it (concatenated, possibly empty), and answers its own callers.
+// DESIGN.md: each iteration the ranks all-gather which (table, op) work they have queued, with
+// their concatenated input for each (the agreement round); if any rank has work, every rank runs
+// each sharded op in the agreed order with whatever it has queued for it (possibly empty; the ops
+// take the inputs the round carried instead of gathering them again), and answers its own callers.
 // An idle group backs off (sleeps up to Options::max_idle_sleep between rounds) instead of
 // spinning, and after Options::park_after_idle_rounds idle rounds parks (Communicator::Park: no
 // rounds, no polling) until any rank has news - a request, a new group, a task between steps,
