@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -179,7 +180,8 @@ absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherInputs(
     const int me = control_.rank();
     if (gathered->size() != static_cast<size_t>(control_.world_size()) ||
         (*gathered)[me] != mine) {
-      return absl::InternalError("gathered inputs do not hold this rank's input message");
+      // Its peers were sent another input: running on would pair mismatched collectives.
+      return absl::UnavailableError("gathered inputs do not hold this rank's input message");
     }
     views = *gathered;
   } else {
@@ -191,11 +193,23 @@ absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherInputs(
     const auto* words = reinterpret_cast<const int64_t*>(views[s].data());
     const int64_t available = static_cast<int64_t>(views[s].size() / sizeof(int64_t));
     Gathered::Source& src = g.sources[s];
-    if (available < kHeaderWords) return absl::InternalError("input message too short");
+    if (available < kHeaderWords || reinterpret_cast<uintptr_t>(words) % sizeof(int64_t) != 0) {
+      return absl::InternalError("input message too short or not aligned");
+    }
     src.valid = words[0] == 1;
     src.num_ids = words[1];
     src.num_bags = std::max<int64_t>(words[2], 0);
     src.mode = static_cast<PoolMode>(words[3] >> 1);
+    // Every rank decodes the same messages, so a bad one fails the op on all of them alike.
+    const int64_t packed = (src.num_ids + 1) / 2;  // floats, two to a word
+    const int64_t needed =
+        linear ? packed
+               : src.num_ids + (words[2] >= 0 ? src.num_bags + 1 : 0) +
+                     ((words[3] & kHasWeights) != 0 ? packed : 0);
+    if (src.num_ids < 0 || src.num_ids > (int64_t{1} << 40) || words[2] > (int64_t{1} << 40) ||
+        needed > available - kHeaderWords) {
+      return absl::InternalError("input message does not hold what its header says");
+    }
     const int64_t* cursor = words + kHeaderWords;
     if (linear) {
       src.rows = reinterpret_cast<const float*>(cursor);

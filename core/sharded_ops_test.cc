@@ -641,7 +641,8 @@ TEST(ShardedOps, BadInputOnOneRankIsRejectedWhilePeersAreServedAndNothingIsRenor
 
 // A caller that carries the inputs itself (the step loop, with its agreement round) passes every
 // rank's InputMessage: the op then runs without its input round, to the same result; a set that
-// does not hold this rank's own message is refused before any collective.
+// does not hold this rank's own message is refused (UNAVAILABLE: the group cannot go on) before any
+// collective.
 TEST(ShardedOps, GatheredInputMessagesStandInForTheInputRound) {
   c10::InferenceMode guard;
   TableConfig config;
@@ -659,7 +660,7 @@ TEST(ShardedOps, GatheredInputMessagesStandInForTheInputRound) {
   absl::Mutex mu;
   int published = 0;
   std::vector<DenseResult> plain(2), carried(2);
-  std::vector<absl::Status> refused(2);
+  std::vector<absl::Status> refused(2), malformed(2);
   absl::Status status = RunInProcessGroup(2, [&](int rank, Communicator& comm, CpuKernels& kernels) {
     ShardedOps ops(comm, comm, kernels);
     auto table = ShardedTable::Create(config, rank, kernels);
@@ -693,13 +694,19 @@ TEST(ShardedOps, GatheredInputMessagesStandInForTheInputRound) {
     carried[rank] = *std::move(r);
     const ShardedOps::InputMessages swapped = {view(1), view(0)};
     refused[rank] = ops.EmbeddingBag(**table, in, &swapped).status();
+    // A peer's message cut short of what its header says is refused by every rank alike.
+    ShardedOps::InputMessages cut = {view(0), view(1)};
+    cut[1 - rank] = cut[1 - rank].subspan(0, cut[1 - rank].size() - 8);
+    malformed[rank] = ops.EmbeddingBag(**table, in, &cut).status();
     return absl::OkStatus();
   });
   ASSERT_TRUE(status.ok()) << status;
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(carried[rank].shape, plain[rank].shape) << "rank " << rank;
     EXPECT_EQ(carried[rank].values, plain[rank].values) << "rank " << rank;
-    EXPECT_EQ(refused[rank].code(), absl::StatusCode::kInternal) << refused[rank];
+    EXPECT_EQ(refused[rank].code(), absl::StatusCode::kUnavailable) << refused[rank];
+    EXPECT_EQ(malformed[rank].code(), absl::StatusCode::kInternal) << malformed[rank];
+    EXPECT_THAT(std::string(malformed[rank].message()), HasSubstr("does not hold what its header"));
   }
   at::Tensor want = std::get<0>(at::embedding_bag(
       weight, at::tensor(ids[1], at::kLong), at::tensor(std::vector<int64_t>{0, 1, 1}, at::kLong),

@@ -47,6 +47,9 @@ struct KeyWork {
   std::vector<StepRequest*> reqs;
   std::vector<int64_t> ids, offsets = {0};
   std::vector<float> weights, values;
+  // The table its input was encoded against: the op runs on the same one, even if the table is
+  // replaced meanwhile (its input message must match what the peers were sent).
+  std::shared_ptr<ShardedTable> table;
 };
 
 // Calls fn with `w` as the op's input for `key` (table width `in_features` for linear).
@@ -370,9 +373,10 @@ void StepLoop::Run() {
     }
     absl::Status broken;
     std::vector<int64_t> message;
-    for (const auto& [text, w] : mine) {
+    for (auto& [text, w] : mine) {
       absl::StatusOr<Key> key = ParseKey(text);
       std::shared_ptr<ShardedTable> table = key.ok() ? TableNamed(key->table) : nullptr;
+      w.table = table;
       if (table == nullptr) {
         // Dropped since the request came: the group cannot run it (as for a peer's key below).
         comm->Abort().IgnoreError();
@@ -387,7 +391,7 @@ void StepLoop::Run() {
                     return ShardedOps::InputMessage(table->config(), options_.limits, in);
                   }));
     }
-    rounds_.fetch_add(1);
+    if (broken.ok()) rounds_.fetch_add(1);
     absl::StatusOr<std::vector<absl::Span<const char>>> views =
         !broken.ok() ? absl::StatusOr<std::vector<absl::Span<const char>>>(broken)
                      : comm->AllGatherMessages(
@@ -450,7 +454,9 @@ void StepLoop::Run() {
                        OpOptions{options_.collective_timeout, options_.limits});
         for (auto& [text, inputs] : work) {
           ASSIGN_OR_RETURN(Key key, ParseKey(text));
-          std::shared_ptr<ShardedTable> table = TableNamed(key.table);
+          auto it = mine.find(text);
+          std::shared_ptr<ShardedTable> table =
+              it != mine.end() ? it->second.table : TableNamed(key.table);
           if (table == nullptr) {
             // A peer has work for a table this rank does not hold: the group cannot run it.
             comm->Abort().IgnoreError();
@@ -460,16 +466,19 @@ void StepLoop::Run() {
           }
           const int64_t in_features = table->config().num_cols;
           const KeyWork none;
-          auto it = mine.find(text);
           const KeyWork& w = it != mine.end() ? it->second : none;
-          // Ranks without work for this key sent no input: theirs is the empty one.
-          std::vector<std::string> empty(inputs.size());
+          // Ranks without work for this key sent no input: theirs is the empty one (as int64
+          // words: ops read messages as words).
+          std::vector<std::vector<int64_t>> empty(inputs.size());
           for (size_t q = 0; q < inputs.size(); ++q) {
             if (inputs[q].data() != nullptr) continue;
-            empty[q] = WithInput(key, none, in_features, [&](const auto& in) {
+            const std::string bytes = WithInput(key, none, in_features, [&](const auto& in) {
               return ShardedOps::InputMessage(table->config(), options_.limits, in);
             });
-            inputs[q] = absl::MakeConstSpan(empty[q].data(), empty[q].size());
+            empty[q].resize(bytes.size() / sizeof(int64_t));
+            std::memcpy(empty[q].data(), bytes.data(), bytes.size());
+            inputs[q] = absl::Span<const char>(reinterpret_cast<const char*>(empty[q].data()),
+                                               bytes.size());
           }
           absl::StatusOr<DenseResult> result =
               WithInput(key, w, in_features, [&](const auto& in) {
