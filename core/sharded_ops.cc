@@ -6,7 +6,6 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -138,33 +137,29 @@ std::vector<int64_t> ShardedOps::EncodeInput(bool valid, InputKind kind,
   return message;
 }
 
-namespace {
-std::string AsBytes(const std::vector<int64_t>& words) {
-  return std::string(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(int64_t));
-}
-}  // namespace
-
-std::string ShardedOps::InputMessage(const TableConfig& config, const InputLimits& limits,
-                                     const EmbeddingInput& input) {
+std::vector<int64_t> ShardedOps::InputMessage(const TableConfig& config,
+                                              const InputLimits& limits,
+                                              const EmbeddingInput& input) {
   const bool valid = ValidateEmbeddingInput(config, input, limits).ok();
-  return AsBytes(EncodeInput(valid, InputKind::kIds, input.ids, nullptr, nullptr, PoolMode::kSum, {}));
+  return EncodeInput(valid, InputKind::kIds, input.ids, nullptr, nullptr, PoolMode::kSum, {});
 }
 
-std::string ShardedOps::InputMessage(const TableConfig& config, const InputLimits& limits,
-                                     const EmbeddingBagInput& input) {
+std::vector<int64_t> ShardedOps::InputMessage(const TableConfig& config,
+                                              const InputLimits& limits,
+                                              const EmbeddingBagInput& input) {
   absl::StatusOr<CanonicalBags> bags = ValidateEmbeddingBagInput(config, input, limits);
   const bool valid = bags.ok();
   const float* weights =
       valid && input.per_sample_weights.has_value() ? input.per_sample_weights->data() : nullptr;
-  return AsBytes(EncodeInput(valid, InputKind::kBags, input.ids, valid ? &bags->offsets : nullptr,
-                             weights, input.mode, {}));
+  return EncodeInput(valid, InputKind::kBags, input.ids, valid ? &bags->offsets : nullptr,
+                     weights, input.mode, {});
 }
 
-std::string ShardedOps::InputMessage(const TableConfig& config, const InputLimits& limits,
-                                     const LinearInput& input) {
+std::vector<int64_t> ShardedOps::InputMessage(const TableConfig& config,
+                                              const InputLimits& limits,
+                                              const LinearInput& input) {
   const bool valid = ValidateLinearInput(config, input, limits).ok();
-  return AsBytes(EncodeInput(valid, InputKind::kRows, {}, nullptr, nullptr, PoolMode::kSum,
-                             input.values));
+  return EncodeInput(valid, InputKind::kRows, {}, nullptr, nullptr, PoolMode::kSum, input.values);
 }
 
 absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherInputs(

@@ -6,8 +6,8 @@
 // input: F.embedding / F.embedding_bag / F.linear on the full weight.
 //
 // Algorithm: inputs are all-gathered over the control communicator (host memory, one message
-// round, or carried by the caller: `gathered`); each rank runs the local kernel on its shard for every rank's input; results go back
-// over the data communicator (the kernels' memory) in one split-phase all-to-all, each peer's block
+// round, or carried by the caller: `gathered`); each rank runs the local kernel on its shard for
+// every rank's input; results go back over the data communicator (the kernels' memory) in one split-phase all-to-all, each peer's block
 // sent as soon as it is computed - column blocks for column-split weights (embedding dim 1, linear
 // dim 0), assembled in placement (column) order; partial sums (max for max-mode bags) for
 // row-split ones (embedding-bag and linear dim 1), reduced by the receiver; exactly the owned rows
@@ -22,8 +22,8 @@
 #ifndef SHARDSERVE_CORE_SHARDED_OPS_H_
 #define SHARDSERVE_CORE_SHARDED_OPS_H_
 
+#include <cstdint>
 #include <functional>
-#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -61,13 +61,14 @@ class ShardedOps {
   absl::StatusOr<DenseResult> Linear(ShardedTable& table, const LinearInput& input,
                                      const InputMessages* gathered = nullptr);
 
-  // What an op sends of `input` in its input round (an invalid input as an empty one).
-  static std::string InputMessage(const TableConfig& config, const InputLimits& limits,
-                                  const EmbeddingInput& input);
-  static std::string InputMessage(const TableConfig& config, const InputLimits& limits,
-                                  const EmbeddingBagInput& input);
-  static std::string InputMessage(const TableConfig& config, const InputLimits& limits,
-                                  const LinearInput& input);
+  // What an op sends of `input` in its input round (an invalid input as an empty one), as the
+  // int64 words ops read it as.
+  static std::vector<int64_t> InputMessage(const TableConfig& config, const InputLimits& limits,
+                                           const EmbeddingInput& input);
+  static std::vector<int64_t> InputMessage(const TableConfig& config, const InputLimits& limits,
+                                           const EmbeddingBagInput& input);
+  static std::vector<int64_t> InputMessage(const TableConfig& config, const InputLimits& limits,
+                                           const LinearInput& input);
 
  private:
   struct Gathered;

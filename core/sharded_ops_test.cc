@@ -4,7 +4,6 @@
 #include "core/sharded_ops.h"
 
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -655,7 +654,7 @@ TEST(ShardedOps, GatheredInputMessagesStandInForTheInputRound) {
   const std::vector<std::vector<int64_t>> ids = {{1, 2, 3, 4, 5, 6}, {7, 8, 9}};
   const std::vector<std::vector<int64_t>> offsets = {{0, 2, 6}, {0, 1, 1, 3}};  // an empty bag
   const std::vector<std::vector<float>> weights = {{1, 2, 3, 4, 5, 6}, {0.5, 1, 2}};
-  // Each rank's message, as int64 words (ops read them as words: 8-byte aligned).
+  // Each rank's message (int64 words).
   std::vector<std::vector<int64_t>> words(2);
   absl::Mutex mu;
   int published = 0;
@@ -676,11 +675,9 @@ TEST(ShardedOps, GatheredInputMessagesStandInForTheInputRound) {
     absl::StatusOr<DenseResult> r = ops.EmbeddingBag(**table, in);
     if (!r.ok()) return r.status();
     plain[rank] = *std::move(r);
-    const std::string message = ShardedOps::InputMessage(config, InputLimits(), in);
     {
       absl::MutexLock lock(&mu);
-      words[rank].resize(message.size() / 8);
-      std::memcpy(words[rank].data(), message.data(), message.size());
+      words[rank] = ShardedOps::InputMessage(config, InputLimits(), in);
       ++published;
       mu.Await(absl::Condition(+[](int* n) { return *n == 2; }, &published));
     }

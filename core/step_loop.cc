@@ -90,16 +90,15 @@ absl::StatusOr<DenseResult> RunOp(ShardedOps& ops, ShardedTable& table, const Li
 }
 
 // The agreement message: for each key this rank has work for, [key bytes][message bytes] (two
-// int64s), the key padded to whole int64s, then its input message (whole int64s: ops read it as
-// words).
-void AppendEntry(std::vector<int64_t>& out, const std::string& key, const std::string& message) {
+// int64s), the key padded to whole int64s, then its input message (int64 words: ops read it so).
+void AppendEntry(std::vector<int64_t>& out, const std::string& key,
+                 const std::vector<int64_t>& message) {
   out.push_back(static_cast<int64_t>(key.size()));
-  out.push_back(static_cast<int64_t>(message.size()));
-  for (const std::string* bytes : {&key, &message}) {
-    const size_t at = out.size();
-    out.resize(at + (bytes->size() + 7) / 8, 0);
-    std::memcpy(out.data() + at, bytes->data(), bytes->size());
-  }
+  out.push_back(static_cast<int64_t>(message.size() * sizeof(int64_t)));
+  const size_t at = out.size();
+  out.resize(at + (key.size() + 7) / 8, 0);
+  std::memcpy(out.data() + at, key.data(), key.size());
+  out.insert(out.end(), message.begin(), message.end());
 }
 
 // Parses one rank's agreement message (copied into `words`) into key -> input message.
@@ -467,18 +466,17 @@ void StepLoop::Run() {
           const int64_t in_features = table->config().num_cols;
           const KeyWork none;
           const KeyWork& w = it != mine.end() ? it->second : none;
-          // Ranks without work for this key sent no input: theirs is the empty one (as int64
-          // words: ops read messages as words).
-          std::vector<std::vector<int64_t>> empty(inputs.size());
-          for (size_t q = 0; q < inputs.size(); ++q) {
-            if (inputs[q].data() != nullptr) continue;
-            const std::string bytes = WithInput(key, none, in_features, [&](const auto& in) {
-              return ShardedOps::InputMessage(table->config(), options_.limits, in);
-            });
-            empty[q].resize(bytes.size() / sizeof(int64_t));
-            std::memcpy(empty[q].data(), bytes.data(), bytes.size());
-            inputs[q] = absl::Span<const char>(reinterpret_cast<const char*>(empty[q].data()),
-                                               bytes.size());
+          // Ranks without work for this key sent no input: theirs is the empty one.
+          std::vector<int64_t> empty;
+          for (absl::Span<const char>& input : inputs) {
+            if (input.data() != nullptr) continue;
+            if (empty.empty()) {
+              empty = WithInput(key, none, in_features, [&](const auto& in) {
+                return ShardedOps::InputMessage(table->config(), options_.limits, in);
+              });
+            }
+            input = absl::Span<const char>(reinterpret_cast<const char*>(empty.data()),
+                                           empty.size() * sizeof(int64_t));
           }
           absl::StatusOr<DenseResult> result =
               WithInput(key, w, in_features, [&](const auto& in) {
