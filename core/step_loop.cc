@@ -101,8 +101,8 @@ void AppendEntry(std::vector<int64_t>& out, const std::string& key,
   out.insert(out.end(), message.begin(), message.end());
 }
 
-// Parses one rank's agreement message (copied into `words`) into key -> input message.
-absl::Status ParseEntries(const std::vector<int64_t>& words,
+// Parses entries written by AppendEntry (copied into `words`) into key -> message.
+absl::Status ParseEntries(absl::Span<const int64_t> words,
                           std::map<std::string, absl::Span<const char>>& entries) {
   size_t at = 0;
   while (at < words.size()) {
@@ -122,11 +122,94 @@ absl::Status ParseEntries(const std::vector<int64_t>& words,
   return absl::OkStatus();
 }
 
+// FNV-1a: the same in every process (absl::Hash is seeded per process).
+uint64_t Fnv1a(absl::string_view bytes, uint64_t h = 14695981039346656037ull) {
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// What ranks must agree on to run a table's ops together: its name and its whole config.
+int64_t IdentityOf(const TableConfig& c) {
+  auto bits = [](double d) {
+    int64_t b = 0;
+    std::memcpy(&b, &d, sizeof(b));
+    return b;
+  };
+  return static_cast<int64_t>(Fnv1a(absl::StrCat(
+      c.name, "\n", static_cast<int>(c.kind), "|", c.num_rows, "|", c.num_cols, "|",
+      c.spec.ToString(), "|", c.padding_idx.value_or(-1), "|", c.max_norm.has_value(), "|",
+      bits(c.max_norm.value_or(0)), "|", bits(c.norm_type), "|", c.has_bias)));
+}
+
 void Answer(StepRequest& r, absl::StatusOr<DenseResult> result) {
   if (!r.done) return;
   auto done = std::move(r.done);
   r.done = nullptr;
   done(std::move(result));
+}
+
+// Copies a gathered message out of the communicator's buffers (which its next round reuses) as
+// int64 words.
+absl::Status CopyWords(absl::Span<const char> view, std::vector<int64_t>& words) {
+  if (view.size() % 8 != 0) return absl::InternalError("step: bad agreement message");
+  words.resize(view.size() / 8);
+  if (!view.empty()) std::memcpy(words.data(), view.data(), view.size());
+  return absl::OkStatus();
+}
+
+// For a step whose ranks hold different table sets (a table being created, replaced or dropped):
+// the ranks tell each other which tables they hold, and work for a table that not every rank
+// holds alike (same name and config) is taken out of `work` and its requests answered
+// UNAVAILABLE - on every rank, since all decide from the same messages.
+absl::Status SkipTablesNotHeldAlike(
+    Communicator& comm, const std::map<std::string, std::shared_ptr<ShardedTable>>& tables,
+    absl::Duration timeout, std::map<std::string, std::vector<absl::Span<const char>>>& work,
+    std::map<std::string, KeyWork>& mine) {
+  std::vector<int64_t> held;
+  for (const auto& [name, table] : tables) AppendEntry(held, name, {IdentityOf(table->config())});
+  ASSIGN_OR_RETURN(std::vector<absl::Span<const char>> views,
+                   comm.AllGatherMessages(
+                       absl::MakeConstSpan(reinterpret_cast<const char*>(held.data()),
+                                           held.size() * sizeof(int64_t)),
+                       timeout));
+  std::vector<std::map<std::string, int64_t>> identities(views.size());  // per rank, by name
+  std::vector<int64_t> words;
+  for (size_t q = 0; q < views.size(); ++q) {
+    RETURN_IF_ERROR(CopyWords(views[q], words));
+    std::map<std::string, absl::Span<const char>> entries;
+    RETURN_IF_ERROR(ParseEntries(words, entries));
+    for (const auto& [name, identity] : entries) {
+      if (identity.size() != sizeof(int64_t)) return absl::InternalError("step: bad table list");
+      std::memcpy(&identities[q][name], identity.data(), sizeof(int64_t));
+    }
+  }
+  for (auto it = work.begin(); it != work.end();) {
+    ASSIGN_OR_RETURN(Key key, ParseKey(it->first));
+    bool alike = true;
+    for (const auto& of_rank : identities) {
+      auto held_there = of_rank.find(key.table);
+      alike = alike && held_there != of_rank.end() &&
+              held_there->second == identities[0].find(key.table)->second;
+    }
+    if (alike) {
+      ++it;
+      continue;
+    }
+    auto m = mine.find(it->first);
+    if (m != mine.end()) {
+      for (StepRequest* r : m->second.reqs) {
+        Answer(*r, absl::UnavailableError(absl::StrCat(
+                       "table \"", key.table,
+                       "\" is not the same on every rank of the group right now (it is being "
+                       "created, replaced or dropped); retry")));
+      }
+    }
+    it = work.erase(it);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -175,7 +258,10 @@ absl::Status PrepareRequest(const TableConfig& table, const InputLimits& limits,
 }
 
 StepLoop::StepLoop(Options options, LocalKernels& kernels)
-    : options_(std::move(options)), kernels_(kernels) {}
+    : options_(std::move(options)), kernels_(kernels) {
+  absl::MutexLock lock(&mu_);
+  SetTablesLocked({});
+}
 
 StepLoop::~StepLoop() { Stop(); }
 
@@ -252,14 +338,29 @@ uint64_t StepLoop::epoch() const {
 
 bool StepLoop::serving() const { return serving_.load(std::memory_order_relaxed); }
 
+void StepLoop::SetTablesLocked(std::map<std::string, std::shared_ptr<ShardedTable>> tables) {
+  auto set = std::make_shared<TableSet>();
+  set->tables = std::move(tables);
+  set->digest = Fnv1a("");
+  for (const auto& [name, table] : set->tables) {
+    const int64_t identity = IdentityOf(table->config());
+    set->digest = Fnv1a(absl::string_view(reinterpret_cast<const char*>(&identity), 8), set->digest);
+  }
+  tables_ = std::move(set);
+}
+
 void StepLoop::SetTable(std::shared_ptr<ShardedTable> table) {
   absl::MutexLock lock(&mu_);
-  tables_[table->config().name] = std::move(table);
+  auto tables = tables_->tables;
+  tables[table->config().name] = std::move(table);
+  SetTablesLocked(std::move(tables));
 }
 
 void StepLoop::DropTable(const std::string& name) {
   absl::MutexLock lock(&mu_);
-  tables_.erase(name);
+  auto tables = tables_->tables;
+  tables.erase(name);
+  SetTablesLocked(std::move(tables));
 }
 
 int64_t StepLoop::busy_steps() const {
@@ -290,12 +391,6 @@ void StepLoop::Submit(std::unique_ptr<StepRequest> request) {
   Answer(*request, refused);
 }
 
-std::shared_ptr<ShardedTable> StepLoop::TableNamed(const std::string& name) const {
-  absl::MutexLock lock(&mu_);
-  auto it = tables_.find(name);
-  return it != tables_.end() ? it->second : nullptr;
-}
-
 void StepLoop::FailAll(std::vector<std::unique_ptr<StepRequest>>& batch,
                        const absl::Status& status) {
   for (auto& r : batch) Answer(*r, status);
@@ -309,6 +404,7 @@ void StepLoop::Run() {
   absl::Duration idle = absl::ZeroDuration();
   int idle_rounds = 0;  // consecutive rounds without work
   std::vector<std::unique_ptr<StepRequest>> batch;
+  std::shared_ptr<const TableSet> tables;  // the step's
   while (true) {
     if (options_.after_answers) options_.after_answers();  // the last round's answers
     batch.clear();
@@ -343,15 +439,21 @@ void StepLoop::Run() {
         batch.push_back(std::move(queue_.front()));
         queue_.pop_front();
       }
+      tables = tables_;
     }
     const absl::Time now = absl::Now();
-    bool expired = false;
+    bool answered = false;
     for (auto& r : batch) {
-      if (r->deadline >= now) continue;
-      Answer(*r, absl::DeadlineExceededError("deadline passed in queue"));
-      expired = true;
+      if (r->deadline < now) {
+        Answer(*r, absl::DeadlineExceededError("deadline passed in queue"));
+        answered = true;
+      } else if (tables->tables.count(r->table) == 0) {
+        Answer(*r, absl::NotFoundError(absl::StrCat(
+                       "table \"", r->table, "\" was dropped while the request waited")));
+        answered = true;
+      }
     }
-    if (expired) {
+    if (answered) {
       batch.erase(
           std::remove_if(batch.begin(), batch.end(), [](const auto& r) { return !r->done; }),
           batch.end());
@@ -370,24 +472,22 @@ void StepLoop::Run() {
       w.weights.insert(w.weights.end(), r->weights.begin(), r->weights.end());
       w.values.insert(w.values.end(), r->values.begin(), r->values.end());
     }
+    // The message starts with the digest of this rank's tables, so that every rank learns
+    // whether the ranks hold the same ones.
     absl::Status broken;
-    std::vector<int64_t> message;
+    std::vector<int64_t> message = {static_cast<int64_t>(tables->digest)};
     for (auto& [text, w] : mine) {
       absl::StatusOr<Key> key = ParseKey(text);
-      std::shared_ptr<ShardedTable> table = key.ok() ? TableNamed(key->table) : nullptr;
-      w.table = table;
-      if (table == nullptr) {
-        // Dropped since the request came: the group cannot run it (as for a peer's key below).
-        comm->Abort().IgnoreError();
+      if (!key.ok()) {
+        comm->Abort().IgnoreError();  // peers must not wait for this rank's message
         if (data != nullptr) data->Abort().IgnoreError();
-        broken = key.ok() ? absl::UnavailableError(absl::StrCat(
-                                "table \"", key->table, "\" is not loaded on this rank"))
-                          : key.status();
+        broken = key.status();
         break;
       }
-      AppendEntry(message, text,
-                  WithInput(*key, w, table->config().num_cols, [&](const auto& in) {
-                    return ShardedOps::InputMessage(table->config(), options_.limits, in);
+      w.table = tables->tables.at(key->table);  // held: requests for dropped ones were answered
+      const TableConfig& config = w.table->config();
+      AppendEntry(message, text, WithInput(*key, w, config.num_cols, [&](const auto& in) {
+                    return ShardedOps::InputMessage(config, options_.limits, in);
                   }));
     }
     if (broken.ok()) rounds_.fetch_add(1);
@@ -397,20 +497,23 @@ void StepLoop::Run() {
                            absl::MakeConstSpan(reinterpret_cast<const char*>(message.data()),
                                                message.size() * sizeof(int64_t)),
                            options_.collective_timeout);
-    // Copied out of the communicator's buffers, which its next message round reuses.
     std::vector<std::vector<int64_t>> received;
     std::map<std::string, std::vector<absl::Span<const char>>> work;  // key -> input per rank
+    bool same_tables = true;
     if (!views.ok()) {
       broken = views.status();
     } else {
       received.resize(views->size());
       for (size_t q = 0; q < views->size() && broken.ok(); ++q) {
-        const absl::Span<const char> view = (*views)[q];
-        received[q].resize(view.size() / 8);
-        if (view.size() % 8 != 0) broken = absl::InternalError("step: bad agreement message");
-        if (!view.empty()) std::memcpy(received[q].data(), view.data(), view.size());
+        broken = CopyWords((*views)[q], received[q]);
+        if (broken.ok() && received[q].empty()) {
+          broken = absl::InternalError("step: bad agreement message");
+        }
         std::map<std::string, absl::Span<const char>> entries;
-        if (broken.ok()) broken = ParseEntries(received[q], entries);
+        if (broken.ok()) {
+          same_tables = same_tables && received[q][0] == received[0][0];
+          broken = ParseEntries(absl::MakeConstSpan(received[q]).subspan(1), entries);
+        }
         for (const auto& [text, input] : entries) {
           auto& inputs = work[text];
           inputs.resize(views->size());
@@ -448,14 +551,21 @@ void StepLoop::Run() {
         absl::MutexLock lock(&mu_);
         ++busy_steps_;
       }
-      broken = [&]() -> absl::Status {
+      if (!same_tables) {
+        broken = SkipTablesNotHeldAlike(*comm, tables->tables, options_.collective_timeout, work,
+                                        mine);
+      }
+      if (broken.ok()) broken = [&]() -> absl::Status {
         ShardedOps ops(*comm, data != nullptr ? *data : *comm, kernels_,
                        OpOptions{options_.collective_timeout, options_.limits});
         for (auto& [text, inputs] : work) {
           ASSIGN_OR_RETURN(Key key, ParseKey(text));
           auto it = mine.find(text);
+          auto held = tables->tables.find(key.table);
           std::shared_ptr<ShardedTable> table =
-              it != mine.end() ? it->second.table : TableNamed(key.table);
+              it != mine.end()                ? it->second.table
+              : held != tables->tables.end() ? held->second
+                                             : nullptr;
           if (table == nullptr) {
             // A peer has work for a table this rank does not hold: the group cannot run it.
             comm->Abort().IgnoreError();

@@ -3,6 +3,8 @@
 // their concatenated input for each (the agreement round); if any rank has work, every rank runs
 // each sharded op in the agreed order with whatever it has queued for it (possibly empty; the ops
 // take the inputs the round carried instead of gathering them again), and answers its own callers.
+// The round also carries a digest of each rank's tables; in the rare step whose ranks hold
+// different ones (see SetTable), one more round tells them which work none may run.
 // An idle group backs off (sleeps up to Options::max_idle_sleep between rounds) instead of
 // spinning, and after Options::park_after_idle_rounds idle rounds parks (Communicator::Park: no
 // rounds, no polling) until any rank has news - a request, a new group, a task between steps,
@@ -108,7 +110,11 @@ class StepLoop {
   uint64_t epoch() const;
   bool serving() const;  // has a group
 
-  // Tables this rank holds. Requests name tables by name.
+  // Tables this rank holds. Requests name tables by name. While a table is being created,
+  // replaced or dropped, the ranks' sets differ for a moment: a queued request for a table this
+  // rank has dropped since is answered NOT_FOUND, and work for a table that the ranks do not all
+  // hold alike (same name and config) is answered UNAVAILABLE on every rank, while the group goes
+  // on serving the other tables.
   void SetTable(std::shared_ptr<ShardedTable> table);
   void DropTable(const std::string& name);
 
@@ -129,9 +135,18 @@ class StepLoop {
   bool OnLoopThread() const { return std::this_thread::get_id() == loop_thread_id_.load(); }
 
  private:
+  // The tables this rank holds, replaced whole on each change: a step runs on the set it started
+  // with.
+  struct TableSet {
+    std::map<std::string, std::shared_ptr<ShardedTable>> tables;
+    // Of every table's name and config: equal on ranks that hold the same tables.
+    uint64_t digest = 0;
+  };
+
   void Run();
   void FailAll(std::vector<std::unique_ptr<StepRequest>>& batch, const absl::Status& status);
-  std::shared_ptr<ShardedTable> TableNamed(const std::string& name) const;  // null: not held
+  void SetTablesLocked(std::map<std::string, std::shared_ptr<ShardedTable>> tables)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Wakes the loop if it is parked (news for it: work, a group, a task, Stop).
   void UnparkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -152,7 +167,7 @@ class StepLoop {
   // Has a group. Written under mu_; read without it too (per-request checks).
   std::atomic<bool> serving_{false};
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, std::shared_ptr<ShardedTable>> tables_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const TableSet> tables_ ABSL_GUARDED_BY(mu_);
   std::deque<std::function<void()>> between_steps_ ABSL_GUARDED_BY(mu_);
   bool running_ ABSL_GUARDED_BY(mu_) = false;
   int64_t busy_steps_ ABSL_GUARDED_BY(mu_) = 0;

@@ -192,6 +192,93 @@ TEST(StepLoop, QueuedRequestsOfBothRanksRunInOneStepAndEachGetsItsOwnRows) {
   EXPECT_EQ(f.loops[1]->busy_steps(), 1);
 }
 
+// y = x W^T (+ bias) for the fixture's layer, one input row.
+std::unique_ptr<StepRequest> LinearRequest(std::vector<float> x) {
+  auto r = std::make_unique<StepRequest>();
+  r->op = StepRequest::Op::kLinear;
+  r->table = "lin";
+  r->values = std::move(x);
+  r->shape = {1, static_cast<int64_t>(r->values.size())};
+  return r;
+}
+
+void ExpectBag(Fixture& f, std::future<absl::StatusOr<DenseResult>> future,
+               const std::vector<int64_t>& ids, int bag, PoolMode mode) {
+  absl::StatusOr<DenseResult> got = future.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  const std::vector<float> want = f.ExpectedBag(ids, bag, mode);
+  ASSERT_EQ(got->values.size(), want.size());
+  for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got->values[k], want[k], 1e-5);
+}
+
+TEST(StepLoop, ARequestForATableDroppedWhileItWaitedIsAnsweredNotFoundAndTheGroupServesOn) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "dropped-while-queued", store));
+  const std::vector<int64_t> ids = {1, 2, 3, 4, 5, 6};
+  auto lin = f.Submit(0, LinearRequest({1, 2, 3, 4}));
+  auto bag0 = f.Submit(0, BagRequest(f.emb, ids, 3, PoolMode::kSum));
+  auto bag1 = f.Submit(1, BagRequest(f.emb, ids, 2, PoolMode::kMax));
+  f.loops[0]->DropTable("lin");  // rank 1 still holds it
+  for (auto& loop : f.loops) loop->Start();
+  absl::StatusOr<DenseResult> got = lin.get();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound) << got.status();
+  EXPECT_THAT(got.status().message(), HasSubstr("dropped while the request waited"));
+  ExpectBag(f, std::move(bag0), ids, 3, PoolMode::kSum);
+  ExpectBag(f, std::move(bag1), ids, 2, PoolMode::kMax);
+  EXPECT_EQ(f.loops[0]->busy_steps(), 1);
+  absl::MutexLock lock(&f.mu);
+  for (const absl::Status& s : f.broken) EXPECT_TRUE(s.ok()) << s;
+}
+
+TEST(StepLoop, WorkForATableTheRanksDoNotHoldAlikeIsAnsweredUnavailableAndTheRestIsServed) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "not-alike", store));
+  // Rank 1 has dropped "lin", rank 0 not yet: rank 0's linear request cannot run, the bags of
+  // the same step can.
+  f.loops[1]->DropTable("lin");
+  const std::vector<int64_t> ids = {1, 2, 3, 4, 5, 6};
+  auto lin = f.Submit(0, LinearRequest({1, 2, 3, 4}));
+  auto bag0 = f.Submit(0, BagRequest(f.emb, ids, 3, PoolMode::kSum));
+  auto bag1 = f.Submit(1, BagRequest(f.emb, ids, 2, PoolMode::kMax));
+  for (auto& loop : f.loops) loop->Start();
+  absl::StatusOr<DenseResult> got = lin.get();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_THAT(got.status().message(), HasSubstr("not the same on every rank"));
+  ExpectBag(f, std::move(bag0), ids, 3, PoolMode::kSum);
+  ExpectBag(f, std::move(bag1), ids, 2, PoolMode::kMax);
+  EXPECT_EQ(f.loops[0]->busy_steps(), 1);
+  EXPECT_EQ(f.loops[1]->busy_steps(), 1);
+
+  // A table of the same name but another config is not alike either...
+  TableConfig no_bias = f.lin;
+  no_bias.has_bias = false;
+  auto replaced = [&](int rank) {
+    auto t = ShardedTable::Create(no_bias, rank, f.kernels);
+    EXPECT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE((*t)->LoadFromFull(f.lin_weight.data(), nullptr).ok());
+    return std::shared_ptr<ShardedTable>(std::move(*t));
+  };
+  f.loops[1]->SetTable(replaced(1));
+  got = f.Submit(1, LinearRequest({1, 2, 3, 4})).get();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  // ...until every rank holds the same one. (Set between steps, so that rank 0's next step is
+  // sure to see it: a step runs on the tables its rank held when it began.)
+  f.loops[0]->RunBetweenSteps([&] { f.loops[0]->SetTable(replaced(0)); });
+  got = f.Submit(1, LinearRequest({1, 2, 3, 4})).get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->values.size(), 5u);
+  for (int o = 0; o < 5; ++o) {
+    float want = 0;
+    for (int k = 0; k < 4; ++k) want += (k + 1.0f) * f.lin_weight[o * 4 + k];
+    EXPECT_NEAR(got->values[o], want, 1e-5);
+  }
+  ExpectBag(f, f.Submit(0, BagRequest(f.emb, ids, 3, PoolMode::kMean)), ids, 3, PoolMode::kMean);
+  absl::MutexLock lock(&f.mu);
+  for (const absl::Status& s : f.broken) EXPECT_TRUE(s.ok()) << s;
+}
+
 TEST(StepLoop, AfterAnswersRunsOnTheLoopThreadOnceARoundsAnswersAreGiven) {
   struct Seen {
     absl::Mutex mu;

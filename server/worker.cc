@@ -570,8 +570,8 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
         "table \"", name, "\": group not formed (waiting for all ranks), rank ", options_.rank));
   }
   if (!serving_.count(name)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("table \"", name, "\" is not loaded on every rank yet"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "table \"", name, "\" is not loaded on every rank (it is being created or dropped)"));
   }
   return it->second;
 }

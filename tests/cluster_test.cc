@@ -28,6 +28,7 @@
 #include "ATen/ops/randint.h"
 #include "ATen/ops/randn.h"
 #include "ATen/ops/tensor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "c10/core/InferenceMode.h"
 #include "client/client.h"
@@ -260,6 +261,92 @@ TEST(Cluster, ConcurrentCallersOnDifferentEntryRanksGetTheirOwnRows) {
   for (auto& t : callers) t.join();
   EXPECT_EQ(done.load(), 8 * 15);
   EXPECT_EQ(wrong.load(), 0);
+}
+
+// Workers drop a table each at its own moment (their next heartbeat); calls for it meanwhile are
+// refused (NOT_FOUND, FAILED_PRECONDITION, or UNAVAILABLE where the ranks' steps disagree), but
+// the group is never broken: the other table's calls, made without retries, all succeed. (Here
+// the workers' heartbeats run nearly in step, so a step whose ranks disagree is rare; the StepLoop
+// tests make one happen.)
+TEST(Cluster, DroppingATableUnderLoadFailsOnlyItsCallsAndTheGroupServesOn) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto admin = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table emb = MakeTable("emb", v1::EMBEDDING, 500, 16, 1, {0, 1}, dir);
+  Table lin = MakeTable("lin", v1::LINEAR, 8, 16, 1, {1, 0}, dir);
+  ASSERT_TRUE(admin->CreateTable(emb.spec).ok());
+  ASSERT_TRUE(admin->CreateTable(lin.spec).ok());
+  ClientOptions once;
+  once.max_attempts = 1;
+  once.deadline = absl::Seconds(20);
+  auto c = *Client::Connect(cluster->coordinator_address(), once);
+  std::atomic<bool> stop{false};
+  std::atomic<int> emb_ok{0}, lin_ok{0}, lin_refused{0};
+  absl::Mutex mu;
+  std::vector<std::string> unexpected;
+  auto note = [&](const std::string& what) {
+    absl::MutexLock lock(&mu);
+    unexpected.push_back(what);
+  };
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 5; ++t) {
+    callers.emplace_back([&, t] {
+      c10::InferenceMode guard;
+      std::mt19937 rng(t);
+      while (!stop) {
+        if (t < 3) {
+          std::vector<int64_t> ids(8);
+          for (auto& id : ids) id = rng() % 500;
+          at::Tensor idt = at::tensor(ids, at::kLong).reshape({2, 4});
+          v1::EmbeddingBagRequest r;
+          r.set_table("emb");
+          *r.mutable_ids() = ToProto(idt);
+          r.set_mode(v1::SUM);
+          auto got = c->EmbeddingBag(r);
+          at::Tensor want = std::get<0>(at::embedding_bag(
+              emb.weight, idt.reshape({-1}), at::tensor(std::vector<int64_t>{0, 4}, at::kLong),
+              false, 0));
+          if (!got.ok()) {
+            note(absl::StrCat("emb: ", got.status().ToString()));
+          } else if (!at::allclose(FromDense(*got), want, 1e-5, 1e-5)) {
+            note("emb: wrong values");
+          } else {
+            ++emb_ok;
+          }
+          continue;
+        }
+        at::Tensor xt = at::randn({1, 16});
+        v1::LinearRequest r;
+        r.set_table("lin");
+        *r.mutable_input() = ToProto(xt);
+        auto got = c->Linear(r);
+        const absl::Status s = got.status();
+        if (got.ok()) {
+          if (at::allclose(FromDense(*got), at::linear(xt, lin.weight, lin.bias), 1e-5, 1e-5)) {
+            ++lin_ok;
+          } else {
+            note("lin: wrong values");
+          }
+        } else if (absl::IsNotFound(s) || absl::IsFailedPrecondition(s) ||
+                   (absl::IsUnavailable(s) &&
+                    absl::StrContains(s.message(), "not the same on every rank"))) {
+          ++lin_refused;
+        } else {
+          note(absl::StrCat("lin: ", s.ToString()));
+        }
+      }
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_TRUE(admin->DropTable("lin").ok());
+  absl::SleepFor(absl::Milliseconds(1500));  // both workers have dropped it by now
+  stop = true;
+  for (auto& t : callers) t.join();
+  EXPECT_THAT(unexpected, ::testing::IsEmpty());
+  EXPECT_GT(emb_ok.load(), 0);
+  EXPECT_GT(lin_ok.load(), 0);
+  EXPECT_GT(lin_refused.load(), 0);
 }
 
 // Straight to a worker, and through the coordinator's relay.
