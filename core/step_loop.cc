@@ -122,6 +122,32 @@ absl::Status ParseEntries(absl::Span<const int64_t> words,
   return absl::OkStatus();
 }
 
+// The first round of every group: each rank says which step protocol it speaks (the format of
+// the agreement message and the collectives of the ops), so that ranks running different builds
+// fail the group with an error that says so instead of misreading each other's rounds. Two int64
+// words: kHelloMagic, then kStepProtocol. Bump kStepProtocol on any change to either.
+constexpr int64_t kHelloMagic = 0x70657473'64726168;  // "hardstep" in little-endian bytes
+constexpr int64_t kStepProtocol = 2;
+
+absl::Status SayHello(Communicator& comm, absl::Duration timeout) {
+  const int64_t hello[] = {kHelloMagic, kStepProtocol};
+  ASSIGN_OR_RETURN(std::vector<absl::Span<const char>> views,
+                   comm.AllGatherMessages(
+                       absl::MakeConstSpan(reinterpret_cast<const char*>(hello), sizeof(hello)),
+                       timeout));
+  for (size_t q = 0; q < views.size(); ++q) {
+    int64_t theirs[2] = {0, 0};
+    if (views[q].size() == sizeof(theirs)) std::memcpy(theirs, views[q].data(), sizeof(theirs));
+    if (theirs[0] == kHelloMagic && theirs[1] == kStepProtocol) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", q, theirs[0] == kHelloMagic ? absl::StrCat(" speaks step protocol ", theirs[1])
+                                             : std::string(" speaks an older step protocol"),
+        ", this rank ", kStepProtocol,
+        ": every rank of a group must run the same shardserve build"));
+  }
+  return absl::OkStatus();
+}
+
 // FNV-1a: the same in every process (absl::Hash is seeded per process).
 uint64_t Fnv1a(absl::string_view bytes, uint64_t h = 14695981039346656037ull) {
   for (unsigned char c : bytes) {
@@ -405,6 +431,7 @@ void StepLoop::Run() {
   int idle_rounds = 0;  // consecutive rounds without work
   std::vector<std::unique_ptr<StepRequest>> batch;
   std::shared_ptr<const TableSet> tables;  // the step's
+  bool new_group = false;                   // its first round is the hello
   while (true) {
     if (options_.after_answers) options_.after_answers();  // the last round's answers
     batch.clear();
@@ -427,6 +454,7 @@ void StepLoop::Run() {
         comm = std::move(pending_comm_);
         active_comm_ = comm.get();
         idle_rounds = 0;  // counted from the group's first round on every rank
+        new_group = true;
         data = std::move(pending_data_);
         epoch_ = pending_epoch_;
         serving_ = true;
@@ -475,8 +503,13 @@ void StepLoop::Run() {
     // The message starts with the digest of this rank's tables, so that every rank learns
     // whether the ranks hold the same ones.
     absl::Status broken;
+    if (new_group) {
+      new_group = false;
+      broken = SayHello(*comm, options_.collective_timeout);
+    }
     std::vector<int64_t> message = {static_cast<int64_t>(tables->digest)};
     for (auto& [text, w] : mine) {
+      if (!broken.ok()) break;
       absl::StatusOr<Key> key = ParseKey(text);
       if (!key.ok()) {
         comm->Abort().IgnoreError();  // peers must not wait for this rank's message

@@ -4,7 +4,9 @@
 // each sharded op in the agreed order with whatever it has queued for it (possibly empty; the ops
 // take the inputs the round carried instead of gathering them again), and answers its own callers.
 // The round also carries a digest of each rank's tables; in the rare step whose ranks hold
-// different ones (see SetTable), one more round tells them which work none may run.
+// different ones (see SetTable), one more round tells them which work none may run. A new group's
+// first round is a hello in which the ranks check that they speak the same step protocol (run the
+// same build); if not, the group fails with an error that says so.
 // An idle group backs off (sleeps up to Options::max_idle_sleep between rounds) instead of
 // spinning, and after Options::park_after_idle_rounds idle rounds parks (Communicator::Park: no
 // rounds, no polling) until any rank has news - a request, a new group, a task between steps,

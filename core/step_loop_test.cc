@@ -279,6 +279,40 @@ TEST(StepLoop, WorkForATableTheRanksDoNotHoldAlikeIsAnsweredUnavailableAndTheRes
   for (const absl::Status& s : f.broken) EXPECT_TRUE(s.ok()) << s;
 }
 
+TEST(StepLoop, ARankOfAnotherBuildFailsTheGroupWithAnErrorThatSaysSo) {
+  // Rank 1 is driven by hand: first as an older build, whose first round is an idle agreement
+  // round (an empty message); then as a build of another step protocol, whose hello says so.
+  const int64_t hello_magic = 0x70657473'64726168;  // the wire format: magic, version
+  const std::vector<std::vector<int64_t>> firsts = {{}, {hello_magic, 1}};
+  for (const std::vector<int64_t>& first : firsts) {
+    InProcessRendezvous store;
+    auto comms = Connect(2, absl::StrCat("other-build-", first.size()), store);
+    CpuKernels kernels;
+    absl::Notification broken_notified;
+    absl::Status broken;
+    StepLoop::Options options;
+    options.collective_timeout = absl::Seconds(5);
+    options.on_group_broken = [&](const absl::Status& s) {
+      broken = s;
+      broken_notified.Notify();
+    };
+    StepLoop loop(options, kernels);
+    loop.SetGroup(std::move(comms[0]), 1);
+    loop.Start();
+    auto views = comms[1]->AllGatherMessages(
+        absl::MakeConstSpan(reinterpret_cast<const char*>(first.data()), first.size() * 8),
+        absl::Seconds(5));
+    ASSERT_TRUE(views.ok()) << views.status();
+    ASSERT_TRUE(broken_notified.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    EXPECT_THAT(broken.message(),
+                HasSubstr("every rank of a group must run the same shardserve build"));
+    EXPECT_THAT(broken.message(), HasSubstr(first.empty() ? "rank 1 speaks an older step protocol"
+                                                          : "rank 1 speaks step protocol 1"));
+    EXPECT_FALSE(loop.serving());
+    loop.Stop();
+  }
+}
+
 TEST(StepLoop, AfterAnswersRunsOnTheLoopThreadOnceARoundsAnswersAreGiven) {
   struct Seen {
     absl::Mutex mu;
