@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -125,7 +126,9 @@ absl::Status ParseEntries(absl::Span<const int64_t> words,
 // The first round of every group: each rank says which step protocol it speaks (the format of
 // the agreement message and the collectives of the ops), so that ranks running different builds
 // fail the group with an error that says so instead of misreading each other's rounds. Two int64
-// words: kHelloMagic, then kStepProtocol. Bump kStepProtocol on any change to either.
+// words: kHelloMagic, then kStepProtocol - a format that stays as it is (older builds have no
+// hello: their first round is an agreement message). Bump kStepProtocol on any change to the
+// agreement message or the ops' collectives.
 constexpr int64_t kHelloMagic = 0x70657473'64726168;  // "hardstep" in little-endian bytes
 constexpr int64_t kStepProtocol = 2;
 
@@ -214,11 +217,16 @@ absl::Status SkipTablesNotHeldAlike(
   }
   for (auto it = work.begin(); it != work.end();) {
     ASSIGN_OR_RETURN(Key key, ParseKey(it->first));
+    std::optional<int64_t> first;  // rank 0's identity of the table, if it holds it
     bool alike = true;
     for (const auto& of_rank : identities) {
       auto held_there = of_rank.find(key.table);
-      alike = alike && held_there != of_rank.end() &&
-              held_there->second == identities[0].find(key.table)->second;
+      if (held_there == of_rank.end()) {
+        alike = false;
+        break;
+      }
+      if (!first.has_value()) first = held_there->second;
+      alike = alike && held_there->second == *first;
     }
     if (alike) {
       ++it;
@@ -430,11 +438,13 @@ void StepLoop::Run() {
   absl::Duration idle = absl::ZeroDuration();
   int idle_rounds = 0;  // consecutive rounds without work
   std::vector<std::unique_ptr<StepRequest>> batch;
-  std::shared_ptr<const TableSet> tables;  // the step's
-  bool new_group = false;                   // its first round is the hello
+  bool new_group = false;  // its first round is the hello
   while (true) {
     if (options_.after_answers) options_.after_answers();  // the last round's answers
     batch.clear();
+    // The tables this step runs on; released before the loop waits (a dropped table's memory
+    // must not outlive the steps that use it).
+    std::shared_ptr<const TableSet> tables;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this, &comm]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -500,13 +510,13 @@ void StepLoop::Run() {
       w.weights.insert(w.weights.end(), r->weights.begin(), r->weights.end());
       w.values.insert(w.values.end(), r->values.begin(), r->values.end());
     }
-    // The message starts with the digest of this rank's tables, so that every rank learns
-    // whether the ranks hold the same ones.
     absl::Status broken;
     if (new_group) {
       new_group = false;
       broken = SayHello(*comm, options_.collective_timeout);
     }
+    // The message starts with the digest of this rank's tables, so that every rank learns
+    // whether the ranks hold the same ones.
     std::vector<int64_t> message = {static_cast<int64_t>(tables->digest)};
     for (auto& [text, w] : mine) {
       if (!broken.ok()) break;
@@ -562,6 +572,7 @@ void StepLoop::Run() {
       // doorbells parks at once, since a rank's back-off would delay its peers' next request.
       const int park_after = comm->ParksCheaply() ? options_.cheap_park_after_idle_rounds
                                                   : options_.park_after_idle_rounds;
+      tables.reset();
       if (++idle_rounds > park_after) {
         broken = comm->Park(options_.collective_timeout);
         if (broken.ok()) continue;
@@ -580,13 +591,13 @@ void StepLoop::Run() {
     idle = absl::ZeroDuration();
     idle_rounds = 0;
     if (broken.ok()) {
-      {
-        absl::MutexLock lock(&mu_);
-        ++busy_steps_;
-      }
       if (!same_tables) {
         broken = SkipTablesNotHeldAlike(*comm, tables->tables, options_.collective_timeout, work,
                                         mine);
+      }
+      if (broken.ok() && !work.empty()) {
+        absl::MutexLock lock(&mu_);
+        ++busy_steps_;
       }
       if (broken.ok()) broken = [&]() -> absl::Status {
         ShardedOps ops(*comm, data != nullptr ? *data : *comm, kernels_,
