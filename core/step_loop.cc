@@ -170,7 +170,7 @@ int64_t IdentityOf(const TableConfig& c) {
   return static_cast<int64_t>(Fnv1a(absl::StrCat(
       c.name, "\n", static_cast<int>(c.kind), "|", c.num_rows, "|", c.num_cols, "|",
       c.spec.ToString(), "|", c.padding_idx.value_or(-1), "|", c.max_norm.has_value(), "|",
-      bits(c.max_norm.value_or(0)), "|", bits(c.norm_type), "|", c.has_bias)));
+      bits(c.max_norm.value_or(0)), "|", bits(c.norm_type), "|", c.has_bias, "\n", c.source)));
 }
 
 void Answer(StepRequest& r, absl::StatusOr<DenseResult> result) {

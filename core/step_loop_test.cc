@@ -251,21 +251,27 @@ TEST(StepLoop, WorkForATableTheRanksDoNotHoldAlikeIsAnsweredUnavailableAndTheRes
   EXPECT_EQ(f.loops[0]->busy_steps(), 1);
   EXPECT_EQ(f.loops[1]->busy_steps(), 1);
 
-  // A table of the same name but another config is not alike either...
+  // A table of the same name but another config is not alike either, nor one whose weights came
+  // from elsewhere...
   TableConfig no_bias = f.lin;
   no_bias.has_bias = false;
-  auto replaced = [&](int rank) {
-    auto t = ShardedTable::Create(no_bias, rank, f.kernels);
+  auto replaced = [&](const TableConfig& config, int rank) {
+    auto t = ShardedTable::Create(config, rank, f.kernels);
     EXPECT_TRUE(t.ok()) << t.status();
     EXPECT_TRUE((*t)->LoadFromFull(f.lin_weight.data(), nullptr).ok());
     return std::shared_ptr<ShardedTable>(std::move(*t));
   };
-  f.loops[1]->SetTable(replaced(1));
-  got = f.Submit(1, LinearRequest({1, 2, 3, 4})).get();
-  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  TableConfig elsewhere = no_bias;
+  elsewhere.source = "checkpoint /elsewhere.safetensors";
+  for (const TableConfig* config : {&no_bias, &elsewhere}) {
+    f.loops[1]->SetTable(replaced(*config, 1));
+    got = f.Submit(1, LinearRequest({1, 2, 3, 4})).get();
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+    f.loops[0]->RunBetweenSteps([&] { f.loops[0]->SetTable(replaced(no_bias, 0)); });
+  }
   // ...until every rank holds the same one. (Set between steps, so that rank 0's next step is
   // sure to see it: a step runs on the tables its rank held when it began.)
-  f.loops[0]->RunBetweenSteps([&] { f.loops[0]->SetTable(replaced(0)); });
+  f.loops[1]->RunBetweenSteps([&] { f.loops[1]->SetTable(replaced(no_bias, 1)); });
   got = f.Submit(1, LinearRequest({1, 2, 3, 4})).get();
   ASSERT_TRUE(got.ok()) << got.status();
   ASSERT_EQ(got->values.size(), 5u);

@@ -28,6 +28,9 @@ struct TableConfig {
   double norm_type = 2.0;
   // Linear only.
   bool has_bias = true;
+  // Where the weights came from (e.g. a checkpoint's path or a seed): ranks whose tables came
+  // from different sources do not hold the same table, even under the same name and shape.
+  std::string source;
 
   // INVALID_ARGUMENT naming the field, value and bound. Normalises padding_idx.
   absl::Status Validate();

@@ -13,6 +13,7 @@
 #include "core/safetensors.h"
 #include "core/sharding_spec.h"
 #include "core/status_macros.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -263,6 +264,8 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     m.broken = request->group_broken();
     m.last_seen = absl::Now();
     m.loaded.assign(request->loaded_tables().begin(), request->loaded_tables().end());
+    m.loaded_specs.clear();
+    for (const v1::TableSpec& spec : request->loaded_specs()) m.loaded_specs[spec.name()] = spec;
     m.serving.assign(request->serving_tables().begin(), request->serving_tables().end());
     m.load_errors.clear();
     for (const v1::internal::TableLoadError& e : request->load_errors()) {
@@ -599,10 +602,20 @@ bool Coordinator::GroupServing() const {
   return true;
 }
 
+bool Coordinator::Holds(const Member& m, const v1::TableSpec& spec) {
+  if (std::find(m.loaded.begin(), m.loaded.end(), spec.name()) == m.loaded.end()) return false;
+  if (m.loaded_specs.empty()) return true;  // a worker that does not say which spec
+  auto it = m.loaded_specs.find(spec.name());
+  return it != m.loaded_specs.end() &&
+         google::protobuf::util::MessageDifferencer::Equals(it->second, spec);
+}
+
 bool Coordinator::TableReady(const std::string& name) const {
   if (!GroupServing()) return false;
+  auto it = tables_.find(name);
+  if (it == tables_.end()) return false;
   for (const Member& m : members_) {
-    if (std::find(m.loaded.begin(), m.loaded.end(), name) == m.loaded.end()) return false;
+    if (!Holds(m, it->second)) return false;
   }
   return true;
 }
@@ -649,9 +662,7 @@ v1::TableInfo Coordinator::InfoOf(const v1::TableSpec& spec) const {
   *info.mutable_spec() = spec;
   bool loaded_everywhere = true;
   for (const Member& m : members_) {
-    if (std::find(m.loaded.begin(), m.loaded.end(), spec.name()) == m.loaded.end()) {
-      loaded_everywhere = false;
-    }
+    if (!Holds(m, spec)) loaded_everywhere = false;
   }
   info.set_state(TableServing(spec.name()) ? "SERVING"
                  : loaded_everywhere       ? "UNAVAILABLE"

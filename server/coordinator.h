@@ -57,6 +57,8 @@ class Coordinator {
     absl::Time broken_since = absl::InfiniteFuture();
     absl::Time last_seen = absl::InfinitePast();
     std::vector<std::string> loaded;
+    // The spec each loaded table came from (empty when the worker does not say: then `loaded`).
+    std::map<std::string, v1::TableSpec> loaded_specs;
     std::vector<std::string> serving;  // tables the worker accepts calls for
     std::map<std::string, absl::Status> load_errors;  // tables it could not load
   };
@@ -68,6 +70,8 @@ class Coordinator {
   void Reconcile() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Alive(const Member& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool GroupServing() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `m` holds the table as `spec` says (loaded from that spec, where the worker says).
+  static bool Holds(const Member& m, const v1::TableSpec& spec);
   // Loaded on every rank of a formed group: workers may start accepting calls for it.
   bool TableReady(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ready, and every worker has acknowledged that it accepts calls for it.

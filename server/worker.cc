@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/alarm.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -618,7 +619,10 @@ void Worker::HeartbeatLoop() {
       request.set_incarnation(incarnation_);
       request.set_epoch(joined_epoch_);
       request.set_group_broken(group_broken_);
-      for (const auto& [name, table] : loaded_) request.add_loaded_tables(name);
+      for (const auto& [name, table] : loaded_) {
+        request.add_loaded_tables(name);
+        *request.add_loaded_specs() = specs_[name];
+      }
       for (const std::string& name : serving_) request.add_serving_tables(name);
       for (const auto& [name, error] : load_errors_) {
         v1::internal::TableLoadError* e = request.add_load_errors();
@@ -656,13 +660,27 @@ void Worker::ReconcileLoop() {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(20))) return;
       for (const auto& [name, spec] : wanted_) {
-        if (!loaded_.count(name) && !load_errors_.count(name)) to_load.push_back(spec);
+        auto from = specs_.find(name);
+        const bool replaced = from != specs_.end() &&
+                              !google::protobuf::util::MessageDifferencer::Equals(from->second, spec);
+        if (replaced) {
+          to_drop.push_back(name);  // the old one goes first
+          load_errors_.erase(name);
+        }
+        if (replaced || (!loaded_.count(name) && !load_errors_.count(name))) {
+          to_load.push_back(spec);
+        }
       }
       for (const auto& [name, table] : loaded_) {
         if (!wanted_.count(name)) to_drop.push_back(name);
       }
       for (auto it = load_errors_.begin(); it != load_errors_.end();) {
-        it = wanted_.count(it->first) ? std::next(it) : load_errors_.erase(it);  // dropped: forget
+        if (wanted_.count(it->first)) {
+          ++it;
+          continue;
+        }
+        specs_.erase(it->first);  // dropped: forget
+        it = load_errors_.erase(it);
       }
       world = world_size_;
       const bool need_group = target_epoch_ != 0 && target_epoch_ != loop_->epoch() &&
@@ -678,6 +696,7 @@ void Worker::ReconcileLoop() {
       loaded_.erase(name);
       configs_.erase(name);
       load_errors_.erase(name);
+      specs_.erase(name);
       UpdateHealth();
     }
     for (const v1::TableSpec& spec : to_load) {
@@ -695,6 +714,7 @@ void Worker::ReconcileLoop() {
         absl::MutexLock lock(&mu_);
         loaded_[spec.name()] = std::move(shared);
         configs_[spec.name()] = std::make_shared<const core::TableConfig>(config);
+        specs_[spec.name()] = spec;
         UpdateHealth();
         return absl::OkStatus();
       }();
@@ -703,6 +723,7 @@ void Worker::ReconcileLoop() {
                      spec.name().c_str(), status.ToString().c_str());
         absl::MutexLock lock(&mu_);
         load_errors_[spec.name()] = status;
+        specs_[spec.name()] = spec;
       }
     }
     if (epoch != 0) {

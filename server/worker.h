@@ -95,6 +95,9 @@ class Worker {
   std::map<std::string, std::shared_ptr<const core::TableConfig>> configs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<core::ShardedTable>> loaded_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, absl::Status> load_errors_ ABSL_GUARDED_BY(mu_);
+  // The spec each table of loaded_ and load_errors_ came from: a table created again under the
+  // same name with another spec (dropped and created between two heartbeats) is loaded anew.
+  std::map<std::string, v1::TableSpec> specs_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> serving_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> health_names_ ABSL_GUARDED_BY(mu_);
 };

@@ -349,6 +349,33 @@ TEST(Cluster, DroppingATableUnderLoadFailsOnlyItsCallsAndTheGroupServesOn) {
   EXPECT_GT(lin_refused.load(), 0);
 }
 
+// A table dropped and created again at once under the same name, from another checkpoint (within
+// a heartbeat, so a worker may never see it gone): CreateTable returns once every worker holds the
+// new weights, and calls get them.
+TEST(Cluster, ATableDroppedAndCreatedAgainAtOnceServesTheNewWeights) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::vector<Table> versions = {
+      MakeTable("t", v1::EMBEDDING, 200, 8, 1, {0, 1}, TempDir()),
+      MakeTable("t", v1::EMBEDDING, 200, 8, 1, {0, 1}, TempDir())};
+  ASSERT_TRUE(c->CreateTable(versions[0].spec).ok());
+  c10::InferenceMode guard;
+  std::vector<int64_t> all(200);
+  for (int64_t i = 0; i < 200; ++i) all[i] = i;
+  const at::Tensor ids = at::tensor(all, at::kLong);
+  v1::EmbeddingRequest r;
+  r.set_table("t");
+  *r.mutable_ids() = ToProto(ids);
+  for (int round = 1; round <= 4; ++round) {
+    const Table& now = versions[round % 2];
+    ASSERT_TRUE(c->DropTable("t").ok());
+    absl::StatusOr<v1::TableInfo> created = c->CreateTable(now.spec);
+    ASSERT_TRUE(created.ok()) << created.status();
+    ExpectClose(c->Embedding(r), at::embedding(now.weight, ids), absl::StrCat("round ", round));
+  }
+}
+
 // Straight to a worker, and through the coordinator's relay.
 TEST(Cluster, StreamPipelinesManyBatchesOnOneStream) {
   auto cluster = StartCluster(2);
