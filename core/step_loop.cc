@@ -191,7 +191,7 @@ absl::Status CopyWords(absl::Span<const char> view, std::vector<int64_t>& words)
 
 // For a step whose ranks hold different table sets (a table being created, replaced or dropped):
 // the ranks tell each other which tables they hold, and work for a table that not every rank
-// holds alike (same name and config) is taken out of `work` and its requests answered
+// holds alike (same name, config and source) is taken out of `work` and its requests answered
 // UNAVAILABLE - on every rank, since all decide from the same messages.
 absl::Status SkipTablesNotHeldAlike(
     Communicator& comm, const std::map<std::string, std::shared_ptr<ShardedTable>>& tables,

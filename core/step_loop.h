@@ -115,8 +115,8 @@ class StepLoop {
   // Tables this rank holds. Requests name tables by name. While a table is being created,
   // replaced or dropped, the ranks' sets differ for a moment: a queued request for a table this
   // rank has dropped since is answered NOT_FOUND, and work for a table that the ranks do not all
-  // hold alike (same name and config) is answered UNAVAILABLE on every rank, while the group goes
-  // on serving the other tables.
+  // hold alike (same name, config and source of the weights) is answered UNAVAILABLE on every
+  // rank, while the group goes on serving the other tables.
   void SetTable(std::shared_ptr<ShardedTable> table);
   void DropTable(const std::string& name);
 
