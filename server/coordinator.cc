@@ -89,6 +89,7 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     }
     v1::TableSpec stored = spec;
     stored.set_dtype(v1::FLOAT32);
+    stored.set_generation(++c_.last_generation_);
     if (config->padding_idx) stored.set_padding_idx(*config->padding_idx);  // normalised
     c_.tables_[spec.name()] = stored;
     if (absl::Status s = c_.SaveRegistry(); !s.ok()) {
@@ -568,7 +569,11 @@ absl::Status Coordinator::LoadRegistry() {
         absl::StrCat("coordinator: cannot parse ", options_.state_dir, "/tables.pb"));
   }
   absl::MutexLock lock(&mu_);
-  for (const v1::TableSpec& spec : registry.tables()) tables_[spec.name()] = spec;
+  last_generation_ = registry.last_generation();
+  for (const v1::TableSpec& spec : registry.tables()) {
+    tables_[spec.name()] = spec;
+    last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
+  }
   return absl::OkStatus();
 }
 
@@ -576,6 +581,7 @@ absl::Status Coordinator::SaveRegistry() {
   if (options_.state_dir.empty()) return absl::OkStatus();
   v1::internal::TableRegistry registry;
   for (const auto& [name, spec] : tables_) *registry.add_tables() = spec;
+  registry.set_last_generation(last_generation_);
   const std::string path = options_.state_dir + "/tables.pb";
   const std::string tmp = path + ".tmp";
   {

@@ -92,6 +92,7 @@ class Coordinator {
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, v1::TableSpec> tables_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_generation_ ABSL_GUARDED_BY(mu_) = 0;  // TableSpec.generation, persisted
   std::vector<Member> members_ ABSL_GUARDED_BY(mu_);
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time epoch_started_ ABSL_GUARDED_BY(mu_);

@@ -158,9 +158,10 @@ absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int 
   if (spec.has_max_norm()) config.max_norm = spec.max_norm();
   if (spec.has_norm_type()) config.norm_type = spec.norm_type();
   config.has_bias = !spec.no_bias();
-  config.source = spec.init_case() == v1::TableSpec::kCheckpoint
-                      ? absl::StrCat("checkpoint ", spec.checkpoint())
-                      : absl::StrCat("seed ", spec.seed());
+  config.source = absl::StrCat(spec.init_case() == v1::TableSpec::kCheckpoint
+                                   ? absl::StrCat("checkpoint ", spec.checkpoint())
+                                   : absl::StrCat("seed ", spec.seed()),
+                               ", generation ", spec.generation());
   RETURN_IF_ERROR(config.Validate());
   if (spec.init_case() == v1::TableSpec::INIT_NOT_SET) {
     return absl::InvalidArgumentError("table.init: set seed or checkpoint");
