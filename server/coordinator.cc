@@ -90,6 +90,7 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     v1::TableSpec stored = spec;
     stored.set_dtype(v1::FLOAT32);
     stored.set_generation(++c_.last_generation_);
+    const uint64_t generation = stored.generation();
     if (config->padding_idx) stored.set_padding_idx(*config->padding_idx);  // normalised
     c_.tables_[spec.name()] = stored;
     if (absl::Status s = c_.SaveRegistry(); !s.ok()) {
@@ -97,16 +98,24 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
       return ToGrpcStatus(s);
     }
     // Wait (bounded by the caller's deadline) until every rank has loaded it, or one cannot.
+    // Errors and tables of an earlier creation under this name do not count.
     const std::string name = spec.name();
-    auto failure = [this, &name]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) -> const absl::Status* {
+    auto failure = [this, &name,
+                    generation]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) -> const absl::Status* {
       for (const Member& m : c_.members_) {
         auto it = m.load_errors.find(name);
-        if (it != m.load_errors.end()) return &it->second;
+        if (it != m.load_errors.end() && it->second.first == generation) {
+          return &it->second.second;
+        }
       }
       return nullptr;
     };
-    auto ready = [this, &name, &failure]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
-      return c_.stop_ || !c_.tables_.count(name) || c_.TableServing(name) || failure() != nullptr;
+    auto ours = [this, &name, generation]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
+      auto it = c_.tables_.find(name);
+      return it != c_.tables_.end() && it->second.generation() == generation;
+    };
+    auto ready = [this, &name, &failure, &ours]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
+      return c_.stop_ || !ours() || c_.TableServing(name) || failure() != nullptr;
     };
     c_.mu_.AwaitWithDeadline(absl::Condition(&ready),
                              absl::FromChrono(DeadlineOr(context, c_.options_.create_wait)));
@@ -115,15 +124,16 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
       const absl::Status status(error->code(), absl::StrCat("table \"", name,
                                                             "\" could not be loaded: ",
                                                             error->message()));
-      c_.tables_.erase(name);
-      if (absl::Status s = c_.SaveRegistry(); !s.ok()) return ToGrpcStatus(s);
+      if (ours()) {
+        c_.tables_.erase(name);
+        if (absl::Status s = c_.SaveRegistry(); !s.ok()) return ToGrpcStatus(s);
+      }
       return ToGrpcStatus(status);
     }
-    auto it = c_.tables_.find(name);
-    if (it == c_.tables_.end()) {
+    if (!ours()) {
       return grpc::Status(grpc::StatusCode::ABORTED, "table dropped while being created");
     }
-    *response = c_.InfoOf(it->second);
+    *response = c_.InfoOf(c_.tables_.at(name));
     return grpc::Status::OK;
   }
 
@@ -196,6 +206,7 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
       call.set_deadline(DeadlineOr(context, absl::Minutes(10)));
       v1::internal::ReadShardRequest read;
       read.set_table(spec.name());
+      read.set_generation(spec.generation());
       auto reader = stub->ReadShard(&call, read);
       v1::internal::ReadShardChunk chunk;
       const int64_t row0 = config->spec.dim() == 0 ? layout.OffsetOfRank(rank) : 0;
@@ -270,8 +281,9 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     m.serving.assign(request->serving_tables().begin(), request->serving_tables().end());
     m.load_errors.clear();
     for (const v1::internal::TableLoadError& e : request->load_errors()) {
-      m.load_errors[e.table()] = absl::Status(static_cast<absl::StatusCode>(e.code()),
-                                              absl::StrCat("rank ", request->rank(), ": ", e.message()));
+      m.load_errors[e.table()] = {
+          e.generation(), absl::Status(static_cast<absl::StatusCode>(e.code()),
+                                       absl::StrCat("rank ", request->rank(), ": ", e.message()))};
     }
     c_.Reconcile();
     response->set_world_size(c_.options_.world_size);
@@ -507,7 +519,12 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Coordinator::Forwar
   return new StreamRelay(context, *std::move(channel));
 }
 
-Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {}
+Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {
+  // Generations stay new across restarts even without a registry (or with an older copy of it):
+  // they continue from the clock, in microseconds.
+  absl::MutexLock lock(&mu_);
+  last_generation_ = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+}
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptions options) {
   if (options.world_size < 1) {
@@ -569,7 +586,7 @@ absl::Status Coordinator::LoadRegistry() {
         absl::StrCat("coordinator: cannot parse ", options_.state_dir, "/tables.pb"));
   }
   absl::MutexLock lock(&mu_);
-  last_generation_ = registry.last_generation();
+  last_generation_ = std::max<uint64_t>(last_generation_, registry.last_generation());
   for (const v1::TableSpec& spec : registry.tables()) {
     tables_[spec.name()] = spec;
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());

@@ -60,7 +60,8 @@ class Coordinator {
     // The spec each loaded table came from (empty when the worker does not say: then `loaded`).
     std::map<std::string, v1::TableSpec> loaded_specs;
     std::vector<std::string> serving;  // tables the worker accepts calls for
-    std::map<std::string, absl::Status> load_errors;  // tables it could not load
+    // Tables it could not load: the generation of the spec that failed, and why.
+    std::map<std::string, std::pair<uint64_t, absl::Status>> load_errors;
   };
 
   explicit Coordinator(CoordinatorOptions options);

@@ -428,7 +428,8 @@ class Worker::InternalService final : public v1::internal::WorkerInternal::Servi
 
   grpc::Status ReadShard(grpc::ServerContext*, const v1::internal::ReadShardRequest* request,
                          grpc::ServerWriter<v1::internal::ReadShardChunk>* writer) override {
-    absl::StatusOr<std::shared_ptr<core::ShardedTable>> table = worker_.LoadedTable(request->table());
+    absl::StatusOr<std::shared_ptr<core::ShardedTable>> table =
+        worker_.LoadedTable(request->table(), request->generation());
     if (!table.ok()) return ToGrpcStatus(table.status());
     // Read on the step loop's thread, between steps: never half-way through a renorm.
     absl::StatusOr<std::vector<float>> shard = absl::UnknownError("not read");
@@ -578,12 +579,18 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
 }
 
 absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadedTable(
-    const std::string& name) const {
+    const std::string& name, uint64_t generation) const {
   absl::MutexLock lock(&mu_);
   auto it = loaded_.find(name);
   if (it == loaded_.end()) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" is not loaded on rank ",
                                             options_.rank));
+  }
+  auto spec = specs_.find(name);
+  if (spec == specs_.end() || spec->second.generation() != generation) {
+    return absl::AbortedError(absl::StrCat(
+        "table \"", name, "\" on rank ", options_.rank, " is another load than generation ",
+        generation, " (it was dropped and created again); retry"));
   }
   return it->second;
 }
@@ -620,8 +627,10 @@ void Worker::HeartbeatLoop() {
       request.set_epoch(joined_epoch_);
       request.set_group_broken(group_broken_);
       for (const auto& [name, table] : loaded_) {
+        auto spec = specs_.find(name);
+        if (spec == specs_.end()) continue;  // cannot be: every load records its spec
         request.add_loaded_tables(name);
-        *request.add_loaded_specs() = specs_[name];
+        *request.add_loaded_specs() = spec->second;
       }
       for (const std::string& name : serving_) request.add_serving_tables(name);
       for (const auto& [name, error] : load_errors_) {
@@ -629,6 +638,8 @@ void Worker::HeartbeatLoop() {
         e->set_table(name);
         e->set_code(static_cast<int>(error.code()));
         e->set_message(std::string(error.message()));
+        auto spec = specs_.find(name);
+        if (spec != specs_.end()) e->set_generation(spec->second.generation());
       }
     }
     grpc::ClientContext context;

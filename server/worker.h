@@ -60,7 +60,9 @@ class Worker {
       const std::string& name) const;
   core::StepLoop& loop() { return *loop_; }
   const core::InputLimits& limits() const { return options_.step.limits; }
-  absl::StatusOr<std::shared_ptr<core::ShardedTable>> LoadedTable(const std::string& name) const;
+  // The table as loaded from the spec of `generation` (ABORTED if this worker holds another load).
+  absl::StatusOr<std::shared_ptr<core::ShardedTable>> LoadedTable(const std::string& name,
+                                                                  uint64_t generation) const;
 
  private:
   class DataService;
@@ -96,7 +98,8 @@ class Worker {
   std::map<std::string, std::shared_ptr<core::ShardedTable>> loaded_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, absl::Status> load_errors_ ABSL_GUARDED_BY(mu_);
   // The spec each table of loaded_ and load_errors_ came from: a table created again under the
-  // same name with another spec (dropped and created between two heartbeats) is loaded anew.
+  // same name (every creation has its own TableSpec.generation), even between two heartbeats, is
+  // loaded anew.
   std::map<std::string, v1::TableSpec> specs_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> serving_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> health_names_ ABSL_GUARDED_BY(mu_);

@@ -125,6 +125,19 @@ Table MakeTable(const std::string& name, v1::TableKind kind, int64_t rows, int64
   return t;
 }
 
+// A seeded table of 2^52 floats over two CPU workers: each worker refuses to allocate its shard.
+v1::TableSpec TooLargeForAnyWorker(const std::string& name) {
+  v1::TableSpec spec;
+  spec.set_name(name);
+  spec.set_num_rows(int64_t{1} << 40);
+  spec.set_num_cols(1 << 12);
+  spec.set_seed(1);
+  spec.mutable_sharding()->set_dim(0);
+  spec.mutable_sharding()->add_placements("rank:0/cpu");
+  spec.mutable_sharding()->add_placements("rank:1/cpu");
+  return spec;
+}
+
 void ExpectClose(const absl::StatusOr<DenseTensor>& got, const at::Tensor& want,
                  const std::string& what) {
   ASSERT_TRUE(got.ok()) << what << ": " << got.status();
@@ -371,10 +384,27 @@ TEST(Cluster, ATableDroppedAndCreatedAgainAtOnceServesTheNewWeights) {
     const Table now = MakeTable("t", v1::EMBEDDING, 200, 8, 1, {0, 1}, dir);  // same path
     absl::StatusOr<v1::TableInfo> created = c->CreateTable(now.spec);
     ASSERT_TRUE(created.ok()) << created.status();
+    EXPECT_EQ(created->state(), "SERVING");
     EXPECT_GT(created->spec().generation(), generation);
     generation = created->spec().generation();
     ExpectClose(c->Embedding(r), at::embedding(now.weight, ids), absl::StrCat("round ", round));
   }
+}
+
+// A CreateTable that failed on the workers can be retried at once under the same name: the
+// workers' errors about the failed creation do not count against the new one.
+TEST(Cluster, ACreationThatFailedOnTheWorkersCanBeRetriedAtOnce) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  v1::TableSpec spec = TooLargeForAnyWorker("t");
+  absl::StatusOr<v1::TableInfo> created = c->CreateTable(spec);
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kResourceExhausted) << created.status();
+  spec.set_num_rows(100);
+  spec.set_num_cols(8);
+  created = c->CreateTable(spec);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->state(), "SERVING");
 }
 
 // Straight to a worker, and through the coordinator's relay.
@@ -766,15 +796,7 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   EXPECT_THAT(std::string(c->CreateTable(spec).status().message()), HasSubstr("needs tensor \"weight\" F32 [11,4]"));
   EXPECT_EQ(c->DropTable("nope").code(), absl::StatusCode::kNotFound);
   // A table no worker can hold: CreateTable reports the workers' error and leaves nothing behind.
-  v1::TableSpec huge;
-  huge.set_name("huge");
-  huge.set_num_rows(int64_t{1} << 40);
-  huge.set_num_cols(1 << 12);
-  huge.set_seed(1);
-  huge.mutable_sharding()->set_dim(0);
-  huge.mutable_sharding()->add_placements("rank:0/cpu");
-  huge.mutable_sharding()->add_placements("rank:1/cpu");
-  absl::StatusOr<v1::TableInfo> created = c->CreateTable(huge);
+  absl::StatusOr<v1::TableInfo> created = c->CreateTable(TooLargeForAnyWorker("huge"));
   EXPECT_EQ(created.status().code(), absl::StatusCode::kResourceExhausted) << created.status();
   EXPECT_THAT(std::string(created.status().message()), HasSubstr("could not be loaded"));
   EXPECT_THAT(std::string(created.status().message()), HasSubstr("cannot allocate"));
