@@ -378,7 +378,8 @@ void StepLoop::SetTablesLocked(std::map<std::string, std::shared_ptr<ShardedTabl
   set->digest = Fnv1a("");
   for (const auto& [name, table] : set->tables) {
     const int64_t identity = IdentityOf(table->config());
-    set->digest = Fnv1a(absl::string_view(reinterpret_cast<const char*>(&identity), 8), set->digest);
+    set->digest =
+        Fnv1a(absl::string_view(reinterpret_cast<const char*>(&identity), 8), set->digest);
   }
   tables_ = std::move(set);
 }

@@ -280,7 +280,8 @@ TEST(StepLoop, WorkForATableTheRanksDoNotHoldAlikeIsAnsweredUnavailableAndTheRes
     for (int k = 0; k < 4; ++k) want += (k + 1.0f) * f.lin_weight[o * 4 + k];
     EXPECT_NEAR(got->values[o], want, 1e-5);
   }
-  ExpectBag(f, f.Submit(0, BagRequest(f.emb, ids, 3, PoolMode::kMean)), ids, 3, PoolMode::kMean);
+  ExpectBag(f, f.Submit(0, BagRequest(f.emb, ids, 3, PoolMode::kMean)), ids, 3,
+            PoolMode::kMean);
   absl::MutexLock lock(&f.mu);
   for (const absl::Status& s : f.broken) EXPECT_TRUE(s.ok()) << s;
 }
@@ -312,8 +313,9 @@ TEST(StepLoop, ARankOfAnotherBuildFailsTheGroupWithAnErrorThatSaysSo) {
     ASSERT_TRUE(broken_notified.WaitForNotificationWithTimeout(absl::Seconds(10)));
     EXPECT_THAT(broken.message(),
                 HasSubstr("every rank of a group must run the same shardserve build"));
-    EXPECT_THAT(broken.message(), HasSubstr(first.empty() ? "rank 1 speaks an older step protocol"
-                                                          : "rank 1 speaks step protocol 1"));
+    EXPECT_THAT(broken.message(),
+                HasSubstr(first.empty() ? "rank 1 speaks an older step protocol"
+                                        : "rank 1 speaks step protocol 1"));
     EXPECT_FALSE(loop.serving());
     loop.Stop();
   }

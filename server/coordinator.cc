@@ -277,13 +277,15 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     m.last_seen = absl::Now();
     m.loaded.assign(request->loaded_tables().begin(), request->loaded_tables().end());
     m.loaded_specs.clear();
-    for (const v1::TableSpec& spec : request->loaded_specs()) m.loaded_specs[spec.name()] = spec;
+    for (const v1::TableSpec& spec : request->loaded_specs()) {
+      m.loaded_specs[spec.name()] = spec;
+    }
     m.serving.assign(request->serving_tables().begin(), request->serving_tables().end());
     m.load_errors.clear();
     for (const v1::internal::TableLoadError& e : request->load_errors()) {
-      m.load_errors[e.table()] = {
-          e.generation(), absl::Status(static_cast<absl::StatusCode>(e.code()),
-                                       absl::StrCat("rank ", request->rank(), ": ", e.message()))};
+      const absl::Status status(static_cast<absl::StatusCode>(e.code()),
+                                absl::StrCat("rank ", request->rank(), ": ", e.message()));
+      m.load_errors[e.table()] = {e.generation(), status};
     }
     c_.Reconcile();
     response->set_world_size(c_.options_.world_size);
