@@ -117,8 +117,10 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     auto ready = [this, &name, &failure, &ours]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
       return c_.stop_ || !ours() || c_.TableServing(name) || failure() != nullptr;
     };
+    c_.creating_.insert(name);  // (Reconcile leaves its generation alone meanwhile)
     c_.mu_.AwaitWithDeadline(absl::Condition(&ready),
                              absl::FromChrono(DeadlineOr(context, c_.options_.create_wait)));
+    c_.creating_.erase(c_.creating_.find(name));
     if (const absl::Status* error = failure()) {
       // A rank could not load it: undo the creation, so a failed CreateTable changes nothing.
       const absl::Status status(error->code(), absl::StrCat("table \"", name,
@@ -669,6 +671,25 @@ void Coordinator::Reconcile() {
     if (m.epoch != epoch_ && absl::Now() - epoch_started_ > options_.join_grace) renew = true;
   }
   if (!renew) return;
+  // A worker that restarted loaded its shards anew from their source: rows renormed in place
+  // (max_norm) since are back to their stored values there. Every worker reloads such tables
+  // then (a new generation), so that the ranks hold one weight again; lookups renorm its rows as
+  // they did the first time.
+  bool restarted = false;
+  for (size_t r = 0; r < epoch_incarnations_.size() && r < members_.size(); ++r) {
+    restarted = restarted || members_[r].incarnation != epoch_incarnations_[r];
+  }
+  bool reloads = false;
+  for (auto& [name, spec] : tables_) {
+    if (!restarted || !spec.has_max_norm() || creating_.count(name)) continue;
+    spec.set_generation(++last_generation_);
+    reloads = true;
+  }
+  if (reloads) {
+    if (absl::Status s = SaveRegistry(); !s.ok()) {
+      std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
+    }
+  }
   // Epochs are wall-clock milliseconds: unique across coordinator restarts too.
   epoch_ = std::max<uint64_t>(epoch_ + 1, static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())));
   epoch_started_ = absl::Now();

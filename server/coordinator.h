@@ -11,6 +11,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -94,6 +95,7 @@ class Coordinator {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, v1::TableSpec> tables_ ABSL_GUARDED_BY(mu_);
   uint64_t last_generation_ ABSL_GUARDED_BY(mu_) = 0;  // TableSpec.generation, persisted
+  std::multiset<std::string> creating_ ABSL_GUARDED_BY(mu_);  // tables CreateTable waits for
   std::vector<Member> members_ ABSL_GUARDED_BY(mu_);
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time epoch_started_ ABSL_GUARDED_BY(mu_);

@@ -511,6 +511,38 @@ TEST(Cluster, CoordinatorRestartKeepsTables) {
   CheckOps(*c, emb, "after coordinator restart");
 }
 
+// max_norm renorms stored rows in place at lookup. A worker that restarts loads its shards anew
+// from the table's source; the coordinator then has every worker reload such a table, so that the
+// ranks hold one weight again and lookups renorm its rows as they did the first time: the answers
+// are PyTorch's on the stored weight before and after the crash alike.
+TEST(Cluster, ARestartedWorkerLeavesATableThatRenormsConsistent) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("renorm", v1::EMBEDDING, 50, 8, 1, {0, 1}, TempDir());
+  emb.spec.set_max_norm(1.0);
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  c10::InferenceMode guard;
+  const at::Tensor ids = at::tensor(std::vector<int64_t>{1, 5, 9, 13}, at::kLong);
+  at::Tensor renormed = emb.weight.clone();
+  at::embedding_renorm_(renormed, ids, 1.0, 2.0);
+  const at::Tensor want = at::embedding(renormed, ids);
+  v1::EmbeddingRequest r;
+  r.set_table("renorm");
+  *r.mutable_ids() = ToProto(ids);
+  ExpectClose(c->Embedding(r), want, "before the crash");
+  ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  const std::string table_health = "shardserve.v1.table/renorm";
+  ASSERT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), table_health) ==
+                                   grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
+                      absl::Seconds(10)));
+  ASSERT_TRUE(cluster->StartWorker(1).ok());
+  ASSERT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), table_health) ==
+                                   grpc::health::v1::HealthCheckResponse::SERVING; },
+                      absl::Seconds(30)));
+  ExpectClose(c->Embedding(r), want, "after the restart");
+}
+
 TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
