@@ -672,16 +672,28 @@ void Coordinator::Reconcile() {
   }
   if (!renew) return;
   // A worker that restarted loaded its shards anew from their source: rows renormed in place
-  // (max_norm) since are back to their stored values there. Every worker reloads such tables
-  // then (a new generation), so that the ranks hold one weight again; lookups renorm its rows as
-  // they did the first time.
-  bool restarted = false;
-  for (size_t r = 0; r < epoch_incarnations_.size() && r < members_.size(); ++r) {
-    restarted = restarted || members_[r].incarnation != epoch_incarnations_[r];
+  // (max_norm) since are back to their stored values there. Where a column-sharded row spans
+  // ranks, its columns would then disagree; so when restarted ranks meet ranks that kept their
+  // shards, every worker reloads such tables (a new generation), and lookups renorm rows as they
+  // did the first time. (Row-sharded rows live on one rank each: they stay consistent.) Restarted:
+  // another process than at the last epoch - or, when this coordinator has formed none yet, one
+  // that never joined a group. Counted once per restart, not again while the group re-forms.
+  bool fresh = false, kept = false;
+  for (size_t r = 0; r < members_.size(); ++r) {
+    const Member& m = members_[r];
+    const bool restarted = epoch_incarnations_.empty()
+                               ? m.epoch == 0
+                               : r < epoch_incarnations_.size() &&
+                                     m.incarnation != epoch_incarnations_[r];
+    fresh = fresh || restarted;
+    kept = kept || !restarted;
   }
   bool reloads = false;
   for (auto& [name, spec] : tables_) {
-    if (!restarted || !spec.has_max_norm() || creating_.count(name)) continue;
+    if (!(fresh && kept) || !spec.has_max_norm() || spec.sharding().dim() != 1 ||
+        creating_.count(name)) {
+      continue;
+    }
     spec.set_generation(++last_generation_);
     reloads = true;
   }

@@ -590,7 +590,7 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadedTable(
   if (spec == specs_.end() || spec->second.generation() != generation) {
     return absl::AbortedError(absl::StrCat(
         "table \"", name, "\" on rank ", options_.rank, " is another load than generation ",
-        generation, " (it was dropped and created again); retry"));
+        generation, " (it was created again or reloaded meanwhile); retry"));
   }
   return it->second;
 }
