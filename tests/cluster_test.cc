@@ -138,6 +138,36 @@ v1::TableSpec TooLargeForAnyWorker(const std::string& name) {
   return spec;
 }
 
+// A call and PyTorch's answer to it.
+struct Answer {
+  absl::StatusOr<DenseTensor> got;
+  at::Tensor want;
+  bool Right() const { return got.ok() && at::allclose(FromDense(*got), want, 1e-5, 1e-5); }
+};
+
+// EmbeddingBag (sum) of `bags` bags of `bag` random ids of `t`.
+Answer RandomSumBags(Client& c, const Table& t, std::mt19937& rng, int bags, int bag) {
+  std::vector<int64_t> ids(bags * bag), offsets(bags);
+  for (auto& id : ids) id = rng() % t.spec.num_rows();
+  for (int b = 0; b < bags; ++b) offsets[b] = int64_t{b} * bag;
+  at::Tensor idt = at::tensor(ids, at::kLong).reshape({bags, bag});
+  v1::EmbeddingBagRequest r;
+  r.set_table(t.spec.name());
+  *r.mutable_ids() = ToProto(idt);
+  r.set_mode(v1::SUM);
+  return {c.EmbeddingBag(r), std::get<0>(at::embedding_bag(t.weight, idt.reshape({-1}),
+                                                           at::tensor(offsets, at::kLong), false,
+                                                           0))};
+}
+
+// Linear of the input rows `x` on `t`.
+Answer LinearOf(Client& c, const Table& t, const at::Tensor& x) {
+  v1::LinearRequest r;
+  r.set_table(t.spec.name());
+  *r.mutable_input() = ToProto(x);
+  return {c.Linear(r), at::linear(x, t.weight, t.bias)};
+}
+
 void ExpectClose(const absl::StatusOr<DenseTensor>& got, const at::Tensor& want,
                  const std::string& what) {
   ASSERT_TRUE(got.ok()) << what << ": " << got.status();
@@ -248,24 +278,9 @@ TEST(Cluster, ConcurrentCallersOnDifferentEntryRanksGetTheirOwnRows) {
         if ((t + i) % 3 == 0) {
           std::vector<float> x(16);
           for (float& v : x) v = static_cast<float>(rng() % 100) / 50.0f;
-          at::Tensor xt = at::from_blob(x.data(), {1, 16}).clone();
-          v1::LinearRequest r;
-          r.set_table("lin");
-          *r.mutable_input() = ToProto(xt);
-          auto got = c->Linear(r);
-          if (!got.ok() || !at::allclose(FromDense(*got), at::linear(xt, lin.weight, lin.bias), 1e-5, 1e-5)) ++wrong;
-        } else {
-          std::vector<int64_t> ids(6);
-          for (auto& id : ids) id = rng() % 500;
-          at::Tensor idt = at::tensor(ids, at::kLong).reshape({2, 3});
-          v1::EmbeddingBagRequest r;
-          r.set_table("emb");
-          *r.mutable_ids() = ToProto(idt);
-          r.set_mode(v1::SUM);
-          auto got = c->EmbeddingBag(r);
-          at::Tensor want = std::get<0>(at::embedding_bag(
-              emb.weight, idt.reshape({-1}), at::tensor(std::vector<int64_t>{0, 3}, at::kLong), false, 0));
-          if (!got.ok() || !at::allclose(FromDense(*got), want, 1e-5, 1e-5)) ++wrong;
+          if (!LinearOf(*c, lin, at::from_blob(x.data(), {1, 16}).clone()).Right()) ++wrong;
+        } else if (!RandomSumBags(*c, emb, rng, 2, 3).Right()) {
+          ++wrong;
         }
         ++done;
       }
@@ -309,34 +324,20 @@ TEST(Cluster, DroppingATableUnderLoadFailsOnlyItsCallsAndTheGroupServesOn) {
       std::mt19937 rng(t);
       while (!stop) {
         if (t < 3) {
-          std::vector<int64_t> ids(8);
-          for (auto& id : ids) id = rng() % 500;
-          at::Tensor idt = at::tensor(ids, at::kLong).reshape({2, 4});
-          v1::EmbeddingBagRequest r;
-          r.set_table("emb");
-          *r.mutable_ids() = ToProto(idt);
-          r.set_mode(v1::SUM);
-          auto got = c->EmbeddingBag(r);
-          at::Tensor want = std::get<0>(at::embedding_bag(
-              emb.weight, idt.reshape({-1}), at::tensor(std::vector<int64_t>{0, 4}, at::kLong),
-              false, 0));
-          if (!got.ok()) {
-            note(absl::StrCat("emb: ", got.status().ToString()));
-          } else if (!at::allclose(FromDense(*got), want, 1e-5, 1e-5)) {
+          const Answer bags = RandomSumBags(*c, emb, rng, 2, 4);
+          if (!bags.got.ok()) {
+            note(absl::StrCat("emb: ", bags.got.status().ToString()));
+          } else if (!bags.Right()) {
             note("emb: wrong values");
           } else {
             ++emb_ok;
           }
           continue;
         }
-        at::Tensor xt = at::randn({1, 16});
-        v1::LinearRequest r;
-        r.set_table("lin");
-        *r.mutable_input() = ToProto(xt);
-        auto got = c->Linear(r);
-        const absl::Status s = got.status();
-        if (got.ok()) {
-          if (at::allclose(FromDense(*got), at::linear(xt, lin.weight, lin.bias), 1e-5, 1e-5)) {
+        const Answer y = LinearOf(*c, lin, at::randn({1, 16}));
+        const absl::Status s = y.got.status();
+        if (y.got.ok()) {
+          if (y.Right()) {
             ++lin_ok;
           } else {
             note("lin: wrong values");
