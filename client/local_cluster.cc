@@ -153,6 +153,9 @@ absl::Status LocalCluster::StartWorker(int rank) {
                                    absl::StrCat("--rank=", rank), "--listen=127.0.0.1:0",
                                    "--port_file=" + port_file};
   args.insert(args.end(), options_.worker_flags.begin(), options_.worker_flags.end());
+  if (auto it = options_.rank_flags.find(rank); it != options_.rank_flags.end()) {
+    args.insert(args.end(), it->second.begin(), it->second.end());
+  }
   absl::StatusOr<pid_t> pid = Spawn(options_.server_dir + "/worker_main", args,
                                     absl::StrCat(options_.work_dir, "/worker", rank, ".log"));
   if (!pid.ok()) return pid.status();

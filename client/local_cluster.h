@@ -8,6 +8,7 @@
 
 #include <sys/types.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,6 +26,7 @@ struct LocalClusterOptions {
   std::string state_dir;   // empty: work_dir/state
   std::vector<std::string> coordinator_flags;
   std::vector<std::string> worker_flags;
+  std::map<int, std::vector<std::string>> rank_flags;  // more flags for the worker of one rank
   bool quiet = true;       // children log to work_dir/*.log instead of stderr
 };
 

@@ -591,6 +591,7 @@ void StepLoop::Run() {
     }
     idle = absl::ZeroDuration();
     idle_rounds = 0;
+    std::vector<std::string> renorm_unsure;  // see Options::on_group_broken
     if (broken.ok()) {
       if (!same_tables) {
         broken = SkipTablesNotHeldAlike(*comm, tables->tables, options_.collective_timeout, work,
@@ -639,7 +640,13 @@ void StepLoop::Run() {
               });
           const std::vector<StepRequest*>& reqs = w.reqs;
           if (!result.ok()) {
-            if (result.status().code() == absl::StatusCode::kUnavailable) return result.status();
+            if (result.status().code() == absl::StatusCode::kUnavailable) {
+              const TableConfig& config = table->config();
+              if (config.max_norm.has_value() && config.spec.dim() == 1) {
+                renorm_unsure.push_back(key.table);
+              }
+              return result.status();
+            }
             for (StepRequest* r : reqs) Answer(*r, result.status());
             continue;
           }
@@ -694,7 +701,9 @@ void StepLoop::Run() {
         queued_bytes_ = 0;
       }
       for (auto& r : queued) Answer(*r, status);
-      if (options_.on_group_broken) options_.on_group_broken(status);
+      tables.reset();
+      for (const std::string& name : renorm_unsure) DropTable(name);
+      if (options_.on_group_broken) options_.on_group_broken(status, renorm_unsure);
     }
   }
   {

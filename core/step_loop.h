@@ -19,7 +19,8 @@
 // everything else runs on the loop's own thread, which calls LocalKernels::InitThread() first.
 // Requests are answered exactly once, on the loop thread (or at once, on Submit's thread, when
 // refused). A failed collective fails the step's requests with UNAVAILABLE, drops the group and
-// reports it through Options::on_group_broken; the loop then waits for SetGroup.
+// reports it through Options::on_group_broken (with the tables it may have left renormed unlike
+// on the other ranks, which it drops too); the loop then waits for SetGroup.
 #ifndef SHARDSERVE_CORE_STEP_LOOP_H_
 #define SHARDSERVE_CORE_STEP_LOOP_H_
 
@@ -90,7 +91,12 @@ class StepLoop {
     absl::Duration park_check = absl::Seconds(1);
     absl::Duration collective_timeout = absl::Seconds(10);
     InputLimits limits;
-    std::function<void(const absl::Status&)> on_group_broken;
+    // Called on the loop's thread when the group fails. `renorm_unsure` names the tables whose
+    // rows this rank may now hold renormed unlike its peers: the step failed during a lookup of a
+    // column-sharded max_norm table, so the collective that renorms its rows may have completed
+    // on some ranks only. The loop has dropped them; every rank must load them again.
+    std::function<void(const absl::Status& status, const std::vector<std::string>& renorm_unsure)>
+        on_group_broken;
     // Called on the loop's thread once the answers it gave may go out together: after each round
     // (a step's answers go out when the whole step is done) and before the loop waits on its
     // peers after answering expired requests. A server may hold the answers given on the loop's

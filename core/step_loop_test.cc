@@ -1,5 +1,6 @@
 #include "core/step_loop.h"
 
+#include <atomic>
 #include <functional>
 #include <future>
 #include <memory>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "core/cpu_kernels.h"
+#include "core/fault_injecting_communicator.h"
 #include "core/gloo_communicator.h"
 #include "core/rendezvous.h"
 #include "gmock/gmock.h"
@@ -77,7 +79,7 @@ struct Fixture {
     for (int r = 0; r < kWorld; ++r) {
       StepLoop::Options options;
       options.collective_timeout = absl::Seconds(5);
-      options.on_group_broken = [this, r](const absl::Status& s) {
+      options.on_group_broken = [this, r](const absl::Status& s, const std::vector<std::string>&) {
         absl::MutexLock lock(&mu);
         broken[r] = s;
       };
@@ -299,7 +301,7 @@ TEST(StepLoop, ARankOfAnotherBuildFailsTheGroupWithAnErrorThatSaysSo) {
     absl::Status broken;
     StepLoop::Options options;
     options.collective_timeout = absl::Seconds(5);
-    options.on_group_broken = [&](const absl::Status& s) {
+    options.on_group_broken = [&](const absl::Status& s, const std::vector<std::string>&) {
       broken = s;
       broken_notified.Notify();
     };
@@ -319,6 +321,100 @@ TEST(StepLoop, ARankOfAnotherBuildFailsTheGroupWithAnErrorThatSaysSo) {
     EXPECT_FALSE(loop.serving());
     loop.Stop();
   }
+}
+
+TEST(StepLoop, ARenormThatCompletedOnOneRankOnlyDropsTheTableAndReportsIt) {
+  // A column-sharded max_norm table: a lookup renorms the rows it reads, each rank scaling its
+  // columns by the norm summed over ranks (an AllReduce). Rank 1's AllReduce completes, then fails
+  // (as if rank 1 timed out just after sending): rank 0 scales its columns, rank 1 does not.
+  TableConfig norm;
+  norm.name = "norm";
+  norm.num_rows = 20;
+  norm.num_cols = 6;
+  norm.spec = ShardingSpec::Contiguous(1, 2);
+  norm.max_norm = 0.5;
+  ASSERT_TRUE(norm.Validate().ok());
+  std::vector<float> weight(20 * 6);
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(0.5, 1);  // every row's norm is above 0.5
+  for (float& w : weight) w = u(rng);
+  CpuKernels kernels;
+  InProcessRendezvous store;
+  auto comms = Connect(2, "partial-renorm", store);
+  std::atomic<int64_t> countdown{1};
+  absl::Mutex mu;
+  std::vector<absl::Status> broken(2);
+  std::vector<std::vector<std::string>> unsure(2);
+  std::vector<std::shared_ptr<ShardedTable>> tables;
+  std::vector<std::unique_ptr<StepLoop>> loops;
+  for (int r = 0; r < 2; ++r) {
+    StepLoop::Options options;
+    options.collective_timeout = absl::Seconds(5);
+    options.on_group_broken = [&, r](const absl::Status& s, const std::vector<std::string>& u) {
+      absl::MutexLock lock(&mu);
+      broken[r] = s;
+      unsure[r] = u;
+    };
+    loops.push_back(std::make_unique<StepLoop>(options, kernels));
+    auto table = ShardedTable::Create(norm, r, kernels);
+    ASSERT_TRUE(table.ok()) << table.status();
+    ASSERT_TRUE((*table)->LoadFromFull(weight.data(), nullptr).ok());
+    tables.push_back(std::move(*table));
+    loops[r]->SetTable(tables[r]);
+    std::unique_ptr<Communicator> comm = std::move(comms[r]);
+    if (r == 1) comm = std::make_unique<FaultInjectingCommunicator>(std::move(comm), &countdown);
+    loops[r]->SetGroup(std::move(comm), 1);
+  }
+  auto lookup = [](std::vector<int64_t> ids) {
+    auto r = std::make_unique<StepRequest>();
+    r->op = StepRequest::Op::kEmbedding;
+    r->table = "norm";
+    r->shape = {static_cast<int64_t>(ids.size())};
+    r->ids = std::move(ids);
+    return r;
+  };
+  std::vector<std::future<absl::StatusOr<DenseResult>>> futures;
+  for (int r = 0; r < 2; ++r) {
+    auto request = lookup({2, 7});
+    auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
+    futures.push_back(promise->get_future());
+    request->done = [promise](absl::StatusOr<DenseResult> got) { promise->set_value(std::move(got)); };
+    loops[r]->Submit(std::move(request));
+  }
+  for (auto& loop : loops) loop->Start();
+  for (auto& future : futures) {
+    absl::StatusOr<DenseResult> got = future.get();
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  }
+  for (auto& loop : loops) {
+    for (int i = 0; i < 500 && loop->serving(); ++i) absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_FALSE(loop->serving());
+  }
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_THAT(broken[1].message(), HasSubstr("injected fault"));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_FALSE(broken[r].ok()) << "rank " << r;
+      EXPECT_EQ(unsure[r], std::vector<std::string>{"norm"}) << "rank " << r;
+    }
+  }
+  // The state the report is about: row 2's columns renormed on rank 0, stored on rank 1.
+  const int64_t half = 3;
+  EXPECT_NE(tables[0]->shard().data[2 * half], weight[2 * 6]);
+  EXPECT_EQ(tables[1]->shard().data[2 * half], weight[2 * 6 + half]);
+  // Neither loop runs the table again: in a new group, a lookup finds it gone.
+  auto fresh = Connect(2, "partial-renorm-again", store);
+  for (int r = 0; r < 2; ++r) loops[r]->SetGroup(std::move(fresh[r]), 2);
+  for (int r = 0; r < 2; ++r) {
+    auto request = lookup({2});
+    std::promise<absl::StatusOr<DenseResult>> promise;
+    auto future = promise.get_future();
+    request->done = [&promise](absl::StatusOr<DenseResult> got) { promise.set_value(std::move(got)); };
+    loops[r]->Submit(std::move(request));
+    absl::StatusOr<DenseResult> got = future.get();
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound) << got.status();
+  }
+  for (auto& loop : loops) loop->Stop();
 }
 
 TEST(StepLoop, AfterAnswersRunsOnTheLoopThreadOnceARoundsAnswersAreGiven) {

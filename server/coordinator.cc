@@ -289,6 +289,9 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
                                 absl::StrCat("rank ", request->rank(), ": ", e.message()));
       m.load_errors[e.table()] = {e.generation(), status};
     }
+    for (const v1::TableSpec& held : request->renorm_unsure()) {
+      c_.ReloadAfterPartialRenorm(request->rank(), held);
+    }
     c_.Reconcile();
     response->set_world_size(c_.options_.world_size);
     response->set_epoch(c_.epoch_);
@@ -653,6 +656,20 @@ bool Coordinator::TableServing(const std::string& name) const {
     if (std::find(m.serving.begin(), m.serving.end(), name) == m.serving.end()) return false;
   }
   return true;
+}
+
+void Coordinator::ReloadAfterPartialRenorm(int rank, const v1::TableSpec& held) {
+  auto it = tables_.find(held.name());
+  // Another generation than the rank held: every worker loads that one anew anyway.
+  if (it == tables_.end() || it->second.generation() != held.generation()) return;
+  it->second.set_generation(++last_generation_);
+  std::fprintf(stderr,
+               "coordinator: table \"%s\" is loaded again as generation %llu: a step failed on "
+               "rank %d while it renormed rows, which the ranks may now hold differently\n",
+               held.name().c_str(), static_cast<unsigned long long>(last_generation_), rank);
+  if (absl::Status s = SaveRegistry(); !s.ok()) {
+    std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
+  }
 }
 
 void Coordinator::Reconcile() {

@@ -68,6 +68,11 @@ class Coordinator {
   explicit Coordinator(CoordinatorOptions options);
   absl::Status LoadRegistry();
   absl::Status SaveRegistry() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rank `rank` may hold the rows of `held` renormed unlike its peers (a step failed during a
+  // lookup that renorms them): unless the table has changed since, it gets a new generation, which
+  // every worker loads anew.
+  void ReloadAfterPartialRenorm(int rank, const v1::TableSpec& held)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the group to a new epoch when it must (see the .cc), and updates health.
   void Reconcile() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Alive(const Member& m) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -11,6 +11,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/fault_injecting_communicator.h"
 #include "core/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/alarm.h"
@@ -475,9 +476,14 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
     return absl::InvalidArgumentError(
         absl::StrCat("--copy_lanes: ", options.copy_lanes, " must be in [0, 64]"));
   }
+  if (options.fail_allreduce < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--fail_allreduce: ", options.fail_allreduce, " must be >= 0"));
+  }
   ASSIGN_OR_RETURN(core::Device device, core::Device::Parse(options.device));
   std::unique_ptr<Worker> worker(new Worker(std::move(options)));
   Worker* w = worker.get();
+  w->allreduces_to_fault_ = w->options_.fail_allreduce;
   if (device.kind == core::Device::Kind::kCpu) {
 #ifdef SHARDSERVE_GPU_ONLY
     return absl::InvalidArgumentError(
@@ -495,10 +501,20 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
 #endif
   }
   core::StepLoop::Options step = w->options_.step;
-  step.on_group_broken = [w](const absl::Status& status) {
+  step.on_group_broken = [w](const absl::Status& status,
+                             const std::vector<std::string>& renorm_unsure) {
     std::fprintf(stderr, "worker rank %d: %s\n", w->options_.rank, status.ToString().c_str());
     absl::MutexLock lock(&w->mu_);
     w->group_broken_ = true;
+    for (const std::string& name : renorm_unsure) {  // the loop has dropped them
+      std::fprintf(stderr,
+                   "worker rank %d: table \"%s\" waits for a new generation: the step failed "
+                   "while it renormed rows, which the ranks may now hold differently\n",
+                   w->options_.rank, name.c_str());
+      w->loaded_.erase(name);
+      w->configs_.erase(name);
+      if (w->specs_.count(name)) w->renorm_unsure_.insert(name);
+    }
     w->UpdateHealth();
   };
   step.after_answers = [w] { w->data_service_->WakeForStepAnswers(); };
@@ -561,6 +577,12 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
   absl::MutexLock lock(&mu_);
   auto it = configs_.find(name);
   if (it == configs_.end()) {
+    if (renorm_unsure_.count(name)) {
+      return absl::UnavailableError(absl::StrCat(
+          "table \"", name, "\" is being loaded again on every rank: a step failed on rank ",
+          options_.rank, " while it renormed rows (max_norm), which the ranks may now hold "
+          "differently; retry"));
+    }
     if (wanted_.count(name)) {
       return absl::FailedPreconditionError(
           absl::StrCat("table \"", name, "\" is still loading on rank ", options_.rank));
@@ -633,6 +655,7 @@ void Worker::HeartbeatLoop() {
         *request.add_loaded_specs() = spec->second;
       }
       for (const std::string& name : serving_) request.add_serving_tables(name);
+      for (const std::string& name : renorm_unsure_) *request.add_renorm_unsure() = specs_.at(name);
       for (const auto& [name, error] : load_errors_) {
         v1::internal::TableLoadError* e = request.add_load_errors();
         e->set_table(name);
@@ -677,8 +700,10 @@ void Worker::ReconcileLoop() {
         if (replaced) {
           to_drop.push_back(name);  // the old one goes first
           load_errors_.erase(name);
+          renorm_unsure_.erase(name);
         }
-        if (replaced || (!loaded_.count(name) && !load_errors_.count(name))) {
+        if (replaced ||
+            (!loaded_.count(name) && !load_errors_.count(name) && !renorm_unsure_.count(name))) {
           to_load.push_back(spec);
         }
       }
@@ -692,6 +717,14 @@ void Worker::ReconcileLoop() {
         }
         specs_.erase(it->first);  // dropped: forget
         it = load_errors_.erase(it);
+      }
+      for (auto it = renorm_unsure_.begin(); it != renorm_unsure_.end();) {
+        if (wanted_.count(*it)) {
+          ++it;
+          continue;
+        }
+        specs_.erase(*it);
+        it = renorm_unsure_.erase(it);
       }
       world = world_size_;
       const bool need_group = target_epoch_ != 0 && target_epoch_ != loop_->epoch() &&
@@ -757,9 +790,15 @@ void Worker::ReconcileLoop() {
         }
       }
 #endif
+      std::unique_ptr<core::Communicator> control;
+      if (comm.ok()) control = std::move(*comm);
+      if (control != nullptr && options_.fail_allreduce > 0) {
+        control = std::make_unique<core::FaultInjectingCommunicator>(std::move(control),
+                                                                     &allreduces_to_fault_);
+      }
       absl::MutexLock lock(&mu_);
       if (comm.ok()) {
-        loop_->SetGroup(std::move(*comm), epoch, std::move(data));
+        loop_->SetGroup(std::move(control), epoch, std::move(data));
         joined_epoch_ = epoch;
         group_broken_ = false;
         std::fprintf(stderr, "worker rank %d: joined group epoch %llu (W=%d)\n", options_.rank,

@@ -10,6 +10,7 @@
 #ifndef SHARDSERVE_SERVER_WORKER_H_
 #define SHARDSERVE_SERVER_WORKER_H_
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <set>
@@ -40,6 +41,9 @@ struct WorkerOptions {
   absl::Duration heartbeat_interval = absl::Milliseconds(50);
   core::StepLoop::Options step;
   core::GlooOptions gloo;
+  // Fault drill: this worker's Nth AllReduce (counted over its groups) fails after it has run
+  // (core::FaultInjectingCommunicator). 0: never.
+  int64_t fail_allreduce = 0;
 };
 
 class Worker {
@@ -85,6 +89,8 @@ class Worker {
   std::thread heartbeat_thread_;
   std::thread reconcile_thread_;
 
+  std::atomic<int64_t> allreduces_to_fault_{0};  // options_.fail_allreduce, counting down
+
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   int world_size_ ABSL_GUARDED_BY(mu_) = 0;
@@ -97,9 +103,13 @@ class Worker {
   std::map<std::string, std::shared_ptr<const core::TableConfig>> configs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<core::ShardedTable>> loaded_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, absl::Status> load_errors_ ABSL_GUARDED_BY(mu_);
-  // The spec each table of loaded_ and load_errors_ came from: a table created again under the
-  // same name (every creation has its own TableSpec.generation), even between two heartbeats, is
-  // loaded anew.
+  // Tables the step loop dropped because a step failed while it renormed their rows, so that
+  // this rank may hold them unlike its peers (core::StepLoop::Options::on_group_broken). Reported
+  // to the coordinator, which gives them a new generation; loaded again only then.
+  std::set<std::string> renorm_unsure_ ABSL_GUARDED_BY(mu_);
+  // The spec each table of loaded_, load_errors_ and renorm_unsure_ came from: a table created
+  // again under the same name (every creation has its own TableSpec.generation), even between two
+  // heartbeats, is loaded anew.
   std::map<std::string, v1::TableSpec> specs_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> serving_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> health_names_ ABSL_GUARDED_BY(mu_);

@@ -32,6 +32,10 @@ ABSL_FLAG(int64_t, shared_memory_block_mb, 16,
           "exchange blocks up to this size go through shared memory between workers that can map "
           "each other's (one host); 0: always the sockets");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
+ABSL_FLAG(int64_t, fail_allreduce, 0,
+          "fault drill: this worker's Nth AllReduce fails after it has run, as if the worker timed "
+          "out just after its peers got its data (only lookups of column-sharded max_norm tables "
+          "use one); 0: never");
 
 int main(int argc, char** argv) {
   shardserve::server::BlockShutdownSignals();
@@ -56,6 +60,7 @@ int main(int argc, char** argv) {
   options.copy_lanes = absl::GetFlag(FLAGS_copy_lanes);
   options.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
   options.step.row_budget = absl::GetFlag(FLAGS_row_budget);
+  options.fail_allreduce = absl::GetFlag(FLAGS_fail_allreduce);
   options.step.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
   options.gloo.sync_timeout = options.step.collective_timeout;
   options.gloo.shared_memory_block_bytes = absl::GetFlag(FLAGS_shared_memory_block_mb) << 20;

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -58,12 +59,14 @@ std::string TempDir() {
   return path;
 }
 
-std::unique_ptr<LocalCluster> StartCluster(int workers) {
+std::unique_ptr<LocalCluster> StartCluster(
+    int workers, std::map<int, std::vector<std::string>> rank_flags = {}) {
   client::LocalClusterOptions options;
   options.server_dir = LocalCluster::FindServerDir("");
   options.workers = workers;
   options.work_dir = TempDir();
   options.worker_flags = {"--collective_timeout_ms=3000"};
+  options.rank_flags = std::move(rank_flags);
   options.coordinator_flags = {"--liveness_ms=600"};
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
@@ -74,6 +77,14 @@ std::unique_ptr<Client> Connect(const LocalCluster& cluster, bool direct = true)
   ClientOptions options;
   options.direct = direct;
   options.deadline = absl::Seconds(20);
+  return *Client::Connect(cluster.coordinator_address(), options);
+}
+
+// A client that makes each call once: a test sees the failure itself, not a retry.
+std::unique_ptr<Client> ConnectOnce(const LocalCluster& cluster, absl::Duration deadline) {
+  ClientOptions options;
+  options.max_attempts = 1;
+  options.deadline = deadline;
   return *Client::Connect(cluster.coordinator_address(), options);
 }
 
@@ -305,10 +316,7 @@ TEST(Cluster, DroppingATableUnderLoadFailsOnlyItsCallsAndTheGroupServesOn) {
   Table lin = MakeTable("lin", v1::LINEAR, 8, 16, 1, {1, 0}, dir);
   ASSERT_TRUE(admin->CreateTable(emb.spec).ok());
   ASSERT_TRUE(admin->CreateTable(lin.spec).ok());
-  ClientOptions once;
-  once.max_attempts = 1;
-  once.deadline = absl::Seconds(20);
-  auto c = *Client::Connect(cluster->coordinator_address(), once);
+  auto c = ConnectOnce(*cluster, absl::Seconds(20));
   std::atomic<bool> stop{false};
   std::atomic<int> emb_ok{0}, lin_ok{0}, lin_refused{0};
   absl::Mutex mu;
@@ -544,13 +552,50 @@ TEST(Cluster, ARestartedWorkerLeavesATableThatRenormsConsistent) {
   ExpectClose(c->Embedding(r), want, "after the restart");
 }
 
+TEST(Cluster, AStepThatFailsMidRenormLeavesATableThatRenormsConsistent) {
+  // Rank 1's second AllReduce completes, then fails: rank 0 renorms the second lookup's rows,
+  // rank 1 does not, and the group breaks without any worker restarting.
+  auto cluster = StartCluster(2, {{1, {"--fail_allreduce=2"}}});
+  ASSERT_NE(cluster, nullptr);
+  auto once = ConnectOnce(*cluster, absl::Seconds(20));
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("renorm", v1::EMBEDDING, 50, 8, 1, {0, 1}, TempDir());
+  emb.spec.set_max_norm(1.0);
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  const uint64_t generation = c->DescribeTable("renorm")->spec().generation();
+  c10::InferenceMode guard;
+  at::Tensor renormed = emb.weight.clone();
+  auto lookup = [&](Client& client, std::vector<int64_t> ids) {
+    v1::EmbeddingRequest r;
+    r.set_table("renorm");
+    *r.mutable_ids() = ToProto(at::tensor(ids, at::kLong));
+    return client.Embedding(r);
+  };
+  const std::vector<int64_t> first = {1, 5, 9, 13}, second = {2, 6, 10};
+  at::embedding_renorm_(renormed, at::tensor(first, at::kLong), 1.0, 2.0);
+  ExpectClose(lookup(*once, first), at::embedding(renormed, at::tensor(first, at::kLong)),
+              "the first lookup");
+  absl::StatusOr<DenseTensor> failed = lookup(*once, second);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
+  // The coordinator gives the table a new generation; every worker loads it again, and lookups
+  // renorm rows as the first time (the failed lookup renormed nothing that anyone saw).
+  const std::string table_health = "shardserve.v1.table/renorm";
+  ASSERT_TRUE(WaitFor([&] {
+    absl::StatusOr<v1::TableInfo> info = c->DescribeTable("renorm");
+    return info.ok() && info->spec().generation() != generation &&
+           Health(cluster->coordinator_address(), table_health) ==
+               grpc::health::v1::HealthCheckResponse::SERVING;
+  }, absl::Seconds(30)));
+  const std::vector<int64_t> both = {1, 2, 5, 6, 9, 10, 13};
+  at::embedding_renorm_(renormed, at::tensor(both, at::kLong), 1.0, 2.0);
+  ExpectClose(lookup(*c, both), at::embedding(renormed, at::tensor(both, at::kLong)),
+              "after the failed step");
+}
+
 TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
-  ClientOptions options;
-  options.deadline = absl::Seconds(3);
-  options.max_attempts = 1;  // see the failure itself, not a retry
-  auto once = *Client::Connect(cluster->coordinator_address(), options);
+  auto once = ConnectOnce(*cluster, absl::Seconds(3));
   auto c = Connect(*cluster);
   Table emb = MakeTable("emb", v1::EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());

@@ -16,4 +16,5 @@ expect "cuda:0" --coordinator=127.0.0.1:1 --device=cuda:0
 expect "--row_budget must be >= 1" --coordinator=127.0.0.1:1 --row_budget=0
 expect "--max_queued_mb must be in [1, 2^30]" --coordinator=127.0.0.1:1 --max_queued_mb=0
 expect "--copy_lanes: -1 must be in [0, 64]" --coordinator=127.0.0.1:1 --copy_lanes=-1
+expect "--fail_allreduce: -1 must be >= 0" --coordinator=127.0.0.1:1 --fail_allreduce=-1
 echo "worker flags test passed"
