@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -22,8 +23,10 @@ class FaultInjectingCommunicator final : public Communicator {
  public:
   // `countdown` counts the AllReduce calls of every communicator that shares it: the call that
   // takes it from 1 to 0 fails; later ones run normally.
-  FaultInjectingCommunicator(std::unique_ptr<Communicator> inner, std::atomic<int64_t>* countdown)
-      : inner_(std::move(inner)), countdown_(countdown) {}
+  // `at_fault`, if set, runs on the failing call's thread just before it fails.
+  FaultInjectingCommunicator(std::unique_ptr<Communicator> inner, std::atomic<int64_t>* countdown,
+                             std::function<void()> at_fault = nullptr)
+      : inner_(std::move(inner)), countdown_(countdown), at_fault_(std::move(at_fault)) {}
 
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
@@ -40,6 +43,7 @@ class FaultInjectingCommunicator final : public Communicator {
                          absl::Duration timeout) override {
     absl::Status status = inner_->AllReduce(data, count, type, op, timeout);
     if (status.ok() && countdown_->fetch_sub(1) == 1) {
+      if (at_fault_) at_fault_();
       inner_->Abort().IgnoreError();
       return absl::UnavailableError(
           absl::StrCat("injected fault: rank ", rank(), " fails an AllReduce that completed"));
@@ -68,6 +72,7 @@ class FaultInjectingCommunicator final : public Communicator {
  private:
   std::unique_ptr<Communicator> inner_;
   std::atomic<int64_t>* countdown_;
+  std::function<void()> at_fault_;
 };
 
 }  // namespace shardserve::core

@@ -591,7 +591,7 @@ void StepLoop::Run() {
     }
     idle = absl::ZeroDuration();
     idle_rounds = 0;
-    std::vector<std::string> renorm_unsure;  // see Options::on_group_broken
+    std::vector<std::shared_ptr<ShardedTable>> renorm_unsure;  // see Options::on_group_broken
     if (broken.ok()) {
       if (!same_tables) {
         broken = SkipTablesNotHeldAlike(*comm, tables->tables, options_.collective_timeout, work,
@@ -643,7 +643,7 @@ void StepLoop::Run() {
             if (result.status().code() == absl::StatusCode::kUnavailable) {
               const TableConfig& config = table->config();
               if (config.max_norm.has_value() && config.spec.dim() == 1) {
-                renorm_unsure.push_back(key.table);
+                renorm_unsure.push_back(table);
               }
               return result.status();
             }
@@ -702,7 +702,15 @@ void StepLoop::Run() {
       }
       for (auto& r : queued) Answer(*r, status);
       tables.reset();
-      for (const std::string& name : renorm_unsure) DropTable(name);
+      if (!renorm_unsure.empty()) {
+        absl::MutexLock lock(&mu_);
+        auto held = tables_->tables;
+        for (const std::shared_ptr<ShardedTable>& table : renorm_unsure) {
+          auto it = held.find(table->config().name);
+          if (it != held.end() && it->second == table) held.erase(it);  // not a newer load
+        }
+        SetTablesLocked(std::move(held));
+      }
       if (options_.on_group_broken) options_.on_group_broken(status, renorm_unsure);
     }
   }

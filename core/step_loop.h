@@ -91,11 +91,13 @@ class StepLoop {
     absl::Duration park_check = absl::Seconds(1);
     absl::Duration collective_timeout = absl::Seconds(10);
     InputLimits limits;
-    // Called on the loop's thread when the group fails. `renorm_unsure` names the tables whose
+    // Called on the loop's thread when the group fails. `renorm_unsure` holds the tables whose
     // rows this rank may now hold renormed unlike its peers: the step failed during a lookup of a
     // column-sharded max_norm table, so the collective that renorms its rows may have completed
-    // on some ranks only. The loop has dropped them; every rank must load them again.
-    std::function<void(const absl::Status& status, const std::vector<std::string>& renorm_unsure)>
+    // on some ranks only. The loop has dropped them (unless SetTable replaced them meanwhile);
+    // every rank must load them again.
+    std::function<void(const absl::Status& status,
+                       const std::vector<std::shared_ptr<ShardedTable>>& renorm_unsure)>
         on_group_broken;
     // Called on the loop's thread once the answers it gave may go out together: after each round
     // (a step's answers go out when the whole step is done) and before the loop waits on its

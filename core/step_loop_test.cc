@@ -1,6 +1,7 @@
 #include "core/step_loop.h"
 
 #include <atomic>
+#include <cmath>
 #include <functional>
 #include <future>
 #include <memory>
@@ -79,7 +80,8 @@ struct Fixture {
     for (int r = 0; r < kWorld; ++r) {
       StepLoop::Options options;
       options.collective_timeout = absl::Seconds(5);
-      options.on_group_broken = [this, r](const absl::Status& s, const std::vector<std::string>&) {
+      options.on_group_broken = [this, r](const absl::Status& s,
+                                          const std::vector<std::shared_ptr<ShardedTable>>&) {
         absl::MutexLock lock(&mu);
         broken[r] = s;
       };
@@ -301,7 +303,8 @@ TEST(StepLoop, ARankOfAnotherBuildFailsTheGroupWithAnErrorThatSaysSo) {
     absl::Status broken;
     StepLoop::Options options;
     options.collective_timeout = absl::Seconds(5);
-    options.on_group_broken = [&](const absl::Status& s, const std::vector<std::string>&) {
+    options.on_group_broken = [&](const absl::Status& s,
+                                  const std::vector<std::shared_ptr<ShardedTable>>&) {
       broken = s;
       broken_notified.Notify();
     };
@@ -323,98 +326,145 @@ TEST(StepLoop, ARankOfAnotherBuildFailsTheGroupWithAnErrorThatSaysSo) {
   }
 }
 
-TEST(StepLoop, ARenormThatCompletedOnOneRankOnlyDropsTheTableAndReportsIt) {
-  // A column-sharded max_norm table: a lookup renorms the rows it reads, each rank scaling its
-  // columns by the norm summed over ranks (an AllReduce). Rank 1's AllReduce completes, then fails
-  // (as if rank 1 timed out just after sending): rank 0 scales its columns, rank 1 does not.
+// Two ranks with a column-sharded max_norm table: a lookup renorms the rows it reads, each rank
+// scaling its columns by the norm summed over ranks (an AllReduce). Rank 1's first AllReduce
+// completes, then fails (as if rank 1 timed out just after sending): rank 0 scales its columns,
+// rank 1 does not.
+struct PartialRenorm {
+  static constexpr int kCols = 6;
   TableConfig norm;
-  norm.name = "norm";
-  norm.num_rows = 20;
-  norm.num_cols = 6;
-  norm.spec = ShardingSpec::Contiguous(1, 2);
-  norm.max_norm = 0.5;
-  ASSERT_TRUE(norm.Validate().ok());
-  std::vector<float> weight(20 * 6);
-  std::mt19937 rng(3);
-  std::uniform_real_distribution<float> u(0.5, 1);  // every row's norm is above 0.5
-  for (float& w : weight) w = u(rng);
+  std::vector<float> weight = Weight(1);
   CpuKernels kernels;
   InProcessRendezvous store;
-  auto comms = Connect(2, "partial-renorm", store);
   std::atomic<int64_t> countdown{1};
   absl::Mutex mu;
-  std::vector<absl::Status> broken(2);
-  std::vector<std::vector<std::string>> unsure(2);
+  std::vector<absl::Status> broken = std::vector<absl::Status>(2);
+  std::vector<std::vector<std::shared_ptr<ShardedTable>>> unsure =
+      std::vector<std::vector<std::shared_ptr<ShardedTable>>>(2);
   std::vector<std::shared_ptr<ShardedTable>> tables;
-  std::vector<std::unique_ptr<StepLoop>> loops;
-  for (int r = 0; r < 2; ++r) {
-    StepLoop::Options options;
-    options.collective_timeout = absl::Seconds(5);
-    options.on_group_broken = [&, r](const absl::Status& s, const std::vector<std::string>& u) {
-      absl::MutexLock lock(&mu);
-      broken[r] = s;
-      unsure[r] = u;
-    };
-    loops.push_back(std::make_unique<StepLoop>(options, kernels));
-    auto table = ShardedTable::Create(norm, r, kernels);
-    ASSERT_TRUE(table.ok()) << table.status();
-    ASSERT_TRUE((*table)->LoadFromFull(weight.data(), nullptr).ok());
-    tables.push_back(std::move(*table));
-    loops[r]->SetTable(tables[r]);
-    std::unique_ptr<Communicator> comm = std::move(comms[r]);
-    if (r == 1) comm = std::make_unique<FaultInjectingCommunicator>(std::move(comm), &countdown);
-    loops[r]->SetGroup(std::move(comm), 1);
+  std::vector<std::unique_ptr<StepLoop>> loops;  // last: stopped before what they report into
+
+  PartialRenorm() {
+    norm.name = "norm";
+    norm.num_rows = 20;
+    norm.num_cols = kCols;
+    norm.spec = ShardingSpec::Contiguous(1, 2);
+    norm.max_norm = 0.5;
+    EXPECT_TRUE(norm.Validate().ok());
   }
-  auto lookup = [](std::vector<int64_t> ids) {
+  ~PartialRenorm() {
+    for (auto& loop : loops) loop->Stop();
+  }
+
+  static std::vector<float> Weight(int seed) {
+    std::vector<float> w(20 * kCols);
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(0.5, 1);  // every row's norm is above max_norm
+    for (float& v : w) v = u(rng);
+    return w;
+  }
+  std::shared_ptr<ShardedTable> Load(int rank, const std::vector<float>& w) {
+    auto table = ShardedTable::Create(norm, rank, kernels);
+    EXPECT_TRUE(table.ok()) << table.status();
+    EXPECT_TRUE((*table)->LoadFromFull(w.data(), nullptr).ok());
+    return std::move(*table);
+  }
+  // Starts the loops; `at_fault` runs on rank 1's loop thread just before its AllReduce fails.
+  void Start(std::function<void()> at_fault = nullptr) {
+    auto comms = Connect(2, "partial-renorm", store);
+    for (int r = 0; r < 2; ++r) {
+      StepLoop::Options options;
+      options.collective_timeout = absl::Seconds(5);
+      options.on_group_broken = [this, r](const absl::Status& s,
+                                          const std::vector<std::shared_ptr<ShardedTable>>& u) {
+        absl::MutexLock lock(&mu);
+        broken[r] = s;
+        unsure[r] = u;
+      };
+      loops.push_back(std::make_unique<StepLoop>(options, kernels));
+      tables.push_back(Load(r, weight));
+      loops[r]->SetTable(tables[r]);
+      std::unique_ptr<Communicator> comm = std::move(comms[r]);
+      if (r == 1) {
+        comm = std::make_unique<FaultInjectingCommunicator>(std::move(comm), &countdown, at_fault);
+      }
+      loops[r]->SetGroup(std::move(comm), 1);
+      loops[r]->Start();
+    }
+  }
+  std::future<absl::StatusOr<DenseResult>> Lookup(int rank, std::vector<int64_t> ids) {
     auto r = std::make_unique<StepRequest>();
     r->op = StepRequest::Op::kEmbedding;
     r->table = "norm";
     r->shape = {static_cast<int64_t>(ids.size())};
     r->ids = std::move(ids);
-    return r;
-  };
-  std::vector<std::future<absl::StatusOr<DenseResult>>> futures;
-  for (int r = 0; r < 2; ++r) {
-    auto request = lookup({2, 7});
     auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
-    futures.push_back(promise->get_future());
-    request->done = [promise](absl::StatusOr<DenseResult> got) { promise->set_value(std::move(got)); };
-    loops[r]->Submit(std::move(request));
+    auto future = promise->get_future();
+    r->done = [promise](absl::StatusOr<DenseResult> got) { promise->set_value(std::move(got)); };
+    loops[rank]->Submit(std::move(r));
+    return future;
   }
-  for (auto& loop : loops) loop->Start();
-  for (auto& future : futures) {
-    absl::StatusOr<DenseResult> got = future.get();
-    EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
-  }
-  for (auto& loop : loops) {
-    for (int i = 0; i < 500 && loop->serving(); ++i) absl::SleepFor(absl::Milliseconds(10));
-    EXPECT_FALSE(loop->serving());
-  }
-  {
+  // A lookup of row 2 on both ranks at once breaks the group; waits until both loops know.
+  void BreakTheGroup() {
+    std::vector<std::future<absl::StatusOr<DenseResult>>> futures;
+    for (int r = 0; r < 2; ++r) futures.push_back(Lookup(r, {2, 7}));
+    for (auto& future : futures) {
+      absl::StatusOr<DenseResult> got = future.get();
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+    }
+    for (auto& loop : loops) {
+      for (int i = 0; i < 500 && loop->serving(); ++i) absl::SleepFor(absl::Milliseconds(10));
+      EXPECT_FALSE(loop->serving());
+    }
     absl::MutexLock lock(&mu);
     EXPECT_THAT(broken[1].message(), HasSubstr("injected fault"));
     for (int r = 0; r < 2; ++r) {
       EXPECT_FALSE(broken[r].ok()) << "rank " << r;
-      EXPECT_EQ(unsure[r], std::vector<std::string>{"norm"}) << "rank " << r;
+      ASSERT_EQ(unsure[r].size(), 1u) << "rank " << r;
+      EXPECT_EQ(unsure[r][0], tables[r]) << "rank " << r;  // the table the failed step ran on
     }
   }
+  void FormAgain() {
+    auto fresh = Connect(2, "partial-renorm-again", store);
+    for (int r = 0; r < 2; ++r) loops[r]->SetGroup(std::move(fresh[r]), 2);
+  }
+};
+
+TEST(StepLoop, ARenormThatCompletedOnOneRankOnlyDropsTheTableAndReportsIt) {
+  PartialRenorm f;
+  f.Start();
+  f.BreakTheGroup();
   // The state the report is about: row 2's columns renormed on rank 0, stored on rank 1.
-  const int64_t half = 3;
-  EXPECT_NE(tables[0]->shard().data[2 * half], weight[2 * 6]);
-  EXPECT_EQ(tables[1]->shard().data[2 * half], weight[2 * 6 + half]);
+  const int64_t half = PartialRenorm::kCols / 2;
+  EXPECT_NE(f.tables[0]->shard().data[2 * half], f.weight[2 * PartialRenorm::kCols]);
+  EXPECT_EQ(f.tables[1]->shard().data[2 * half], f.weight[2 * PartialRenorm::kCols + half]);
   // Neither loop runs the table again: in a new group, a lookup finds it gone.
-  auto fresh = Connect(2, "partial-renorm-again", store);
-  for (int r = 0; r < 2; ++r) loops[r]->SetGroup(std::move(fresh[r]), 2);
+  f.FormAgain();
   for (int r = 0; r < 2; ++r) {
-    auto request = lookup({2});
-    std::promise<absl::StatusOr<DenseResult>> promise;
-    auto future = promise.get_future();
-    request->done = [&promise](absl::StatusOr<DenseResult> got) { promise.set_value(std::move(got)); };
-    loops[r]->Submit(std::move(request));
-    absl::StatusOr<DenseResult> got = future.get();
+    absl::StatusOr<DenseResult> got = f.Lookup(r, {2}).get();
     EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound) << got.status();
   }
-  for (auto& loop : loops) loop->Stop();
+}
+
+TEST(StepLoop, ATableLoadedAnewWhileTheFailingStepRanIsKept) {
+  PartialRenorm f;
+  // Rank 1 loads the table anew (another generation) while the step that fails runs on the old.
+  const std::vector<float> newer = PartialRenorm::Weight(2);
+  std::shared_ptr<ShardedTable> replacement = f.Load(1, newer);
+  f.Start([&] { f.loops[1]->SetTable(replacement); });
+  f.BreakTheGroup();
+  // Rank 0 dropped its old load; rank 1 kept the new one. With the new one on rank 0 as well, a
+  // new group serves it: row 2 of the new weight, renormed.
+  f.loops[0]->SetTable(f.Load(0, newer));
+  f.FormAgain();
+  absl::StatusOr<DenseResult> got = f.Lookup(0, {2}).get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  const float* row = newer.data() + 2 * PartialRenorm::kCols;
+  double norm = 0;
+  for (int k = 0; k < PartialRenorm::kCols; ++k) norm += row[k] * row[k];
+  const double scale = 0.5 / (std::sqrt(norm) + 1e-7);
+  ASSERT_EQ(got->values.size(), static_cast<size_t>(PartialRenorm::kCols));
+  for (int k = 0; k < PartialRenorm::kCols; ++k) EXPECT_NEAR(got->values[k], row[k] * scale, 1e-5);
 }
 
 TEST(StepLoop, AfterAnswersRunsOnTheLoopThreadOnceARoundsAnswersAreGiven) {

@@ -660,16 +660,24 @@ bool Coordinator::TableServing(const std::string& name) const {
 
 void Coordinator::ReloadAfterPartialRenorm(int rank, const v1::TableSpec& held) {
   auto it = tables_.find(held.name());
-  // Another generation than the rank held: every worker loads that one anew anyway.
-  if (it == tables_.end() || it->second.generation() != held.generation()) return;
+  // Another generation than the rank held: every worker loads that one anew anyway. While its
+  // CreateTable still waits, the rank reports again at its next heartbeats.
+  if (it == tables_.end() || it->second.generation() != held.generation() ||
+      creating_.count(held.name())) {
+    return;
+  }
   it->second.set_generation(++last_generation_);
+  if (absl::Status s = SaveRegistry(); !s.ok()) {
+    // Not bumped: a coordinator restarted later would bring back the old generation, which some
+    // rank may hold still. The rank reports again.
+    it->second.set_generation(held.generation());
+    std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
+    return;
+  }
   std::fprintf(stderr,
                "coordinator: table \"%s\" is loaded again as generation %llu: a step failed on "
                "rank %d while it renormed rows, which the ranks may now hold differently\n",
                held.name().c_str(), static_cast<unsigned long long>(last_generation_), rank);
-  if (absl::Status s = SaveRegistry(); !s.ok()) {
-    std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
-  }
 }
 
 void Coordinator::Reconcile() {

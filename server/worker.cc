@@ -501,22 +501,27 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
 #endif
   }
   core::StepLoop::Options step = w->options_.step;
-  step.on_group_broken = [w](const absl::Status& status,
-                             const std::vector<std::string>& renorm_unsure) {
-    std::fprintf(stderr, "worker rank %d: %s\n", w->options_.rank, status.ToString().c_str());
-    absl::MutexLock lock(&w->mu_);
-    w->group_broken_ = true;
-    for (const std::string& name : renorm_unsure) {  // the loop has dropped them
-      std::fprintf(stderr,
-                   "worker rank %d: table \"%s\" waits for a new generation: the step failed "
-                   "while it renormed rows, which the ranks may now hold differently\n",
-                   w->options_.rank, name.c_str());
-      w->loaded_.erase(name);
-      w->configs_.erase(name);
-      if (w->specs_.count(name)) w->renorm_unsure_.insert(name);
-    }
-    w->UpdateHealth();
-  };
+  step.on_group_broken =
+      [w](const absl::Status& status,
+          const std::vector<std::shared_ptr<core::ShardedTable>>& renorm_unsure) {
+        std::fprintf(stderr, "worker rank %d: %s\n", w->options_.rank, status.ToString().c_str());
+        absl::MutexLock lock(&w->mu_);
+        w->group_broken_ = true;
+        for (const std::shared_ptr<core::ShardedTable>& table : renorm_unsure) {
+          const std::string& name = table->config().name;
+          auto it = w->loaded_.find(name);
+          if (it == w->loaded_.end() || it->second != table) continue;  // since loaded anew
+          std::fprintf(stderr,
+                       "worker rank %d: table \"%s\" waits for a new generation: the step failed "
+                       "while it renormed rows, which the ranks may now hold differently\n",
+                       w->options_.rank, name.c_str());
+          w->loaded_.erase(it);  // the loop has dropped it
+          w->configs_.erase(name);
+          w->renorm_unsure_.insert(name);  // its spec stays in specs_
+          w->reloads_.insert(name);
+        }
+        w->UpdateHealth();
+      };
   step.after_answers = [w] { w->data_service_->WakeForStepAnswers(); };
   w->loop_ = std::make_unique<core::StepLoop>(step, *w->kernels_);
   w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(
@@ -584,6 +589,11 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
           "differently; retry"));
     }
     if (wanted_.count(name)) {
+      if (reloads_.count(name)) {
+        return absl::UnavailableError(absl::StrCat(
+            "table \"", name, "\" is being loaded again (a new generation) on rank ",
+            options_.rank, "; retry"));
+      }
       return absl::FailedPreconditionError(
           absl::StrCat("table \"", name, "\" is still loading on rank ", options_.rank));
     }
@@ -594,6 +604,14 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
         "table \"", name, "\": group not formed (waiting for all ranks), rank ", options_.rank));
   }
   if (!serving_.count(name)) {
+    auto wanted = wanted_.find(name);
+    auto held = specs_.find(name);
+    const bool replaced = wanted != wanted_.end() && held != specs_.end() &&
+                          wanted->second.generation() != held->second.generation();
+    if (replaced || reloads_.count(name)) {
+      return absl::UnavailableError(absl::StrCat(
+          "table \"", name, "\" is being loaded again (a new generation) on every rank; retry"));
+    }
     return absl::FailedPreconditionError(absl::StrCat(
         "table \"", name, "\" is not loaded on every rank (it is being created or dropped)"));
   }
@@ -655,7 +673,10 @@ void Worker::HeartbeatLoop() {
         *request.add_loaded_specs() = spec->second;
       }
       for (const std::string& name : serving_) request.add_serving_tables(name);
-      for (const std::string& name : renorm_unsure_) *request.add_renorm_unsure() = specs_.at(name);
+      for (const std::string& name : renorm_unsure_) {
+        auto spec = specs_.find(name);
+        if (spec != specs_.end()) *request.add_renorm_unsure() = spec->second;
+      }
       for (const auto& [name, error] : load_errors_) {
         v1::internal::TableLoadError* e = request.add_load_errors();
         e->set_table(name);
@@ -701,6 +722,7 @@ void Worker::ReconcileLoop() {
           to_drop.push_back(name);  // the old one goes first
           load_errors_.erase(name);
           renorm_unsure_.erase(name);
+          reloads_.insert(name);
         }
         if (replaced ||
             (!loaded_.count(name) && !load_errors_.count(name) && !renorm_unsure_.count(name))) {
@@ -726,6 +748,9 @@ void Worker::ReconcileLoop() {
         specs_.erase(*it);
         it = renorm_unsure_.erase(it);
       }
+      for (auto it = reloads_.begin(); it != reloads_.end();) {
+        it = wanted_.count(*it) ? std::next(it) : reloads_.erase(it);
+      }
       world = world_size_;
       const bool need_group = target_epoch_ != 0 && target_epoch_ != loop_->epoch() &&
                               target_epoch_ != forming_epoch_;
@@ -740,6 +765,7 @@ void Worker::ReconcileLoop() {
       loaded_.erase(name);
       configs_.erase(name);
       load_errors_.erase(name);
+      renorm_unsure_.erase(name);
       specs_.erase(name);
       UpdateHealth();
     }

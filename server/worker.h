@@ -59,7 +59,7 @@ class Worker {
   void Wait();
 
   // The table `name` if this rank may accept calls for it: NOT_FOUND (unknown), UNAVAILABLE
-  // (group not formed), FAILED_PRECONDITION (not loaded on every rank yet).
+  // (group not formed; or being loaded again), FAILED_PRECONDITION (not loaded on every rank yet).
   absl::StatusOr<std::shared_ptr<const core::TableConfig>> ServingTable(
       const std::string& name) const;
   core::StepLoop& loop() { return *loop_; }
@@ -107,6 +107,10 @@ class Worker {
   // this rank may hold them unlike its peers (core::StepLoop::Options::on_group_broken). Reported
   // to the coordinator, which gives them a new generation; loaded again only then.
   std::set<std::string> renorm_unsure_ ABSL_GUARDED_BY(mu_);
+  // Tables this worker held under an earlier spec of theirs (loaded again after a restart of a
+  // peer, a partial renorm or a re-creation): calls for them are refused with UNAVAILABLE (a
+  // client retries) rather than FAILED_PRECONDITION until every rank holds the new load.
+  std::set<std::string> reloads_ ABSL_GUARDED_BY(mu_);
   // The spec each table of loaded_, load_errors_ and renorm_unsure_ came from: a table created
   // again under the same name (every creation has its own TableSpec.generation), even between two
   // heartbeats, is loaded anew.

@@ -577,6 +577,11 @@ TEST(Cluster, AStepThatFailsMidRenormLeavesATableThatRenormsConsistent) {
               "the first lookup");
   absl::StatusOr<DenseTensor> failed = lookup(*once, second);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
+  // Until every rank holds the new load, calls are refused with UNAVAILABLE (clients retry it).
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<DenseTensor> refused = lookup(*once, second);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  }
   // The coordinator gives the table a new generation; every worker loads it again, and lookups
   // renorm rows as the first time (the failed lookup renormed nothing that anyone saw).
   const std::string table_health = "shardserve.v1.table/renorm";
