@@ -369,8 +369,8 @@ struct PartialRenorm {
     EXPECT_TRUE((*table)->LoadFromFull(w.data(), nullptr).ok());
     return std::move(*table);
   }
-  // Starts the loops; `at_fault` runs on rank 1's loop thread just before its AllReduce fails.
-  void Start(std::function<void()> at_fault = nullptr) {
+  // Sets the loops up; `at_fault` runs on rank 1's loop thread just before its AllReduce fails.
+  void SetUp(std::function<void()> at_fault = nullptr) {
     auto comms = Connect(2, "partial-renorm", store);
     for (int r = 0; r < 2; ++r) {
       StepLoop::Options options;
@@ -389,7 +389,6 @@ struct PartialRenorm {
         comm = std::make_unique<FaultInjectingCommunicator>(std::move(comm), &countdown, at_fault);
       }
       loops[r]->SetGroup(std::move(comm), 1);
-      loops[r]->Start();
     }
   }
   std::future<absl::StatusOr<DenseResult>> Lookup(int rank, std::vector<int64_t> ids) {
@@ -404,23 +403,28 @@ struct PartialRenorm {
     loops[rank]->Submit(std::move(r));
     return future;
   }
-  // A lookup of row 2 on both ranks at once breaks the group; waits until both loops know.
+  // Starts the loops with a lookup of row 2 queued on each rank: the first step runs both, and
+  // breaks the group in the middle of their op on both ranks. (A rank without ids of its own would
+  // finish the op, having nothing to wait for, and fail only at the next round; the rank that
+  // failed in the op reports the table either way.)
   void BreakTheGroup() {
     std::vector<std::future<absl::StatusOr<DenseResult>>> futures;
     for (int r = 0; r < 2; ++r) futures.push_back(Lookup(r, {2, 7}));
+    for (auto& loop : loops) loop->Start();
     for (auto& future : futures) {
       absl::StatusOr<DenseResult> got = future.get();
       EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
     }
-    for (auto& loop : loops) {
-      for (int i = 0; i < 500 && loop->serving(); ++i) absl::SleepFor(absl::Milliseconds(10));
-      EXPECT_FALSE(loop->serving());
-    }
     absl::MutexLock lock(&mu);
+    auto reported = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return !broken[0].ok() && !broken[1].ok();
+    };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&reported), absl::Seconds(10)));
+    for (auto& loop : loops) EXPECT_FALSE(loop->serving());
     EXPECT_THAT(broken[1].message(), HasSubstr("injected fault"));
     for (int r = 0; r < 2; ++r) {
       EXPECT_FALSE(broken[r].ok()) << "rank " << r;
-      ASSERT_EQ(unsure[r].size(), 1u) << "rank " << r;
+      ASSERT_EQ(unsure[r].size(), 1u) << "rank " << r << ": " << broken[r];
       EXPECT_EQ(unsure[r][0], tables[r]) << "rank " << r;  // the table the failed step ran on
     }
   }
@@ -432,7 +436,7 @@ struct PartialRenorm {
 
 TEST(StepLoop, ARenormThatCompletedOnOneRankOnlyDropsTheTableAndReportsIt) {
   PartialRenorm f;
-  f.Start();
+  f.SetUp();
   f.BreakTheGroup();
   // The state the report is about: row 2's columns renormed on rank 0, stored on rank 1.
   const int64_t half = PartialRenorm::kCols / 2;
@@ -451,7 +455,7 @@ TEST(StepLoop, ATableLoadedAnewWhileTheFailingStepRanIsKept) {
   // Rank 1 loads the table anew (another generation) while the step that fails runs on the old.
   const std::vector<float> newer = PartialRenorm::Weight(2);
   std::shared_ptr<ShardedTable> replacement = f.Load(1, newer);
-  f.Start([&] { f.loops[1]->SetTable(replacement); });
+  f.SetUp([&] { f.loops[1]->SetTable(replacement); });
   f.BreakTheGroup();
   // Rank 0 dropped its old load; rank 1 kept the new one. With the new one on rank 0 as well, a
   // new group serves it: row 2 of the new weight, renormed.

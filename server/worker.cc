@@ -581,27 +581,27 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
     const std::string& name) const {
   absl::MutexLock lock(&mu_);
   auto it = configs_.find(name);
-  if (it == configs_.end()) {
-    if (renorm_unsure_.count(name)) {
-      return absl::UnavailableError(absl::StrCat(
-          "table \"", name, "\" is being loaded again on every rank: a step failed on rank ",
-          options_.rank, " while it renormed rows (max_norm), which the ranks may now hold "
-          "differently; retry"));
-    }
-    if (wanted_.count(name)) {
-      if (reloads_.count(name)) {
-        return absl::UnavailableError(absl::StrCat(
-            "table \"", name, "\" is being loaded again (a new generation) on rank ",
-            options_.rank, "; retry"));
-      }
-      return absl::FailedPreconditionError(
-          absl::StrCat("table \"", name, "\" is still loading on rank ", options_.rank));
-    }
+  if (it == configs_.end() && !wanted_.count(name) && !renorm_unsure_.count(name)) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
+  }
+  if (renorm_unsure_.count(name)) {
+    return absl::UnavailableError(absl::StrCat(
+        "table \"", name, "\" is being loaded again on every rank: a step failed on rank ",
+        options_.rank, " while it renormed rows (max_norm), which the ranks may now hold "
+        "differently; retry"));
   }
   if (!loop_->serving()) {
     return absl::UnavailableError(absl::StrCat(
         "table \"", name, "\": group not formed (waiting for all ranks), rank ", options_.rank));
+  }
+  if (it == configs_.end()) {
+    if (reloads_.count(name)) {
+      return absl::UnavailableError(
+          absl::StrCat("table \"", name, "\" is being loaded again on rank ", options_.rank,
+                       "; retry"));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("table \"", name, "\" is still loading on rank ", options_.rank));
   }
   if (!serving_.count(name)) {
     auto wanted = wanted_.find(name);
@@ -610,7 +610,7 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
                           wanted->second.generation() != held->second.generation();
     if (replaced || reloads_.count(name)) {
       return absl::UnavailableError(absl::StrCat(
-          "table \"", name, "\" is being loaded again (a new generation) on every rank; retry"));
+          "table \"", name, "\" is being loaded again on every rank; retry"));
     }
     return absl::FailedPreconditionError(absl::StrCat(
         "table \"", name, "\" is not loaded on every rank (it is being created or dropped)"));
@@ -698,6 +698,9 @@ void Worker::HeartbeatLoop() {
     for (const v1::TableSpec& spec : response.tables()) wanted_[spec.name()] = spec;
     serving_ = std::set<std::string>(response.serving_tables().begin(),
                                      response.serving_tables().end());
+    for (auto it = reloads_.begin(); it != reloads_.end();) {  // every rank holds the new load
+      it = serving_.count(*it) ? reloads_.erase(it) : std::next(it);
+    }
     UpdateHealth();
   }
 }
@@ -794,6 +797,7 @@ void Worker::ReconcileLoop() {
         absl::MutexLock lock(&mu_);
         load_errors_[spec.name()] = status;
         specs_[spec.name()] = spec;
+        reloads_.erase(spec.name());  // not a moment's wait: calls fail fast
       }
     }
     if (epoch != 0) {

@@ -107,9 +107,10 @@ class Worker {
   // this rank may hold them unlike its peers (core::StepLoop::Options::on_group_broken). Reported
   // to the coordinator, which gives them a new generation; loaded again only then.
   std::set<std::string> renorm_unsure_ ABSL_GUARDED_BY(mu_);
-  // Tables this worker held under an earlier spec of theirs (loaded again after a restart of a
-  // peer, a partial renorm or a re-creation): calls for them are refused with UNAVAILABLE (a
-  // client retries) rather than FAILED_PRECONDITION until every rank holds the new load.
+  // Tables this worker is loading again under a new spec (a new generation: a partial renorm, a
+  // peer's restart for column-sharded max_norm tables, a re-creation within a heartbeat): until
+  // every rank holds the new load, calls for them are refused with UNAVAILABLE (a client
+  // retries) rather than FAILED_PRECONDITION.
   std::set<std::string> reloads_ ABSL_GUARDED_BY(mu_);
   // The spec each table of loaded_, load_errors_ and renorm_unsure_ came from: a table created
   // again under the same name (every creation has its own TableSpec.generation), even between two
