@@ -43,6 +43,25 @@ std::vector<std::unique_ptr<GlooCommunicator>> Connect(int world, const std::str
   return comms;
 }
 
+// Submits `r` to `loop`; the future holds its answer.
+std::future<absl::StatusOr<DenseResult>> SubmitTo(StepLoop& loop, std::unique_ptr<StepRequest> r) {
+  auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
+  auto future = promise->get_future();
+  r->done = [promise](absl::StatusOr<DenseResult> got) { promise->set_value(std::move(got)); };
+  loop.Submit(std::move(r));
+  return future;
+}
+
+// An embedding lookup of `ids` (1-D) in `table`.
+std::unique_ptr<StepRequest> LookupRequest(const std::string& table, std::vector<int64_t> ids) {
+  auto r = std::make_unique<StepRequest>();
+  r->op = StepRequest::Op::kEmbedding;
+  r->table = table;
+  r->shape = {static_cast<int64_t>(ids.size())};
+  r->ids = std::move(ids);
+  return r;
+}
+
 struct Fixture {
   static constexpr int kWorld = 2;
   TableConfig emb, lin;
@@ -99,11 +118,7 @@ struct Fixture {
   }
 
   std::future<absl::StatusOr<DenseResult>> Submit(int rank, std::unique_ptr<StepRequest> r) {
-    auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
-    auto future = promise->get_future();
-    r->done = [promise](absl::StatusOr<DenseResult> result) { promise->set_value(std::move(result)); };
-    loops[rank]->Submit(std::move(r));
-    return future;
+    return SubmitTo(*loops[rank], std::move(r));
   }
 
   std::vector<float> ExpectedBag(const std::vector<int64_t>& ids, int bag, PoolMode mode) {
@@ -392,16 +407,7 @@ struct PartialRenorm {
     }
   }
   std::future<absl::StatusOr<DenseResult>> Lookup(int rank, std::vector<int64_t> ids) {
-    auto r = std::make_unique<StepRequest>();
-    r->op = StepRequest::Op::kEmbedding;
-    r->table = "norm";
-    r->shape = {static_cast<int64_t>(ids.size())};
-    r->ids = std::move(ids);
-    auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
-    auto future = promise->get_future();
-    r->done = [promise](absl::StatusOr<DenseResult> got) { promise->set_value(std::move(got)); };
-    loops[rank]->Submit(std::move(r));
-    return future;
+    return SubmitTo(*loops[rank], LookupRequest("norm", std::move(ids)));
   }
   // Starts the loops with a lookup of row 2 queued on each rank: the first step runs both, and
   // breaks the group in the middle of their op on both ranks. (A rank without ids of its own would
@@ -469,6 +475,45 @@ TEST(StepLoop, ATableLoadedAnewWhileTheFailingStepRanIsKept) {
   const double scale = 0.5 / (std::sqrt(norm) + 1e-7);
   ASSERT_EQ(got->values.size(), static_cast<size_t>(PartialRenorm::kCols));
   for (int k = 0; k < PartialRenorm::kCols; ++k) EXPECT_NEAR(got->values[k], row[k] * scale, 1e-5);
+}
+
+// CPU kernels whose row gathers fail, as a device's may (a failed allocation or kernel launch).
+class FailingGatherKernels : public CpuKernels {
+ public:
+  absl::Status GatherRows(const MatrixView&, const int64_t*, int64_t, float*, int64_t) override {
+    return absl::InternalError("gather rows failed on purpose");
+  }
+};
+
+TEST(StepLoop, AKernelFailureOnOneRankFailsThePeersAtOnceNotAtTheCollectiveTimeout) {
+  Fixture f;  // its table and weights
+  CpuKernels good;
+  FailingGatherKernels bad;
+  InProcessRendezvous store;
+  auto comms = Connect(2, "kernel-failure", store);
+  std::vector<std::unique_ptr<StepLoop>> loops;
+  std::vector<std::future<absl::StatusOr<DenseResult>>> futures;
+  for (int r = 0; r < 2; ++r) {
+    LocalKernels& kernels = r == 1 ? static_cast<LocalKernels&>(bad) : good;
+    StepLoop::Options options;
+    options.collective_timeout = absl::Seconds(5);
+    loops.push_back(std::make_unique<StepLoop>(options, kernels));
+    auto table = ShardedTable::Create(f.emb, r, kernels);
+    ASSERT_TRUE(table.ok()) << table.status();
+    ASSERT_TRUE((*table)->LoadFromFull(f.emb_weight.data(), nullptr).ok());
+    loops[r]->SetTable(std::move(*table));
+    loops[r]->SetGroup(std::move(comms[r]), 1);
+    futures.push_back(SubmitTo(*loops[r], LookupRequest("emb", {1, 2})));
+  }
+  const absl::Time start = absl::Now();
+  for (auto& loop : loops) loop->Start();
+  absl::StatusOr<DenseResult> failed = futures[1].get();
+  EXPECT_THAT(failed.status().message(), HasSubstr("gather rows failed on purpose"));
+  // Rank 0 waited for rank 1's columns: the group breaks, and its call fails, at once.
+  absl::StatusOr<DenseResult> peer = futures[0].get();
+  EXPECT_EQ(peer.status().code(), absl::StatusCode::kUnavailable) << peer.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  for (auto& loop : loops) loop->Stop();
 }
 
 TEST(StepLoop, AfterAnswersRunsOnTheLoopThreadOnceARoundsAnswersAreGiven) {
