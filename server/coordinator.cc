@@ -674,6 +674,7 @@ void Coordinator::ReloadAfterPartialRenorm(int rank, const v1::TableSpec& held) 
     std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
     return;
   }
+  if (!GroupServing()) reloaded_while_down_.insert(held.name());
   std::fprintf(stderr,
                "coordinator: table \"%s\" is loaded again as generation %llu: a step failed on "
                "rank %d while it renormed rows, which the ranks may now hold differently\n",
@@ -716,7 +717,7 @@ void Coordinator::Reconcile() {
   bool reloads = false;
   for (auto& [name, spec] : tables_) {
     if (!(fresh && kept) || !spec.has_max_norm() || spec.sharding().dim() != 1 ||
-        creating_.count(name)) {
+        creating_.count(name) || reloaded_while_down_.count(name)) {
       continue;
     }
     spec.set_generation(++last_generation_);
@@ -730,6 +731,7 @@ void Coordinator::Reconcile() {
   // Epochs are wall-clock milliseconds: unique across coordinator restarts too.
   epoch_ = std::max<uint64_t>(epoch_ + 1, static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())));
   epoch_started_ = absl::Now();
+  reloaded_while_down_.clear();
   epoch_incarnations_.clear();
   for (const Member& m : members_) epoch_incarnations_.push_back(m.incarnation);
   const std::string prefix = absl::StrCat("group/epoch-", epoch_);

@@ -60,14 +60,14 @@ std::string TempDir() {
 }
 
 std::unique_ptr<LocalCluster> StartCluster(
-    int workers, std::map<int, std::vector<std::string>> rank_flags = {}) {
+    int workers, std::map<int, std::vector<std::string>> rank_flags = {}, int liveness_ms = 600) {
   client::LocalClusterOptions options;
   options.server_dir = LocalCluster::FindServerDir("");
   options.workers = workers;
   options.work_dir = TempDir();
   options.worker_flags = {"--collective_timeout_ms=3000"};
   options.rank_flags = std::move(rank_flags);
-  options.coordinator_flags = {"--liveness_ms=600"};
+  options.coordinator_flags = {absl::StrCat("--liveness_ms=", liveness_ms)};
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
   return cluster.ok() ? std::move(*cluster) : nullptr;
@@ -552,49 +552,90 @@ TEST(Cluster, ARestartedWorkerLeavesATableThatRenormsConsistent) {
   ExpectClose(c->Embedding(r), want, "after the restart");
 }
 
-TEST(Cluster, AStepThatFailsMidRenormLeavesATableThatRenormsConsistent) {
-  // Rank 1's second AllReduce completes, then fails: rank 0 renorms the second lookup's rows,
-  // rank 1 does not, and the group breaks without any worker restarting.
-  auto cluster = StartCluster(2, {{1, {"--fail_allreduce=2"}}});
-  ASSERT_NE(cluster, nullptr);
-  auto once = ConnectOnce(*cluster, absl::Seconds(20));
-  auto c = Connect(*cluster);
-  Table emb = MakeTable("renorm", v1::EMBEDDING, 50, 8, 1, {0, 1}, TempDir());
-  emb.spec.set_max_norm(1.0);
-  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
-  const uint64_t generation = c->DescribeTable("renorm")->spec().generation();
-  c10::InferenceMode guard;
-  at::Tensor renormed = emb.weight.clone();
-  auto lookup = [&](Client& client, std::vector<int64_t> ids) {
+// Two workers whose rank 1 fails its second AllReduce after it has run (--fail_allreduce=2), and
+// a column-sharded max_norm table "renorm" on them: the second lookup that renorms rows completes
+// the renorm on rank 0 only, and the group breaks without any worker restarting.
+struct PartialRenormCluster {
+  std::unique_ptr<LocalCluster> cluster;
+  std::unique_ptr<Client> once, c;  // without and with retries
+  Table emb;
+  uint64_t created = 0;  // the table's first generation
+
+  void Start(int liveness_ms) {
+    cluster = StartCluster(2, {{1, {"--fail_allreduce=2"}}}, liveness_ms);
+    ASSERT_NE(cluster, nullptr);
+    once = ConnectOnce(*cluster, absl::Seconds(20));
+    c = Connect(*cluster);
+    emb = MakeTable("renorm", v1::EMBEDDING, 50, 8, 1, {0, 1}, TempDir());
+    emb.spec.set_max_norm(1.0);
+    ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+    created = Generation();
+  }
+  uint64_t Generation() { return c->DescribeTable("renorm")->spec().generation(); }
+  absl::StatusOr<DenseTensor> Lookup(const std::vector<int64_t>& ids) {
     v1::EmbeddingRequest r;
     r.set_table("renorm");
     *r.mutable_ids() = ToProto(at::tensor(ids, at::kLong));
-    return client.Embedding(r);
-  };
+    return once->Embedding(r);
+  }
+  // Looks `ids` up until they are served (for up to 30 s). Every call until then must be refused
+  // with UNAVAILABLE, which clients retry: never answered from mixed rows, never refused as if the
+  // table were new.
+  absl::StatusOr<DenseTensor> LookupOnceServed(const std::vector<int64_t>& ids) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    absl::StatusOr<DenseTensor> got = Lookup(ids);
+    int refused = 0;
+    while (!got.ok() && absl::Now() < give_up) {
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+      if (got.status().code() != absl::StatusCode::kUnavailable) break;
+      ++refused;
+      absl::SleepFor(absl::Milliseconds(10));
+      got = Lookup(ids);
+    }
+    EXPECT_GT(refused, 0);
+    return got;
+  }
+};
+
+TEST(Cluster, AStepThatFailsMidRenormLeavesATableThatRenormsConsistent) {
+  PartialRenormCluster p;
+  ASSERT_NO_FATAL_FAILURE(p.Start(/*liveness_ms=*/600));
+  c10::InferenceMode guard;
+  at::Tensor renormed = p.emb.weight.clone();
   const std::vector<int64_t> first = {1, 5, 9, 13}, second = {2, 6, 10};
   at::embedding_renorm_(renormed, at::tensor(first, at::kLong), 1.0, 2.0);
-  ExpectClose(lookup(*once, first), at::embedding(renormed, at::tensor(first, at::kLong)),
+  ExpectClose(p.Lookup(first), at::embedding(renormed, at::tensor(first, at::kLong)),
               "the first lookup");
-  absl::StatusOr<DenseTensor> failed = lookup(*once, second);
+  absl::StatusOr<DenseTensor> failed = p.Lookup(second);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
-  // The coordinator gives the table a new generation; every worker loads it again, and lookups
-  // renorm rows as the first time (the failed lookup renormed nothing that anyone saw). Until then
-  // every call is refused with UNAVAILABLE, which clients retry: never answered from mixed rows,
-  // never refused as if the table were new.
+  // The coordinator gives the table a new generation and every worker loads it again; lookups
+  // then renorm rows as the first time (the failed lookup renormed nothing that anyone saw).
   const std::vector<int64_t> both = {1, 2, 5, 6, 9, 10, 13};
   at::embedding_renorm_(renormed, at::tensor(both, at::kLong), 1.0, 2.0);
-  const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  absl::StatusOr<DenseTensor> got = lookup(*once, both);
-  int refused = 0;
-  while (!got.ok() && absl::Now() < give_up) {
-    ASSERT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
-    ++refused;
-    absl::SleepFor(absl::Milliseconds(10));
-    got = lookup(*once, both);
-  }
-  EXPECT_GT(refused, 0);
-  ExpectClose(got, at::embedding(renormed, at::tensor(both, at::kLong)), "after the failed step");
-  EXPECT_NE(c->DescribeTable("renorm")->spec().generation(), generation);
+  ExpectClose(p.LookupOnceServed(both), at::embedding(renormed, at::tensor(both, at::kLong)),
+              "after the failed step");
+  EXPECT_NE(p.Generation(), p.created);
+}
+
+TEST(Cluster, AWorkerThatRestartsWhileATableReloadsAfterAPartialRenormReloadsItOnce) {
+  // Rank 1 is killed and restarted after the table's new generation and before the group
+  // re-forms (a liveness period of 3 s): the restart needs no second reload, since nothing has
+  // renormed the new loads yet.
+  PartialRenormCluster p;
+  ASSERT_NO_FATAL_FAILURE(p.Start(/*liveness_ms=*/3000));
+  ASSERT_TRUE(p.Lookup({1, 5}).ok());
+  EXPECT_EQ(p.Lookup({2, 6}).status().code(), absl::StatusCode::kUnavailable);  // the fault
+  uint64_t reloaded = p.created;
+  ASSERT_TRUE(WaitFor([&] { return (reloaded = p.Generation()) != p.created; }, absl::Seconds(2)));
+  ASSERT_TRUE(p.cluster->KillWorker(1, SIGKILL).ok());
+  ASSERT_TRUE(p.cluster->StartWorker(1).ok());
+  c10::InferenceMode guard;
+  at::Tensor renormed = p.emb.weight.clone();
+  const std::vector<int64_t> both = {1, 2, 5, 6};
+  at::embedding_renorm_(renormed, at::tensor(both, at::kLong), 1.0, 2.0);
+  ExpectClose(p.LookupOnceServed(both), at::embedding(renormed, at::tensor(both, at::kLong)),
+              "after the restart");
+  EXPECT_EQ(p.Generation(), reloaded);
 }
 
 TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
