@@ -682,6 +682,10 @@ void Coordinator::ReloadAfterPartialRenorm(int rank, const v1::TableSpec& held) 
 }
 
 void Coordinator::Reconcile() {
+  // Once a group serves a table reloaded while none did, lookups may renorm its new loads.
+  for (auto it = reloaded_while_down_.begin(); it != reloaded_while_down_.end();) {
+    it = !tables_.count(*it) || TableReady(*it) ? reloaded_while_down_.erase(it) : std::next(it);
+  }
   for (const Member& m : members_) {
     if (!Alive(m)) return;  // wait for every rank; a dead one comes back with a new incarnation
   }
@@ -731,7 +735,6 @@ void Coordinator::Reconcile() {
   // Epochs are wall-clock milliseconds: unique across coordinator restarts too.
   epoch_ = std::max<uint64_t>(epoch_ + 1, static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())));
   epoch_started_ = absl::Now();
-  reloaded_while_down_.clear();
   epoch_incarnations_.clear();
   for (const Member& m : members_) epoch_incarnations_.push_back(m.incarnation);
   const std::string prefix = absl::StrCat("group/epoch-", epoch_);

@@ -102,7 +102,8 @@ class Coordinator {
   uint64_t last_generation_ ABSL_GUARDED_BY(mu_) = 0;  // TableSpec.generation, persisted
   std::multiset<std::string> creating_ ABSL_GUARDED_BY(mu_);  // tables CreateTable waits for
   // Tables given a new generation while no group served (after a partial renorm): until a group
-  // forms, no lookup renorms their new loads, so a worker's restart meanwhile reloads nothing more.
+  // serves them, no lookup renorms their new loads, so a worker's restart meanwhile reloads nothing
+  // more.
   std::set<std::string> reloaded_while_down_ ABSL_GUARDED_BY(mu_);
   std::vector<Member> members_ ABSL_GUARDED_BY(mu_);
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;

@@ -614,7 +614,14 @@ TEST(Cluster, AStepThatFailsMidRenormLeavesATableThatRenormsConsistent) {
   at::embedding_renorm_(renormed, at::tensor(both, at::kLong), 1.0, 2.0);
   ExpectClose(p.LookupOnceServed(both), at::embedding(renormed, at::tensor(both, at::kLong)),
               "after the failed step");
-  EXPECT_NE(p.Generation(), p.created);
+  const uint64_t reloaded = p.Generation();
+  EXPECT_NE(reloaded, p.created);
+  // Served again, and renormed since: a worker's restart now reloads it once more.
+  ASSERT_TRUE(p.cluster->KillWorker(1, SIGKILL).ok());
+  ASSERT_TRUE(p.cluster->StartWorker(1).ok());
+  ExpectClose(p.LookupOnceServed(both), at::embedding(renormed, at::tensor(both, at::kLong)),
+              "after a restart");
+  EXPECT_NE(p.Generation(), reloaded);
 }
 
 TEST(Cluster, AWorkerThatRestartsWhileATableReloadsAfterAPartialRenormReloadsItOnce) {
