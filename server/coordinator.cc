@@ -303,6 +303,7 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     for (const auto& [name, spec] : c_.tables_) {
       *response->add_tables() = spec;
       if (c_.TableReady(name)) response->add_serving_tables(name);
+      if (c_.creating_.count(name)) response->add_creating_tables(name);
     }
     return grpc::Status::OK;
   }

@@ -518,7 +518,6 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
           w->loaded_.erase(it);  // the loop has dropped it
           w->configs_.erase(name);
           w->renorm_unsure_.insert(name);  // its spec stays in specs_
-          w->reloads_.insert(name);
         }
         w->UpdateHealth();
       };
@@ -594,28 +593,26 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
     return absl::UnavailableError(absl::StrCat(
         "table \"", name, "\": group not formed (waiting for all ranks), rank ", options_.rank));
   }
-  if (it == configs_.end()) {
-    if (reloads_.count(name)) {
-      return absl::UnavailableError(
-          absl::StrCat("table \"", name, "\" is being loaded again on rank ", options_.rank,
-                       "; retry"));
-    }
-    return absl::FailedPreconditionError(
-        absl::StrCat("table \"", name, "\" is still loading on rank ", options_.rank));
-  }
-  if (!serving_.count(name)) {
-    auto wanted = wanted_.find(name);
-    auto held = specs_.find(name);
-    const bool replaced = wanted != wanted_.end() && held != specs_.end() &&
-                          wanted->second.generation() != held->second.generation();
-    if (replaced || reloads_.count(name)) {
-      return absl::UnavailableError(absl::StrCat(
-          "table \"", name, "\" is being loaded again on every rank; retry"));
-    }
+  if (it != configs_.end() && serving_.count(name)) return it->second;
+  // Not served yet: being created, loaded again, or dropped.
+  if (auto error = load_errors_.find(name); error != load_errors_.end()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "table \"", name, "\" is not loaded on every rank (it is being created or dropped)"));
+        "table \"", name, "\" could not be loaded on rank ", options_.rank, ": ",
+        error->second.message()));
   }
-  return it->second;
+  if (creating_.count(name)) {
+    return absl::FailedPreconditionError(
+        it == configs_.end()
+            ? absl::StrCat("table \"", name, "\" is still loading on rank ", options_.rank,
+                           " (it is being created)")
+            : absl::StrCat("table \"", name,
+                           "\" is not loaded on every rank yet (it is being created)"));
+  }
+  return absl::UnavailableError(
+      it == configs_.end()
+          ? absl::StrCat("table \"", name, "\" is being loaded on rank ", options_.rank, "; retry")
+          : absl::StrCat("table \"", name,
+                         "\" is not loaded on every rank (being loaded again or dropped); retry"));
 }
 
 absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadedTable(
@@ -698,9 +695,8 @@ void Worker::HeartbeatLoop() {
     for (const v1::TableSpec& spec : response.tables()) wanted_[spec.name()] = spec;
     serving_ = std::set<std::string>(response.serving_tables().begin(),
                                      response.serving_tables().end());
-    for (auto it = reloads_.begin(); it != reloads_.end();) {  // every rank holds the new load
-      it = serving_.count(*it) ? reloads_.erase(it) : std::next(it);
-    }
+    creating_ = std::set<std::string>(response.creating_tables().begin(),
+                                      response.creating_tables().end());
     UpdateHealth();
   }
 }
@@ -725,7 +721,6 @@ void Worker::ReconcileLoop() {
           to_drop.push_back(name);  // the old one goes first
           load_errors_.erase(name);
           renorm_unsure_.erase(name);
-          reloads_.insert(name);
         }
         if (replaced ||
             (!loaded_.count(name) && !load_errors_.count(name) && !renorm_unsure_.count(name))) {
@@ -750,9 +745,6 @@ void Worker::ReconcileLoop() {
         }
         specs_.erase(*it);
         it = renorm_unsure_.erase(it);
-      }
-      for (auto it = reloads_.begin(); it != reloads_.end();) {
-        it = wanted_.count(*it) ? std::next(it) : reloads_.erase(it);
       }
       world = world_size_;
       const bool need_group = target_epoch_ != 0 && target_epoch_ != loop_->epoch() &&
@@ -797,7 +789,6 @@ void Worker::ReconcileLoop() {
         absl::MutexLock lock(&mu_);
         load_errors_[spec.name()] = status;
         specs_[spec.name()] = spec;
-        reloads_.erase(spec.name());  // not a moment's wait: calls fail fast
       }
     }
     if (epoch != 0) {

@@ -58,8 +58,9 @@ class Worker {
   void Shutdown();
   void Wait();
 
-  // The table `name` if this rank may accept calls for it: NOT_FOUND (unknown), UNAVAILABLE
-  // (group not formed; or being loaded again), FAILED_PRECONDITION (not loaded on every rank yet).
+  // The table `name` if this rank may accept calls for it: NOT_FOUND (unknown), FAILED_PRECONDITION
+  // (being created, or its load failed here), UNAVAILABLE (group not formed; or not on every rank
+  // yet: being loaded again, or dropped).
   absl::StatusOr<std::shared_ptr<const core::TableConfig>> ServingTable(
       const std::string& name) const;
   core::StepLoop& loop() { return *loop_; }
@@ -107,11 +108,9 @@ class Worker {
   // this rank may hold them unlike its peers (core::StepLoop::Options::on_group_broken). Reported
   // to the coordinator, which gives them a new generation; loaded again only then.
   std::set<std::string> renorm_unsure_ ABSL_GUARDED_BY(mu_);
-  // Tables this worker is loading again under a new spec (a new generation: a partial renorm, a
-  // peer's restart for column-sharded max_norm tables, a re-creation within a heartbeat): until
-  // every rank holds the new load, calls for them are refused with UNAVAILABLE (a client
-  // retries) rather than FAILED_PRECONDITION.
-  std::set<std::string> reloads_ ABSL_GUARDED_BY(mu_);
+  // Tables whose CreateTable still waits (from the coordinator): until they are served, calls for
+  // them get FAILED_PRECONDITION; other tables not served yet get UNAVAILABLE (clients retry).
+  std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
   // The spec each table of loaded_, load_errors_ and renorm_unsure_ came from: a table created
   // again under the same name (every creation has its own TableSpec.generation), even between two
   // heartbeats, is loaded anew.
