@@ -304,6 +304,12 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
       *response->add_tables() = spec;
       if (c_.TableReady(name)) response->add_serving_tables(name);
       if (c_.creating_.count(name)) response->add_creating_tables(name);
+      for (const Member& m : c_.members_) {
+        auto error = m.load_errors.find(name);
+        if (error != m.load_errors.end() && error->second.first == spec.generation()) {
+          (*response->mutable_load_errors())[name] = std::string(error->second.second.message());
+        }
+      }
     }
     return grpc::Status::OK;
   }

@@ -600,6 +600,10 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> Worker::ServingTable(
         "table \"", name, "\" could not be loaded on rank ", options_.rank, ": ",
         error->second.message()));
   }
+  if (auto error = group_load_errors_.find(name); error != group_load_errors_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("table \"", name, "\" could not be loaded on every rank: ", error->second));
+  }
   if (creating_.count(name)) {
     return absl::FailedPreconditionError(
         it == configs_.end()
@@ -697,6 +701,8 @@ void Worker::HeartbeatLoop() {
                                      response.serving_tables().end());
     creating_ = std::set<std::string>(response.creating_tables().begin(),
                                       response.creating_tables().end());
+    group_load_errors_ = std::map<std::string, std::string>(response.load_errors().begin(),
+                                                            response.load_errors().end());
     UpdateHealth();
   }
 }

@@ -111,6 +111,8 @@ class Worker {
   // Tables whose CreateTable still waits (from the coordinator): until they are served, calls for
   // them get FAILED_PRECONDITION; other tables not served yet get UNAVAILABLE (clients retry).
   std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
+  // Tables some worker could not load, with its error (from the coordinator): FAILED_PRECONDITION.
+  std::map<std::string, std::string> group_load_errors_ ABSL_GUARDED_BY(mu_);
   // The spec each table of loaded_, load_errors_ and renorm_unsure_ came from: a table created
   // again under the same name (every creation has its own TableSpec.generation), even between two
   // heartbeats, is loaded anew.

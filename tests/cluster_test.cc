@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -519,6 +520,35 @@ TEST(Cluster, CoordinatorRestartKeepsTables) {
                                    grpc::health::v1::HealthCheckResponse::SERVING; },
                       absl::Seconds(20)));
   CheckOps(*c, emb, "after coordinator restart");
+}
+
+// A restarted worker that cannot load a table (its checkpoint is gone) leaves it unservable: every
+// rank then says so with FAILED_PRECONDITION, not with an UNAVAILABLE that clients would retry.
+TEST(Cluster, ATableARestartedWorkerCannotLoadIsRefusedAsSuchOnEveryRank) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("gone", v1::EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  ASSERT_EQ(std::remove(emb.spec.checkpoint().c_str()), 0);
+  ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  ASSERT_TRUE(cluster->StartWorker(1).ok());
+  v1::EmbeddingRequest request;
+  request.set_table("gone");
+  *request.mutable_ids() = client::Int64Tensor({2}, {1, 2});
+  auto stub = DataStub(cluster->worker_address(0));  // the worker that kept its shard
+  grpc::Status status;
+  ASSERT_TRUE(WaitFor([&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    v1::TensorResponse response;
+    status = stub->Embedding(&context, request, &response);
+    EXPECT_TRUE(status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                status.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+        << status.error_message();
+    return status.error_code() == grpc::StatusCode::FAILED_PRECONDITION;
+  }, absl::Seconds(20)));
+  EXPECT_THAT(status.error_message(), HasSubstr("could not be loaded on every rank"));
 }
 
 // max_norm renorms stored rows in place at lookup. A worker that restarts loads its shards anew
