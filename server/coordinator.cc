@@ -100,28 +100,18 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     // Wait (bounded by the caller's deadline) until every rank has loaded it, or one cannot.
     // Errors and tables of an earlier creation under this name do not count.
     const std::string name = spec.name();
-    auto failure = [this, &name,
-                    generation]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) -> const absl::Status* {
-      for (const Member& m : c_.members_) {
-        auto it = m.load_errors.find(name);
-        if (it != m.load_errors.end() && it->second.first == generation) {
-          return &it->second.second;
-        }
-      }
-      return nullptr;
-    };
     auto ours = [this, &name, generation]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
       auto it = c_.tables_.find(name);
       return it != c_.tables_.end() && it->second.generation() == generation;
     };
-    auto ready = [this, &name, &failure, &ours]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
-      return c_.stop_ || !ours() || c_.TableServing(name) || failure() != nullptr;
+    auto ready = [this, &name, generation, &ours]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
+      return c_.stop_ || !ours() || c_.TableServing(name) || c_.LoadError(name, generation);
     };
     c_.creating_.insert(name);  // (Reconcile leaves its generation alone meanwhile)
     c_.mu_.AwaitWithDeadline(absl::Condition(&ready),
                              absl::FromChrono(DeadlineOr(context, c_.options_.create_wait)));
     c_.creating_.erase(c_.creating_.find(name));
-    if (const absl::Status* error = failure()) {
+    if (const absl::Status* error = c_.LoadError(name, generation)) {
       // A rank could not load it: undo the creation, so a failed CreateTable changes nothing.
       const absl::Status status(error->code(), absl::StrCat("table \"", name,
                                                             "\" could not be loaded: ",
@@ -304,11 +294,8 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
       *response->add_tables() = spec;
       if (c_.TableReady(name)) response->add_serving_tables(name);
       if (c_.creating_.count(name)) response->add_creating_tables(name);
-      for (const Member& m : c_.members_) {
-        auto error = m.load_errors.find(name);
-        if (error != m.load_errors.end() && error->second.first == spec.generation()) {
-          (*response->mutable_load_errors())[name] = std::string(error->second.second.message());
-        }
+      if (const absl::Status* error = c_.LoadError(name, spec.generation())) {
+        (*response->mutable_load_errors())[name] = std::string(error->message());
       }
     }
     return grpc::Status::OK;
@@ -645,6 +632,14 @@ bool Coordinator::Holds(const Member& m, const v1::TableSpec& spec) {
   auto it = m.loaded_specs.find(spec.name());
   return it != m.loaded_specs.end() &&
          google::protobuf::util::MessageDifferencer::Equals(it->second, spec);
+}
+
+const absl::Status* Coordinator::LoadError(const std::string& name, uint64_t generation) const {
+  for (const Member& m : members_) {
+    auto it = m.load_errors.find(name);
+    if (it != m.load_errors.end() && it->second.first == generation) return &it->second.second;
+  }
+  return nullptr;
 }
 
 bool Coordinator::TableReady(const std::string& name) const {

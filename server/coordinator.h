@@ -79,6 +79,9 @@ class Coordinator {
   bool GroupServing() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `m` holds the table as `spec` says (loaded from that spec, where the worker says).
   static bool Holds(const Member& m, const v1::TableSpec& spec);
+  // Why a worker could not load that generation of the table (null: none could not).
+  const absl::Status* LoadError(const std::string& name, uint64_t generation) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Loaded on every rank of a formed group: workers may start accepting calls for it.
   bool TableReady(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ready, and every worker has acknowledged that it accepts calls for it.
