@@ -17,13 +17,14 @@
 #include "grpcpp/alarm.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "proto/shardserve.grpc.pb.h"
 #include "server/coordinator_rendezvous.h"
+#include "server/completion_tag.h"
 #include "server/grpc_status.h"
+#include "server/health_service.h"
 #include "server/tensor_codec.h"
 #ifndef SHARDSERVE_GPU_ONLY
 #include "core/cpu_kernels.h"
@@ -73,6 +74,7 @@ class Worker::DataService final : public WorkerDataService {
       }
     }
     new StreamCall(*this);
+    health_.Start(cq_.get(), [this](absl::AnyInvocable<void()> fn) { HandBack(std::move(fn)); });
     thread_ = std::thread([this] { Run(); });
   }
   // After the server's Shutdown and the StepLoop's Stop, when nothing answers calls any more.
@@ -93,6 +95,8 @@ class Worker::DataService final : public WorkerDataService {
     }
     thread_.join();
   }
+  // grpc.health.v1.Health, served on the same thread (see HealthService).
+  HealthService& health() { return health_; }
   // The StepLoop's after_answers: wakes Run once for the round's answers.
   void WakeForStepAnswers() {
     absl::MutexLock lock(&answers_mu_);
@@ -103,19 +107,8 @@ class Worker::DataService final : public WorkerDataService {
   enum class Method { kEmbedding, kEmbeddingBag, kLinear };
   static constexpr int kCallsAwaited = 8;  // per method: calls gRPC may hand over at once
 
-  // What a completion-queue tag points at; Proceed runs on the serving thread.
-  struct Tag {
-    virtual ~Tag() = default;
-    virtual void Proceed(bool ok) = 0;
-  };
-  // A tag that calls a member function of `T` (for objects with several operations in flight).
-  template <typename T>
-  struct MemberTag final : Tag {
-    MemberTag(T* object, void (T::*fn)(bool)) : object(object), fn(fn) {}
-    void Proceed(bool ok) override { (object->*fn)(ok); }
-    T* object;
-    void (T::*fn)(bool);
-  };
+  // Every tag on cq_ points at a CompletionTag; Proceed runs on the serving thread.
+  using Tag = CompletionTag;
   // Sets off Run for answers handed back (or to stop): an alarm that is already due.
   struct Wake final : Tag {
     explicit Wake(DataService& service) : service(service) {}
@@ -408,12 +401,14 @@ class Worker::DataService final : public WorkerDataService {
       // From now on this thread starts no operation: the queue hands back what is in flight
       // (each object deletes itself when its last operation returns), then ends Run.
       stopped_ = true;
+      health_.StopStarting();
       cq_->Shutdown();
     }
   }
 
   Worker& worker_;
   std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  HealthService health_;  // served from cq_ too
   std::thread thread_;
   bool stopped_ = false;  // serving thread only
   absl::Mutex answers_mu_;
@@ -528,7 +523,6 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   w->data_service_ = std::make_unique<DataService>(*w);
   w->internal_service_ = std::make_unique<InternalService>(*w);
 
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(w->options_.listen, grpc::InsecureServerCredentials(), &w->port_);
@@ -536,6 +530,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   builder.SetMaxSendMessageSize(1 << 30);
   builder.RegisterService(w->data_service_.get());
   builder.RegisterService(w->internal_service_.get());
+  w->data_service_->health().AddTo(builder);
   w->data_service_->UseQueue(builder.AddCompletionQueue());
   w->server_ = builder.BuildAndStart();
   if (w->server_ == nullptr || w->port_ == 0) {
@@ -564,9 +559,7 @@ void Worker::Shutdown() {
   }
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
   if (reconcile_thread_.joinable()) reconcile_thread_.join();
-  if (server_ && server_->GetHealthCheckService()) {
-    server_->GetHealthCheckService()->Shutdown();  // draining: every service NOT_SERVING
-  }
+  if (data_service_) data_service_->health().Shutdown();  // draining: every service NOT_SERVING
   if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   if (loop_) loop_->Stop();  // absent when Start() failed early
   if (data_service_) data_service_->Stop();
@@ -638,19 +631,18 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadedTable(
 
 void Worker::UpdateHealth() {
   if (server_ == nullptr) return;
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  if (health == nullptr) return;
+  HealthService& health = data_service_->health();
   const bool serving = loop_->serving() && !group_broken_;
-  health->SetServingStatus("", serving);
-  health->SetServingStatus("shardserve.v1.DataService", serving);
+  health.SetServingStatus("", serving);
+  health.SetServingStatus("shardserve.v1.DataService", serving);
   std::set<std::string> names;
   for (const auto& [name, config] : configs_) {
     const std::string health_name = TableHealthName(name);
     names.insert(health_name);
-    health->SetServingStatus(health_name, serving && serving_.count(name));
+    health.SetServingStatus(health_name, serving && serving_.count(name));
   }
   for (const std::string& old : health_names_) {
-    if (!names.count(old)) health->SetServingStatus(old, false);
+    if (!names.count(old)) health.SetServingStatus(old, false);
   }
   health_names_ = std::move(names);
 }
