@@ -11,6 +11,18 @@ namespace shardserve::server {
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
+namespace {
+
+constexpr size_t kMaxServiceName = 200;  // as gRPC's default health service
+
+grpc::Status NameTooLong(size_t bytes) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat("health: service name of ", bytes, " bytes, the limit is ",
+                                   kMaxServiceName));
+}
+
+}  // namespace
+
 // One Check: awaited, then answered at once.
 class HealthService::CheckCall final : public CompletionTag {
  public:
@@ -26,6 +38,10 @@ class HealthService::CheckCall final : public CompletionTag {
     }
     new CheckCall(health_);  // the next one
     answered_ = true;
+    if (request_.service().size() > kMaxServiceName) {
+      responder_.FinishWithError(NameTooLong(request_.service().size()), AsTag());
+      return;
+    }
     const ServingStatus status = health_.StatusOf(request_.service());
     if (status == HealthCheckResponse::SERVICE_UNKNOWN) {
       responder_.FinishWithError(
@@ -51,7 +67,7 @@ class HealthService::CheckCall final : public CompletionTag {
 
 // One Watch: sends the status, then each change, one write at a time, until the call is done
 // (cancelled by the client, or by the server's shutdown). Deleted once the call is done and no
-// write is in flight.
+// write (or finish) is in flight.
 class HealthService::WatchCall final {
  public:
   explicit WatchCall(HealthService& health) : health_(health) {
@@ -62,13 +78,13 @@ class HealthService::WatchCall final {
 
   // Sends the service's status unless it was the last one sent.
   void Update() {
-    if (writing_ || done_called_ || health_.stopped_) return;
+    if (in_flight_ || finished_ || done_called_ || health_.stopped_) return;
     const ServingStatus status = health_.StatusOf(request_.service());
     if (sent_any_ && status == sent_) return;
     sent_any_ = true;
     sent_ = status;
     response_.set_status(status);
-    writing_ = true;
+    in_flight_ = true;
     writer_.Write(response_, static_cast<CompletionTag*>(&written_));
   }
 
@@ -80,12 +96,18 @@ class HealthService::WatchCall final {
     }
     if (health_.stopped_) return;  // the server is shutting down: Done ends it
     new WatchCall(health_);        // the next one
+    if (request_.service().size() > kMaxServiceName) {
+      in_flight_ = finished_ = true;
+      writer_.Finish(NameTooLong(request_.service().size()), static_cast<CompletionTag*>(&written_));
+      return;
+    }
     health_.watchers_.insert(this);
     Update();
   }
 
+  // A write or the finish completed.
   void Written(bool ok) {
-    writing_ = false;
+    in_flight_ = false;
     if (done_called_) {
       delete this;
       return;
@@ -96,7 +118,7 @@ class HealthService::WatchCall final {
   void Done(bool) {
     done_called_ = true;
     health_.watchers_.erase(this);
-    if (!writing_) delete this;
+    if (!in_flight_) delete this;
   }
 
   HealthService& health_;
@@ -107,7 +129,8 @@ class HealthService::WatchCall final {
   MemberTag<WatchCall> accepted_{this, &WatchCall::Accepted};
   MemberTag<WatchCall> written_{this, &WatchCall::Written};
   MemberTag<WatchCall> done_{this, &WatchCall::Done};
-  bool writing_ = false;
+  bool in_flight_ = false;  // a write, or the finish
+  bool finished_ = false;   // Finish was called: nothing more to write
   bool done_called_ = false;
   bool sent_any_ = false;
   ServingStatus sent_ = HealthCheckResponse::UNKNOWN;

@@ -20,8 +20,10 @@ namespace shardserve::server {
 // and hand it the data calls' events: on a small machine that cost ~6 us of CPU per small call
 // (BENCHMARKS.md). It answers as the default one does: Check gives a known service's status and
 // NOT_FOUND for any other; Watch sends the status (SERVICE_UNKNOWN for an unknown service) and
-// then every change, until the client cancels or the server shuts down; after Shutdown every
-// service is NOT_SERVING for good.
+// then every change, until the client cancels or the server shuts down; a service name longer than
+// 200 bytes gets INVALID_ARGUMENT; after Shutdown every service is NOT_SERVING for good. Unlike
+// the default one, a Watch is sent a status only when it differs from the last one it was sent,
+// and after Shutdown new names stay unknown.
 class HealthService {
  public:
   using ServingStatus = grpc::health::v1::HealthCheckResponse::ServingStatus;

@@ -124,8 +124,13 @@ TEST_F(HealthServiceTest, WatchSendsTheStatusThenEachChangeOnce) {
   EXPECT_EQ(watch->Next(), HealthCheckResponse::SERVICE_UNKNOWN);
   health_.SetServingStatus("t", true);
   EXPECT_EQ(watch->Next(), HealthCheckResponse::SERVING);
-  health_.SetServingStatus("t", true);  // no change: nothing sent
+  // A pass over the watchers with no change for "t" sends it nothing: the other watcher's answer
+  // shows that the pass has run before "t" changes.
+  std::unique_ptr<Watch> other = StartWatch("other");
+  EXPECT_EQ(other->Next(), HealthCheckResponse::SERVICE_UNKNOWN);
+  health_.SetServingStatus("t", true);
   health_.SetServingStatus("other", false);
+  EXPECT_EQ(other->Next(), HealthCheckResponse::NOT_SERVING);
   health_.SetServingStatus("t", false);
   EXPECT_EQ(watch->Next(), HealthCheckResponse::NOT_SERVING);
   // A second watcher of a known service starts with its status.
@@ -134,6 +139,24 @@ TEST_F(HealthServiceTest, WatchSendsTheStatusThenEachChangeOnce) {
   health_.SetServingStatus("t", true);
   EXPECT_EQ(watch->Next(), HealthCheckResponse::SERVING);
   EXPECT_EQ(second->Next(), HealthCheckResponse::SERVING);
+}
+
+TEST_F(HealthServiceTest, AServiceNameOver200BytesIsInvalid) {
+  const std::string name(201, 'x');
+  health_.SetServingStatus(name, true);
+  HealthCheckResponse::ServingStatus status;
+  EXPECT_EQ(Check(name, &status).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  std::unique_ptr<Watch> watch = StartWatch(name);
+  EXPECT_EQ(watch->Next(), HealthCheckResponse::UNKNOWN);  // ended without a status
+  EXPECT_EQ(watch->reader->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  health_.SetServingStatus(name, false);  // nothing is written to the finished watch
+  // 200 bytes are fine.
+  const std::string longest(200, 'x');
+  health_.SetServingStatus(longest, true);
+  ASSERT_TRUE(Check(longest, &status).ok());
+  EXPECT_EQ(status, HealthCheckResponse::SERVING);
+  std::unique_ptr<Watch> fine = StartWatch(longest);
+  EXPECT_EQ(fine->Next(), HealthCheckResponse::SERVING);
 }
 
 TEST_F(HealthServiceTest, ShutdownTurnsEveryServiceNotServingForGood) {

@@ -52,8 +52,9 @@ std::string TableHealthName(const std::string& table) {
 // The data API on gRPC's async API, served by one thread (Run) from the server's completion
 // queue: it takes each call and each stream request as it arrives, validates and queues it for
 // the StepLoop, and sends the answers the loop hands back - a whole step's answers per wake-up,
-// while the loop goes on to its next step. Only this thread starts operations on the queue (the
-// StepLoop's thread only sets the alarm that wakes it). Every method takes and gives raw bytes so
+// while the loop goes on to its next step. It serves grpc.health.v1 too (HealthService). Only this
+// thread starts operations on the queue (other threads only set the alarm that wakes it: the
+// StepLoop's after a round, others through HandBack, e.g. for health changes). Every method takes and gives raw bytes so
 // that a result goes out without being copied into a response message (EncodeTensorResponse,
 // EncodeStreamResponse); on the wire they are the same messages.
 using WorkerDataService = v1::DataService::WithRawMethod_Embedding<
@@ -536,11 +537,11 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   if (w->server_ == nullptr || w->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("worker: cannot listen on ", w->options_.listen));
   }
-  w->data_service_->Start();
   {
     absl::MutexLock lock(&w->mu_);
-    w->UpdateHealth();
+    w->UpdateHealth();  // known (NOT_SERVING) from the first health check on
   }
+  w->data_service_->Start();
   w->loop_->Start();
   w->heartbeat_thread_ = std::thread([w] { w->HeartbeatLoop(); });
   w->reconcile_thread_ = std::thread([w] { w->ReconcileLoop(); });

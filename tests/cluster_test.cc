@@ -728,6 +728,17 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   CheckOps(*c, emb, "before the crash");
   EXPECT_EQ(Health(cluster->worker_address(0), ""), grpc::health::v1::HealthCheckResponse::SERVING);
+  // A health Watch on the survivor's table, open across the crash and the restart.
+  auto health_stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(cluster->worker_address(0), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext watch_context;
+  watch_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::health::v1::HealthCheckRequest watched;
+  watched.set_service("shardserve.v1.table/emb");
+  auto watch = health_stub->Watch(&watch_context, watched);
+  grpc::health::v1::HealthCheckResponse seen;
+  ASSERT_TRUE(watch->Read(&seen));
+  EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::SERVING);
 
   // A stream through the coordinator's relay, open across the crash.
   auto relay_stub = DataStub(cluster->coordinator_address());
@@ -751,6 +762,8 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
                                    grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
                       absl::Seconds(4)));
   EXPECT_LT(absl::Now() - killed, absl::Seconds(4));
+  ASSERT_TRUE(watch->Read(&seen));
+  EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   {
     // Whichever worker the relay reached, the stream answers UNAVAILABLE in band (rank 0: the
     // group is gone) or ends (rank 1 died) - promptly, not at its deadline.
@@ -793,6 +806,12 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   auto fresh = Connect(*cluster);  // new worker address: the client refreshes its map
   CheckOps(*fresh, emb, "after the restart");
   CheckOps(*c, emb, "old client after the restart");
+  ASSERT_TRUE(watch->Read(&seen));  // the change, sent once
+  EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  watch_context.TryCancel();
+  while (watch->Read(&seen)) {
+  }
+  EXPECT_EQ(watch->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
 TEST(Cluster, StreamThatIsNotReadIsHeldBackAndThenAnsweredInFull) {
