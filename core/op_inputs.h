@@ -70,6 +70,17 @@ using FloatBuffer = std::vector<float, DefaultInitAllocator<float>>;
 struct DenseResult {
   std::vector<int64_t> shape;
   FloatBuffer values;
+  // Where one buffer holds the results of several requests (a step's coalesced op), each result
+  // refers to its rows there instead of a copy: `count` floats from `offset` of *shared, and
+  // `values` stays empty. Values() reads either form.
+  std::shared_ptr<const FloatBuffer> shared;
+  int64_t offset = 0;
+  int64_t count = 0;
+
+  absl::Span<const float> Values() const {
+    return shared != nullptr ? absl::MakeConstSpan(shared->data() + offset, count)
+                             : absl::MakeConstSpan(values);
+  }
 };
 
 struct InputLimits {

@@ -650,9 +650,12 @@ void StepLoop::Run() {
             for (StepRequest* r : reqs) Answer(*r, result.status());
             continue;
           }
-          // Split the rows back per request.
+          // Split the rows back per request: with several requests, each refers to its rows of
+          // the one result buffer (no copy).
           const int64_t dim = result->shape.back();
-          const float* cursor = result->values.data();
+          std::shared_ptr<const FloatBuffer> shared;
+          if (reqs.size() > 1) shared = std::make_shared<FloatBuffer>(std::move(result->values));
+          int64_t cursor = 0;
           for (StepRequest* r : reqs) {
             DenseResult mine_result;
             int64_t rows = 0;
@@ -671,10 +674,12 @@ void StepLoop::Run() {
                 break;
             }
             mine_result.shape.push_back(dim);
-            if (reqs.size() == 1) {
-              mine_result.values = std::move(result->values);  // the common case: no copy
+            if (shared == nullptr) {
+              mine_result.values = std::move(result->values);
             } else {
-              mine_result.values.assign(cursor, cursor + rows * dim);
+              mine_result.shared = shared;
+              mine_result.offset = cursor;
+              mine_result.count = rows * dim;
               cursor += rows * dim;
             }
             Answer(*r, std::move(mine_result));

@@ -204,8 +204,8 @@ TEST(StepLoop, QueuedRequestsOfBothRanksRunInOneStepAndEachGetsItsOwnRows) {
     absl::StatusOr<DenseResult> got = p.future.get();
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(got->shape, p.shape);
-    ASSERT_EQ(got->values.size(), p.want.size());
-    for (size_t k = 0; k < p.want.size(); ++k) EXPECT_NEAR(got->values[k], p.want[k], 1e-5);
+    ASSERT_EQ(got->Values().size(), p.want.size());
+    for (size_t k = 0; k < p.want.size(); ++k) EXPECT_NEAR(got->Values()[k], p.want[k], 1e-5);
   }
   EXPECT_EQ(f.loops[0]->busy_steps(), 1);
   EXPECT_EQ(f.loops[1]->busy_steps(), 1);
@@ -226,8 +226,8 @@ void ExpectBag(Fixture& f, std::future<absl::StatusOr<DenseResult>> future,
   absl::StatusOr<DenseResult> got = future.get();
   ASSERT_TRUE(got.ok()) << got.status();
   const std::vector<float> want = f.ExpectedBag(ids, bag, mode);
-  ASSERT_EQ(got->values.size(), want.size());
-  for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got->values[k], want[k], 1e-5);
+  ASSERT_EQ(got->Values().size(), want.size());
+  for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got->Values()[k], want[k], 1e-5);
 }
 
 TEST(StepLoop, ARequestForATableDroppedWhileItWaitedIsAnsweredNotFoundAndTheGroupServesOn) {
@@ -293,11 +293,11 @@ TEST(StepLoop, WorkForATableTheRanksDoNotHoldAlikeIsAnsweredUnavailableAndTheRes
   f.loops[1]->RunBetweenSteps([&] { f.loops[1]->SetTable(replaced(no_bias, 1)); });
   got = f.Submit(1, LinearRequest({1, 2, 3, 4})).get();
   ASSERT_TRUE(got.ok()) << got.status();
-  ASSERT_EQ(got->values.size(), 5u);
+  ASSERT_EQ(got->Values().size(), 5u);
   for (int o = 0; o < 5; ++o) {
     float want = 0;
     for (int k = 0; k < 4; ++k) want += (k + 1.0f) * f.lin_weight[o * 4 + k];
-    EXPECT_NEAR(got->values[o], want, 1e-5);
+    EXPECT_NEAR(got->Values()[o], want, 1e-5);
   }
   ExpectBag(f, f.Submit(0, BagRequest(f.emb, ids, 3, PoolMode::kMean)), ids, 3,
             PoolMode::kMean);
@@ -473,8 +473,8 @@ TEST(StepLoop, ATableLoadedAnewWhileTheFailingStepRanIsKept) {
   double norm = 0;
   for (int k = 0; k < PartialRenorm::kCols; ++k) norm += row[k] * row[k];
   const double scale = 0.5 / (std::sqrt(norm) + 1e-7);
-  ASSERT_EQ(got->values.size(), static_cast<size_t>(PartialRenorm::kCols));
-  for (int k = 0; k < PartialRenorm::kCols; ++k) EXPECT_NEAR(got->values[k], row[k] * scale, 1e-5);
+  ASSERT_EQ(got->Values().size(), static_cast<size_t>(PartialRenorm::kCols));
+  for (int k = 0; k < PartialRenorm::kCols; ++k) EXPECT_NEAR(got->Values()[k], row[k] * scale, 1e-5);
 }
 
 // CPU kernels whose row gathers fail, as a device's may (a failed allocation or kernel launch).
@@ -630,14 +630,14 @@ TEST(StepLoop, AFullQueueRefusesWithResourceExhaustedAndAcceptsAgainOnceServed) 
   for (auto* future : {&first, &second, &other}) {
     absl::StatusOr<DenseResult> got = future->get();
     ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_THAT(std::vector<float>(got->values.begin(), got->values.end()),
+    EXPECT_THAT(std::vector<float>(got->Values().begin(), got->Values().end()),
                 ::testing::Pointwise(::testing::FloatNear(1e-5), want));
   }
   // Served: the queue takes requests again, even one larger than the limit when it is empty.
   std::vector<int64_t> many(3 * 40, 5);
   absl::StatusOr<DenseResult> big = f.Submit(0, BagRequest(f.emb, many, 4, PoolMode::kSum)).get();
   ASSERT_TRUE(big.ok()) << big.status();
-  EXPECT_THAT(std::vector<float>(big->values.begin(), big->values.end()),
+  EXPECT_THAT(std::vector<float>(big->Values().begin(), big->Values().end()),
               ::testing::Pointwise(::testing::FloatNear(1e-5),
                                    f.ExpectedBag(many, 4, PoolMode::kSum)));
 }
@@ -658,8 +658,8 @@ TEST(StepLoop, ResultsCanTravelOnASeparateDataGroup) {
     const std::vector<float> want = f.ExpectedBag(ids, 3, mode);
     absl::StatusOr<DenseResult> got = f.Submit(i % 2, BagRequest(f.emb, ids, 3, mode)).get();
     ASSERT_TRUE(got.ok()) << got.status();
-    ASSERT_EQ(got->values.size(), want.size());
-    for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got->values[k], want[k], 1e-5);
+    ASSERT_EQ(got->Values().size(), want.size());
+    for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got->Values()[k], want[k], 1e-5);
   }
   auto l = std::make_unique<StepRequest>();
   l->op = StepRequest::Op::kLinear;
@@ -671,7 +671,7 @@ TEST(StepLoop, ResultsCanTravelOnASeparateDataGroup) {
   for (int o = 0; o < 5; ++o) {
     float want = f.bias[o];
     for (int k = 0; k < 4; ++k) want += (k + 1.0f) * f.lin_weight[o * 4 + k];
-    EXPECT_NEAR(y->values[o], want, 1e-5);
+    EXPECT_NEAR(y->Values()[o], want, 1e-5);
   }
   {
     absl::MutexLock lock(&f.mu);
@@ -698,12 +698,12 @@ TEST(StepLoop, ConcurrentCallersOnBothRanksAreServedWhileRunning) {
         for (auto& id : ids) id = rng() % 50;
         auto want = f.ExpectedBag(ids, 5, PoolMode::kSum);
         auto got = f.Submit(t % 2, BagRequest(f.emb, ids, 5, PoolMode::kSum)).get();
-        if (!got.ok() || got->values.size() != want.size()) {
+        if (!got.ok() || got->Values().size() != want.size()) {
           ++wrong;
           continue;
         }
         for (size_t k = 0; k < want.size(); ++k) {
-          if (std::abs(got->values[k] - want[k]) > 1e-5) ++wrong;
+          if (std::abs(got->Values()[k] - want[k]) > 1e-5) ++wrong;
         }
       }
     });

@@ -67,7 +67,7 @@ grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::De
   v1::Tensor head;  // every field of the Tensor but its data
   head.set_dtype(v1::FLOAT32);
   head.mutable_shape()->Assign(result.shape.begin(), result.shape.end());
-  const size_t data_bytes = result.values.size() * sizeof(float);
+  const size_t data_bytes = result.Values().size() * sizeof(float);
   std::string data_key;  // proto3 leaves an empty bytes field out
   if (data_bytes > 0) {
     AppendLengthKey(v1::Tensor::kDataFieldNumber, &data_key);
@@ -82,11 +82,19 @@ grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::De
     grpc::Slice only(prefix);
     return grpc::ByteBuffer(&only, 1);
   }
-  auto* values = new core::FloatBuffer(std::move(result.values));
-  const grpc::Slice slices[] = {
-      grpc::Slice(prefix),
-      grpc::Slice(values->data(), data_bytes,
-                  [](void* owner) { delete static_cast<core::FloatBuffer*>(owner); }, values)};
+  // The data slice keeps the values' buffer (or a share of a step's buffer) until gRPC has sent it.
+  grpc::Slice data;
+  if (result.shared == nullptr) {
+    auto* values = new core::FloatBuffer(std::move(result.values));
+    data = grpc::Slice(values->data(), data_bytes,
+                       [](void* owner) { delete static_cast<core::FloatBuffer*>(owner); }, values);
+  } else {
+    using Share = std::shared_ptr<const core::FloatBuffer>;
+    auto* share = new Share(std::move(result.shared));
+    data = grpc::Slice(const_cast<float*>((*share)->data() + result.offset), data_bytes,
+                       [](void* owner) { delete static_cast<Share*>(owner); }, share);
+  }
+  const grpc::Slice slices[] = {grpc::Slice(prefix), std::move(data)};
   return grpc::ByteBuffer(slices, 2);
 }
 

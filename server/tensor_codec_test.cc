@@ -1,8 +1,10 @@
 #include "server/tensor_codec.h"
 
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -125,6 +127,37 @@ TEST(TensorCodec, ResponseWireBytesMatchProtobuf) {
     ASSERT_TRUE(parsed.ParseFromString(wire));
     EXPECT_EQ(parsed.output().data(), expected.output().data());
   }
+}
+
+// Results that share one buffer (a step's coalesced requests) are sent from it without a copy:
+// each response holds its share until it is gone, after the results themselves.
+TEST(TensorCodec, SharedResultsAreSentFromTheirShareOfTheBuffer) {
+  auto buffer = std::make_shared<core::FloatBuffer>();
+  for (int k = 0; k < 10; ++k) buffer->push_back(static_cast<float>(k));
+  const float* first = buffer->data();
+  std::weak_ptr<const core::FloatBuffer> alive = buffer;
+  std::vector<grpc::ByteBuffer> responses;
+  for (const auto& [offset, rows] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {2, 4}}) {
+    core::DenseResult result;
+    result.shape = {rows, 2};
+    result.shared = buffer;
+    result.offset = offset;
+    result.count = rows * 2;
+    responses.push_back(EncodeTensorResponse(std::move(result)));
+  }
+  buffer.reset();
+  ASSERT_FALSE(alive.expired());  // the responses hold it
+  v1::TensorResponse expected;
+  SetFloats({1, 2}, {0, 1}, expected.mutable_output());
+  EXPECT_EQ(Bytes(responses[0]), expected.SerializeAsString());
+  SetFloats({4, 2}, {2, 3, 4, 5, 6, 7, 8, 9}, expected.mutable_output());
+  EXPECT_EQ(Bytes(responses[1]), expected.SerializeAsString());
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(responses[1].Dump(&slices).ok());
+  EXPECT_EQ(reinterpret_cast<const float*>(slices.back().begin()), first + 2);  // not a copy
+  slices.clear();
+  responses.clear();
+  EXPECT_TRUE(alive.expired());
 }
 
 TEST(TensorCodec, StreamResponseWireBytesMatchProtobuf) {
