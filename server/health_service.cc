@@ -98,7 +98,8 @@ class HealthService::WatchCall final {
     new WatchCall(health_);        // the next one
     if (request_.service().size() > kMaxServiceName) {
       in_flight_ = finished_ = true;
-      writer_.Finish(NameTooLong(request_.service().size()), static_cast<CompletionTag*>(&written_));
+      writer_.Finish(NameTooLong(request_.service().size()),
+                     static_cast<CompletionTag*>(&written_));
       return;
     }
     health_.watchers_.insert(this);
@@ -162,11 +163,9 @@ void HealthService::SetServingStatus(const std::string& service, bool serving) {
     auto [it, added] = statuses_.try_emplace(service, status);
     if (!added && it->second == status) return;
     it->second = status;
-    if (notify_pending_ || !run_on_queue_thread_) return;
-    notify_pending_ = true;
-    run = run_on_queue_thread_;
+    run = NotifyLocked();
   }
-  run([this] { NotifyWatchers(); });
+  if (run) run([this] { NotifyWatchers(); });
 }
 
 void HealthService::Shutdown() {
@@ -176,11 +175,15 @@ void HealthService::Shutdown() {
     if (shut_down_) return;
     shut_down_ = true;
     for (auto& [service, status] : statuses_) status = HealthCheckResponse::NOT_SERVING;
-    if (notify_pending_ || !run_on_queue_thread_) return;
-    notify_pending_ = true;
-    run = run_on_queue_thread_;
+    run = NotifyLocked();
   }
-  run([this] { NotifyWatchers(); });
+  if (run) run([this] { NotifyWatchers(); });
+}
+
+std::function<void(absl::AnyInvocable<void()>)> HealthService::NotifyLocked() {
+  if (notify_pending_ || !run_on_queue_thread_) return nullptr;  // one pass covers every change
+  notify_pending_ = true;
+  return run_on_queue_thread_;
 }
 
 HealthService::ServingStatus HealthService::StatusOf(const std::string& service) {

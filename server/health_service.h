@@ -49,6 +49,9 @@ class HealthService {
 
   ServingStatus StatusOf(const std::string& service);  // SERVICE_UNKNOWN for unknown services
   void NotifyWatchers();                               // on the queue's thread
+  // After a change: what hands NotifyWatchers to the queue's thread, unless a pass is already
+  // due (or the service has not started: no watchers yet).
+  std::function<void(absl::AnyInvocable<void()>)> NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   grpc::health::v1::Health::AsyncService service_;
   grpc::ServerCompletionQueue* cq_ = nullptr;

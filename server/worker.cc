@@ -54,9 +54,9 @@ std::string TableHealthName(const std::string& table) {
 // the StepLoop, and sends the answers the loop hands back - a whole step's answers per wake-up,
 // while the loop goes on to its next step. It serves grpc.health.v1 too (HealthService). Only this
 // thread starts operations on the queue (other threads only set the alarm that wakes it: the
-// StepLoop's after a round, others through HandBack, e.g. for health changes). Every method takes and gives raw bytes so
-// that a result goes out without being copied into a response message (EncodeTensorResponse,
-// EncodeStreamResponse); on the wire they are the same messages.
+// StepLoop's after a round, others through HandBack, e.g. for health changes). Every method takes
+// and gives raw bytes so that a result goes out without being copied into a response message
+// (EncodeTensorResponse, EncodeStreamResponse); on the wire they are the same messages.
 using WorkerDataService = v1::DataService::WithRawMethod_Embedding<
     v1::DataService::WithRawMethod_EmbeddingBag<v1::DataService::WithRawMethod_Linear<
         v1::DataService::WithRawMethod_Stream<v1::DataService::Service>>>>;
