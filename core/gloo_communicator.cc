@@ -524,48 +524,46 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
   std::vector<absl::Span<const char>> views(world_size_);
   absl::Status status = Guarded("message all-gather", [&] {
     const auto wait = ToChrono(timeout);
-    const int slot = NextSyncSlots(2);  // length, then message
+    const int slot = NextSyncSlots(1);
     const uint64_t async_slot = kMessageSlot | next_async_++;
-    int64_t length = static_cast<int64_t>(mine.size());
-    outgoing_.assign(mine.begin(), mine.end());
+    // One frame per peer on the synchronous mesh: the message's length, then the message itself
+    // where the frame stays within SyncLimit(); a longer message follows on the asynchronous mesh.
+    const int64_t length = static_cast<int64_t>(mine.size());
+    const bool inline_message = kLengthBytes + length <= SyncLimit();
+    outgoing_.resize(kLengthBytes + length);
+    std::memcpy(outgoing_.data(), &length, kLengthBytes);
+    if (length > 0) std::memcpy(outgoing_.data() + kLengthBytes, mine.data(), length);
+    const int64_t frame = inline_message ? kLengthBytes + length : kLengthBytes;
     // Send first (writes of at most SyncLimit() bytes complete into the socket buffers), then read.
     std::unique_ptr<gloo::transport::UnboundBuffer> large;
     for (int q = 0; q < world_size_; ++q) {
       if (q == rank_) continue;
-      auto& pair = sync_context_->getPair(q);
-      pair->createSendBuffer(slot, &length, kLengthBytes)->send(0, kLengthBytes);
-      if (length == 0) continue;
-      if (length <= SyncLimit()) {
-        pair->createSendBuffer(slot + 1, outgoing_.data(), length)->send(0, length);
-      } else {
-        if (!large) large = context_->createUnboundBuffer(outgoing_.data(), length);
-        large->send(q, async_slot);
-      }
+      sync_context_->getPair(q)->createSendBuffer(slot, outgoing_.data(), frame)->send(0, frame);
+      if (inline_message) continue;
+      if (!large) large = context_->createUnboundBuffer(outgoing_.data() + kLengthBytes, length);
+      large->send(q, async_slot);
     }
     received_.resize(world_size_);
     for (int q = 0; q < world_size_; ++q) {
       if (q == rank_) continue;
-      auto& pair = sync_context_->getPair(q);
+      std::vector<char>& in = received_[q];
+      if (static_cast<int64_t>(in.size()) < SyncLimit()) in.resize(SyncLimit());
+      sync_context_->getPair(q)->createRecvBuffer(slot, in.data(), SyncLimit())->waitRecv();
       int64_t theirs = 0;
-      pair->createRecvBuffer(slot, &theirs, kLengthBytes)->waitRecv();
+      std::memcpy(&theirs, in.data(), kLengthBytes);
       if (theirs < 0) throw std::runtime_error(absl::StrCat("bad message length from rank ", q));
-      received_[q].resize(theirs);
-      if (theirs == 0) continue;
-      if (theirs <= SyncLimit()) {
-        pair->createRecvBuffer(slot + 1, received_[q].data(), theirs)->waitRecv();
-      } else {
-        auto buffer = context_->createUnboundBuffer(received_[q].data(), theirs);
+      if (kLengthBytes + theirs > SyncLimit()) {
+        in.resize(kLengthBytes + theirs);
+        auto buffer = context_->createUnboundBuffer(in.data() + kLengthBytes, theirs);
         buffer->recv(q, async_slot);
         if (!buffer->waitRecv(wait)) throw std::runtime_error("receive aborted");
       }
+      views[q] = absl::Span<const char>(in.data() + kLengthBytes, theirs);
     }
     for (int q = 0; large && q < world_size_ - 1; ++q) {
       if (!large->waitSend(wait)) throw std::runtime_error("send aborted");
     }
-    for (int q = 0; q < world_size_; ++q) {
-      views[q] = q == rank_ ? absl::Span<const char>(outgoing_.data(), outgoing_.size())
-                            : absl::Span<const char>(received_[q].data(), received_[q].size());
-    }
+    views[rank_] = absl::Span<const char>(outgoing_.data() + kLengthBytes, length);
   });
   if (!status.ok()) return status;
   return views;
@@ -575,8 +573,10 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
 // on the asynchronous mesh at once. Each Send writes its block straight to the socket, or, between
 // peers that share memory, into the peer's slot of this rank's outbox and announces it with its
 // size (sync slot `slot`). The peer reads it there (Received) until its next exchange starts,
-// which acknowledges it (sync slot `slot` + 1 of that exchange, read in its Wait()); meanwhile the
-// owner uses the other slot of the pair.
+// which acknowledges it (read in the owner's Wait()); meanwhile the owner uses the other slot of
+// the pair. The acknowledgement rides with that next exchange's announcement where the peer sends
+// the owner a block through shared memory in it, and is a message of its own (sync slot `slot`
+// + 1) otherwise: both ends know which, from the exchange's sizes.
 class GlooCommunicator::Exchange : public PendingExchange {
  public:
   Exchange(GlooCommunicator& comm, char* out, std::vector<int64_t> recv_bytes,
@@ -585,6 +585,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
       : comm_(comm),
         parity_(parity),
         acks_due_(recv_bytes.size(), false),
+        ack_with_block_(recv_bytes.size(), false),
         out_(out),
         recv_bytes_(std::move(recv_bytes)),
         send_bytes_(std::move(send_bytes)),
@@ -604,12 +605,14 @@ class GlooCommunicator::Exchange : public PendingExchange {
       if (SharedMemory* shm = comm_.shm_.get()) {
         // The blocks read in place in the last exchange are done with: release their slots.
         for (int q = 0; q < comm_.world_size_; ++q) {
-          if (shm->owe_ack[q]) {
+          if (shm->owe_ack[q] && To(q) != nullptr) {
+            ack_with_block_[q] = true;  // sent with the announcement of this exchange's block
+          } else if (shm->owe_ack[q]) {
             int64_t done = 1;
             comm_.sync_context_->getPair(q)->createSendBuffer(slot_ + 1, &done, kLengthBytes)
                 ->send(0, kLengthBytes);
-            shm->owe_ack[q] = false;
           }
+          shm->owe_ack[q] = false;
           acks_due_[q] = shm->await_ack[q];
           shm->await_ack[q] = false;
         }
@@ -641,9 +644,10 @@ class GlooCommunicator::Exchange : public PendingExchange {
     return comm_.Guarded("all-to-all (send)", [&] {
       if (char* slot = To(peer)) {
         if (slot != data) std::memcpy(slot, data, bytes);
-        int64_t announced = bytes;
-        comm_.sync_context_->getPair(peer)->createSendBuffer(slot_, &announced, kLengthBytes)
-            ->send(0, kLengthBytes);
+        int64_t announced[2] = {bytes, ack_with_block_[peer] ? 1 : 0};
+        comm_.sync_context_->getPair(peer)->createSendBuffer(slot_, announced, sizeof(announced))
+            ->send(0, sizeof(announced));
+        ack_with_block_[peer] = false;
         comm_.shm_->await_ack[peer] = true;
       } else if (sync_[peer]) {
         comm_.sync_context_->getPair(peer)
@@ -672,17 +676,19 @@ class GlooCommunicator::Exchange : public PendingExchange {
     return comm_.Guarded("all-to-all", [&] {
       for (int q = 0; q < comm_.world_size_; ++q) {
         if (q == comm_.rank_) continue;
-        if (acks_due_[q]) {  // sent by q when this exchange started there, before its blocks
+        if (acks_due_[q] && From(q) == nullptr) {  // sent alone by q when this exchange started there
           int64_t done = 0;
           comm_.sync_context_->getPair(q)->createRecvBuffer(slot_ + 1, &done, kLengthBytes)->waitRecv();
         }
         if (recv_bytes_[q] == 0) continue;
         if (From(q) != nullptr) {
-          int64_t announced = 0;
-          comm_.sync_context_->getPair(q)->createRecvBuffer(slot_, &announced, kLengthBytes)->waitRecv();
-          if (announced != recv_bytes_[q]) {
-            throw std::runtime_error(absl::StrCat("rank ", q, " announced ", announced,
-                                                  " bytes where ", recv_bytes_[q], " were due"));
+          int64_t announced[2] = {0, 0};  // bytes, and the acknowledgement of the last exchange
+          comm_.sync_context_->getPair(q)->createRecvBuffer(slot_, announced, sizeof(announced))
+              ->waitRecv();
+          if (announced[0] != recv_bytes_[q] || announced[1] != (acks_due_[q] ? 1 : 0)) {
+            throw std::runtime_error(absl::StrCat("rank ", q, " announced ", announced[0],
+                                                  " bytes (acknowledged: ", announced[1],
+                                                  ") where ", recv_bytes_[q], " were due"));
           }
           comm_.shm_->owe_ack[q] = true;
         } else if (large_recv_[q]) {
@@ -712,6 +718,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
   GlooCommunicator& comm_;
   const int parity_;               // which slot of each pair this exchange uses
   std::vector<bool> acks_due_;     // peers that acknowledge the last exchange's blocks in Wait()
+  std::vector<bool> ack_with_block_;  // peers this rank acknowledges with its block's announcement
   char* out_;
   std::vector<int64_t> recv_bytes_;
   std::vector<int64_t> send_bytes_;
@@ -742,8 +749,8 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAll
     // same path. A block through shared memory puts only its announcement on the socket.
     int64_t in = bytes[q], out_bytes = send_bytes[q];
     if (shm_ && q != rank_) {
-      if (shm_->SlotFrom(q, in, 0) != nullptr) in = kLengthBytes;
-      if (shm_->SlotFor(q, out_bytes, 0) != nullptr) out_bytes = kLengthBytes;
+      if (shm_->SlotFrom(q, in, 0) != nullptr) in = 2 * kLengthBytes;
+      if (shm_->SlotFor(q, out_bytes, 0) != nullptr) out_bytes = 2 * kLengthBytes;
     }
     sync[q] = std::max(in, out_bytes) <= SyncLimit() ||
               (world_size_ == 2 && std::min(in, out_bytes) <= SyncLimit());
