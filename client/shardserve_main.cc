@@ -1,7 +1,7 @@
 // shardserve: the command-line client, and `up`, a local cluster on this machine.
 //
 //   shardserve up [--workers=2] [--port=50051] [--exit_after_demo] [--no_demo] [--row_budget=N]
-//                 [--device=cpu|cuda:0]
+//                 [--one_request_per_step] [--device=cpu|cuda:0]
 //   shardserve create-table --name=T --kind=embedding|linear --rows=N --cols=D
 //                           [--sharding_dim=1] [--placements=rank:1/cpu,rank:0/cpu | --world=2
 //                           [--device=cuda:0]]
@@ -49,6 +49,8 @@ ABSL_FLAG(std::string, server_dir, "", "up: where coordinator_main and worker_ma
 ABSL_FLAG(bool, no_demo, false, "up: do not create the demo tables and run the demo calls");
 ABSL_FLAG(bool, exit_after_demo, false, "up: stop the cluster after the demo");
 ABSL_FLAG(int64_t, row_budget, 0, "up: workers' rows per step (0: their default)");
+ABSL_FLAG(bool, one_request_per_step, false,
+          "up: coalescing off, a benchmark baseline (the workers' --one_request_per_step)");
 ABSL_FLAG(std::string, device, "cpu",
           "up: the workers' --device (cuda:0 with one GPU and --workers=1); create-table --world: "
           "the placements' device (rank:R/DEVICE)");
@@ -346,6 +348,9 @@ int Up(const std::string& argv0) {
   }
   if (const int64_t budget = absl::GetFlag(FLAGS_row_budget); budget > 0) {
     options.worker_flags.push_back(absl::StrCat("--row_budget=", budget));
+  }
+  if (absl::GetFlag(FLAGS_one_request_per_step)) {
+    options.worker_flags.push_back("--one_request_per_step");
   }
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
   if (!cluster.ok()) return Fail(cluster.status());

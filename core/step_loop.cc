@@ -440,6 +440,7 @@ void StepLoop::Run() {
   int idle_rounds = 0;  // consecutive rounds without work
   std::vector<std::unique_ptr<StepRequest>> batch;
   bool new_group = false;  // its first round is the hello
+  int turn = -1;  // one_request_per_step: the rank whose request the last busy step ran
   while (true) {
     if (options_.after_answers) options_.after_answers();  // the last round's answers
     batch.clear();
@@ -466,13 +467,15 @@ void StepLoop::Run() {
         active_comm_ = comm.get();
         idle_rounds = 0;  // counted from the group's first round on every rank
         new_group = true;
+        turn = -1;
         data = std::move(pending_data_);
         epoch_ = pending_epoch_;
         serving_ = true;
       }
       int64_t rows = 0;
       while (!queue_.empty() &&
-             (batch.empty() || rows + queue_.front()->Rows() <= options_.row_budget)) {
+             (batch.empty() || (!options_.one_request_per_step &&
+                                rows + queue_.front()->Rows() <= options_.row_budget))) {
         rows += queue_.front()->Rows();
         queued_bytes_ -= queue_.front()->InputBytes();
         batch.push_back(std::move(queue_.front()));
@@ -563,6 +566,32 @@ void StepLoop::Run() {
           inputs.resize(views->size());
           inputs[q] = input;
         }
+      }
+    }
+    if (broken.ok() && options_.one_request_per_step && !work.empty()) {
+      // Every rank sees the same rounds, so every rank picks the same one; the others' requests
+      // go back to the front of their queues.
+      const int world = static_cast<int>(received.size());
+      for (int i = 1; i <= world; ++i) {
+        if (received[(turn + i) % world].size() > 1) {  // more than the digest: it has work
+          turn = (turn + i) % world;
+          break;
+        }
+      }
+      for (auto it = work.begin(); it != work.end();) {
+        for (int q = 0; q < world; ++q) {
+          if (q != turn) it->second[q] = {};
+        }
+        it = it->second[turn].data() == nullptr ? work.erase(it) : std::next(it);
+      }
+      if (comm->rank() != turn && !batch.empty()) {
+        mine.clear();
+        absl::MutexLock lock(&mu_);
+        for (auto r = batch.rbegin(); r != batch.rend(); ++r) {
+          queued_bytes_ += (*r)->InputBytes();
+          queue_.push_front(std::move(*r));
+        }
+        batch.clear();
       }
     }
     if (broken.ok() && work.empty()) {

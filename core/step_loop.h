@@ -76,6 +76,9 @@ class StepLoop {
  public:
   struct Options {
     int64_t row_budget = int64_t{1} << 18;  // rows (ids, bags' ids, input rows) per step per rank
+    // Coalescing off, the benchmark baseline: each step runs one request of one rank, the ranks
+    // with work taking turns (the others keep theirs queued). Must be the same on every rank.
+    bool one_request_per_step = false;
     // Input bytes the queue may hold: Submit refuses a request that would go over it with
     // RESOURCE_EXHAUSTED (an overloaded worker sheds load instead of growing without bound).
     // A request always fits an empty queue.

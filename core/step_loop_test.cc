@@ -211,6 +211,51 @@ TEST(StepLoop, QueuedRequestsOfBothRanksRunInOneStepAndEachGetsItsOwnRows) {
   EXPECT_EQ(f.loops[1]->busy_steps(), 1);
 }
 
+TEST(StepLoop, OneRequestPerStepRunsEachRequestInAStepOfItsOwnWithTheRanksTakingTurns) {
+  Fixture f;
+  f.configure = [](int, StepLoop::Options& options) { options.one_request_per_step = true; };
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "one-per-step", store));
+  // Rank 0 holds three requests and rank 1 two, all queued before the loops start; each answer
+  // records the busy step it came in (counted on its rank).
+  absl::Mutex mu;
+  std::vector<std::vector<int64_t>> steps(Fixture::kWorld);
+  std::vector<std::future<absl::StatusOr<DenseResult>>> futures;
+  std::vector<std::vector<float>> wants;
+  std::mt19937 rng(3);
+  for (int i = 0; i < 5; ++i) {
+    const int rank = i < 3 ? 0 : 1;
+    std::vector<int64_t> ids(2 * 4);
+    for (auto& id : ids) id = rng() % 50;
+    wants.push_back(f.ExpectedBag(ids, 4, PoolMode::kSum));
+    auto r = BagRequest(f.emb, ids, 4, PoolMode::kSum);
+    auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
+    futures.push_back(promise->get_future());
+    StepLoop* loop = f.loops[rank].get();
+    r->done = [&mu, &steps, loop, rank, promise](absl::StatusOr<DenseResult> got) {
+      {
+        absl::MutexLock lock(&mu);
+        steps[rank].push_back(loop->busy_steps());
+      }
+      promise->set_value(std::move(got));
+    };
+    loop->Submit(std::move(r));
+  }
+  for (auto& loop : f.loops) loop->Start();
+  for (int i = 0; i < 5; ++i) {
+    absl::StatusOr<DenseResult> got = futures[i].get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->Values().size(), wants[i].size());
+    for (size_t k = 0; k < wants[i].size(); ++k) EXPECT_NEAR(got->Values()[k], wants[i][k], 1e-5);
+  }
+  // Five steps; the ranks alternate while both have work, in the order their requests came.
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(steps[0], (std::vector<int64_t>{1, 3, 5}));
+  EXPECT_EQ(steps[1], (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(f.loops[0]->busy_steps(), 5);
+  EXPECT_EQ(f.loops[1]->busy_steps(), 5);
+}
+
 // y = x W^T (+ bias) for the fixture's layer, one input row.
 std::unique_ptr<StepRequest> LinearRequest(std::vector<float> x) {
   auto r = std::make_unique<StepRequest>();

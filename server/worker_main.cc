@@ -24,6 +24,9 @@ ABSL_FLAG(int, copy_lanes, 4,
           "cuda:N: threads that copy each host<->device transfer of 2 MiB or more through pinned "
           "memory (0: the driver's single-threaded pageable copy)");
 ABSL_FLAG(int64_t, row_budget, int64_t{1} << 18, "rows (ids, input rows) per rank per step");
+ABSL_FLAG(bool, one_request_per_step, false,
+          "coalescing off (a benchmark baseline): each step runs one request of one rank, the "
+          "ranks taking turns; give it to every worker of the group");
 ABSL_FLAG(int, collective_timeout_ms, 10000, "a collective that takes longer fails the step");
 ABSL_FLAG(int64_t, max_queued_mb, 1024,
           "input the step queue may hold; calls beyond it get RESOURCE_EXHAUSTED");
@@ -60,6 +63,7 @@ int main(int argc, char** argv) {
   options.copy_lanes = absl::GetFlag(FLAGS_copy_lanes);
   options.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
   options.step.row_budget = absl::GetFlag(FLAGS_row_budget);
+  options.step.one_request_per_step = absl::GetFlag(FLAGS_one_request_per_step);
   options.fail_allreduce = absl::GetFlag(FLAGS_fail_allreduce);
   options.step.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
   options.gloo.sync_timeout = options.step.collective_timeout;
