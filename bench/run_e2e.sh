@@ -4,9 +4,9 @@
 #   2. Embedding of 10 240 ids per call vs Redis MGET
 #   3. response bandwidth, client -> worker, vs a trivial gRPC server returning the same bytes (on
 #      gRPC's callback API, and on one completion-queue thread); and the coordinator-forwarded path
-#   4. 64 concurrent callers with one bag each: step-loop coalescing vs one request per step, with
-#      unary calls and with each caller on a stream; the trivial servers' unary rate is the
-#      ceiling (what gRPC alone carries here)
+#   4. 64 concurrent callers with one bag each: step-loop coalescing vs one request per step (and
+#      vs one request per rank per step), with unary calls and with each caller on a stream; the
+#      trivial servers' unary rate is the ceiling (what gRPC alone carries here)
 # Shapes: N = 100 000 rows, D = 128, fp32, W = 2 CPU workers, col-wise. ROUNDS interleaved rounds,
 # medians reported.   bench/run_e2e.sh [ROUNDS] [SECONDS]
 set -euo pipefail
@@ -82,15 +82,20 @@ for ((round = 1; round <= rounds; round++)); do
   echo_load "coalesce_64x1" --op=embedding_bag --batch=1 --bag=20 --concurrency=64
   load "coalesce_64x1" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64
   load "coalesce_64x1_stream" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64 --stream
-  # The baseline cluster runs only while it is measured (idle workers still cost a few % of CPU).
-  start_cluster 50152 --row_budget=1   # one request per step per rank: no coalescing
-  for mode in "" _stream; do
-    load "coalesce_64x1$mode" 50152 --op=embedding_bag --batch=1 --bag=20 --concurrency=64 \
-      ${mode:+--stream}
-    sed -i 's/"impl": "shardserve"/"impl": "shardserve-one-request-per-step"/' "$work/r.json"
-    sed -i '$ d' "$out"; record "coalesce_64x1$mode" "$work/r.json"
+  # The baseline clusters run only while measured (idle workers still cost a few % of CPU): one
+  # request per step (the group runs one request a step, the ranks taking turns: no coalescing),
+  # and one request per rank per step (each of the 2 ranks brings one: a step carries two).
+  for baseline in one-request-per-step:--one_request_per_step \
+                  one-request-per-rank-per-step:--row_budget=1; do
+    start_cluster 50152 "${baseline#*:}"
+    for mode in "" _stream; do
+      load "coalesce_64x1$mode" 50152 --op=embedding_bag --batch=1 --bag=20 --concurrency=64 \
+        ${mode:+--stream}
+      sed -i "s/\"impl\": \"shardserve\"/\"impl\": \"shardserve-${baseline%%:*}\"/" "$work/r.json"
+      sed -i '$ d' "$out"; record "coalesce_64x1$mode" "$work/r.json"
+    done
+    kill "$cluster_pid"; wait "$cluster_pid" 2>/dev/null || true
   done
-  kill "$cluster_pid"; wait "$cluster_pid" 2>/dev/null || true
 done
 
 /usr/bin/python3 - "$out" <<'PY'
@@ -112,15 +117,18 @@ for case, impls in by.items():
               f"{statistics.median(x[1] for x in runs)/1e3:.2f} | {statistics.median(x[2] for x in runs)/1e3:.2f} | "
               f"{sum(x[4] for x in runs)} | {ours / rate if rate else 0:.2f}x |")
 for case, impls in by.items():
-    base = impls.get("shardserve-one-request-per-step")
-    if base:  # coalescing: the ratio of each round's pair, and their median
+    for name in ("one-request-per-step", "one-request-per-rank-per-step"):
+        base = impls.get("shardserve-" + name)
+        if not base:
+            continue
+        # coalescing: the ratio of each round's pair, and their median
         ratios = [a[0] / b[0] for a, b in zip(impls["shardserve"], base)]
-        print(f"{case}: per-round ratios {', '.join(f'{r:.2f}x' for r in ratios)}; "
+        print(f"{case} over {name}: per-round ratios {', '.join(f'{r:.2f}x' for r in ratios)}; "
               f"median {statistics.median(ratios):.2f}x")
         echoes = [impls[k] for k in impls if k.startswith("bare-grpc-echo")]
-        if echoes:  # the most any coalescing could reach: gRPC alone over one request per step
+        if echoes:  # the most any coalescing could reach: gRPC alone over the baseline
             ceilings = [max(e[i][0] for e in echoes) / b[0] for i, b in enumerate(base)]
-            print(f"{case}: bare gRPC ÷ one request per step, per round "
+            print(f"{case}: bare gRPC ÷ {name}, per round "
                   f"{', '.join(f'{r:.2f}x' for r in ceilings)}; median {statistics.median(ceilings):.2f}x")
 print(f"\nraw: {sys.argv[1]}")
 PY
