@@ -526,12 +526,15 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
     const auto wait = ToChrono(timeout);
     const int slot = NextSyncSlots(1);
     const uint64_t async_slot = kMessageSlot | next_async_++;
-    // One frame per peer on the synchronous mesh: the message's length, then the message itself
-    // where the frame stays within SyncLimit(); a longer message follows on the asynchronous mesh.
+    // One frame per peer on the synchronous mesh: a header word, then the message itself where
+    // the frame stays within SyncLimit(). A longer message follows on the asynchronous mesh, and
+    // its header is the length's complement (negative), so the reader never depends on its own
+    // SyncLimit() agreeing with the writer's.
     const int64_t length = static_cast<int64_t>(mine.size());
-    const bool inline_message = kLengthBytes + length <= SyncLimit();
+    const bool inline_message = length <= SyncLimit() - kLengthBytes;
+    const int64_t header = inline_message ? length : ~length;
     outgoing_.resize(kLengthBytes + length);
-    std::memcpy(outgoing_.data(), &length, kLengthBytes);
+    std::memcpy(outgoing_.data(), &header, kLengthBytes);
     if (length > 0) std::memcpy(outgoing_.data() + kLengthBytes, mine.data(), length);
     const int64_t frame = inline_message ? kLengthBytes + length : kLengthBytes;
     // Send first (writes of at most SyncLimit() bytes complete into the socket buffers), then read.
@@ -546,19 +549,24 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
     received_.resize(world_size_);
     for (int q = 0; q < world_size_; ++q) {
       if (q == rank_) continue;
-      std::vector<char>& in = received_[q];
-      if (static_cast<int64_t>(in.size()) < SyncLimit()) in.resize(SyncLimit());
-      sync_context_->getPair(q)->createRecvBuffer(slot, in.data(), SyncLimit())->waitRecv();
+      ReceiveBuffer& in = received_[q];
+      in.Reserve(SyncLimit());
+      sync_context_->getPair(q)->createRecvBuffer(slot, in.data.get(), SyncLimit())->waitRecv();
       int64_t theirs = 0;
-      std::memcpy(&theirs, in.data(), kLengthBytes);
-      if (theirs < 0) throw std::runtime_error(absl::StrCat("bad message length from rank ", q));
-      if (kLengthBytes + theirs > SyncLimit()) {
-        in.resize(kLengthBytes + theirs);
-        auto buffer = context_->createUnboundBuffer(in.data() + kLengthBytes, theirs);
+      std::memcpy(&theirs, in.data.get(), kLengthBytes);
+      if (theirs < 0) {  // the message follows on the asynchronous mesh
+        theirs = ~theirs;
+        if (theirs > (int64_t{1} << 40)) {
+          throw std::runtime_error(absl::StrCat("bad message length ", theirs, " from rank ", q));
+        }
+        in.Reserve(kLengthBytes + theirs);
+        auto buffer = context_->createUnboundBuffer(in.data.get() + kLengthBytes, theirs);
         buffer->recv(q, async_slot);
         if (!buffer->waitRecv(wait)) throw std::runtime_error("receive aborted");
+      } else if (theirs > SyncLimit() - kLengthBytes) {  // cannot have fit the frame
+        throw std::runtime_error(absl::StrCat("bad message length ", theirs, " from rank ", q));
       }
-      views[q] = absl::Span<const char>(in.data() + kLengthBytes, theirs);
+      views[q] = absl::Span<const char>(in.data.get() + kLengthBytes, theirs);
     }
     for (int q = 0; large && q < world_size_ - 1; ++q) {
       if (!large->waitSend(wait)) throw std::runtime_error("send aborted");

@@ -124,7 +124,17 @@ class GlooCommunicator : public Communicator {
   uint32_t next_tag_ = 1;       // Gloo's collective algorithms
   uint32_t next_async_ = 1;     // unbound-buffer slots of large hot-path transfers
   int next_sync_slot_ = 0;      // Buffer slots of the synchronous mesh
-  std::vector<std::vector<char>> received_;  // AllGatherMessages views point here
+  // AllGatherMessages views point here. Not zeroed: pages are touched only as messages fill them.
+  struct ReceiveBuffer {
+    void Reserve(int64_t bytes) {
+      if (bytes <= capacity) return;
+      data.reset(new char[bytes]);
+      capacity = bytes;
+    }
+    std::unique_ptr<char[]> data;
+    int64_t capacity = 0;
+  };
+  std::vector<ReceiveBuffer> received_;
   std::vector<char> outgoing_;
   std::vector<char> scratch_;  // reduce-scatter receive space
   std::unique_ptr<SharedMemory> shm_;  // null when no peer shares memory

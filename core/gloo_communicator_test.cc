@@ -239,6 +239,58 @@ TEST(GlooCommunicator, ExchangeBlocksGoThroughSharedMemoryUpToTheSlotSize) {
   }
 }
 
+// The two directions of a pair differ from exchange to exchange - a block through shared memory
+// one way, over the socket or none the other way; ranks with different slot sizes - so a
+// reader's acknowledgement of the last shared-memory block travels alone in some exchanges and
+// with its own block's announcement in others. Every block must arrive intact, and none may be
+// overwritten while its reader still reads it in place (rank 0 reads late).
+TEST(GlooCommunicator, ExchangesWhoseDirectionsDifferKeepEveryBlockIntact) {
+  for (const int64_t rank0_slot : {int64_t{64}, int64_t{64} << 20}) {
+    const int world = 3;
+    RunGroupWith(
+        world,
+        [&](int rank) {
+          GlooOptions options;
+          options.shared_memory_block_bytes = rank == 0 ? rank0_slot : int64_t{64} << 20;
+          return options;
+        },
+        [&](int rank, GlooCommunicator& comm) {
+          for (int round = 0; round < 9; ++round) {
+            // 0, 10 or 20 floats (0, 40 or 80 bytes) from `from` to `to`: rarely the same both ways.
+            auto count = [&](int from, int to) -> int64_t {
+              return 10 * ((2 * from + to + round) % 3);
+            };
+            std::vector<int64_t> recv(world), sends(world);
+            for (int q = 0; q < world; ++q) recv[q] = count(q, rank);
+            for (int q = 0; q < world; ++q) sends[q] = count(rank, q);
+            std::vector<float> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}), -1.0f);
+            auto exchange = comm.StartAllToAllV(out.data(), recv, sends, DataType::kFloat32, kTimeout);
+            ASSERT_TRUE(exchange.ok()) << exchange.status();
+            for (int q = 0; q < world; ++q) {
+              if (sends[q] == 0) continue;
+              std::vector<float> block(sends[q]);
+              for (int64_t i = 0; i < sends[q]; ++i) block[i] = 1000.0f * rank + 100.0f * q + i + round;
+              float* direct = static_cast<float*>((*exchange)->SendBuffer(q, sends[q]));
+              if (direct != nullptr && round % 2 == 0) {
+                std::copy(block.begin(), block.end(), direct);
+                ASSERT_TRUE((*exchange)->Send(q, direct, sends[q]).ok());
+              } else {
+                ASSERT_TRUE((*exchange)->Send(q, block.data(), sends[q]).ok());
+              }
+            }
+            ASSERT_TRUE((*exchange)->Wait().ok());
+            if (rank == 0) absl::SleepFor(absl::Milliseconds(20));
+            for (int q = 0; q < world; ++q) {
+              std::vector<float> expected;
+              for (int64_t i = 0; i < recv[q]; ++i) expected.push_back(1000.0f * q + 100.0f * rank + i + round);
+              EXPECT_EQ(BlockFrom(**exchange, out, recv, q), expected)
+                  << "round " << round << ", rank 0's slot " << rank0_slot << ", from " << q;
+            }
+          }
+        });
+  }
+}
+
 TEST(GlooCommunicator, SilentPeerMakesHotPathFailWithinSyncTimeout) {
   GlooOptions options;
   options.sync_timeout = absl::Milliseconds(300);
