@@ -124,29 +124,41 @@ absl::Status ParseEntries(absl::Span<const int64_t> words,
 }
 
 // The first round of every group: each rank says which step protocol it speaks (the format of
-// the agreement message and the collectives of the ops), so that ranks running different builds
-// fail the group with an error that says so instead of misreading each other's rounds. Two int64
-// words: kHelloMagic, then kStepProtocol - a format that stays as it is (older builds have no
-// hello: their first round is an agreement message). Bump kStepProtocol on any change to the
-// agreement message or the ops' collectives.
+// the agreement message and the collectives of the ops) and how it forms steps, so that ranks
+// running different builds or settings fail the group with an error that says so instead of
+// misreading each other's rounds. It starts with two int64 words that stay as they are:
+// kHelloMagic, then kStepProtocol (older builds have no hello: their first round is an agreement
+// message); since protocol 3 a third word follows, the step mode (1: one request per step).
+// Bump kStepProtocol on any change to the agreement message, the ops' collectives or the framing
+// of the communicator's messages.
 constexpr int64_t kHelloMagic = 0x70657473'64726168;  // "hardstep" in little-endian bytes
-constexpr int64_t kStepProtocol = 2;
+constexpr int64_t kStepProtocol = 3;
 
-absl::Status SayHello(Communicator& comm, absl::Duration timeout) {
-  const int64_t hello[] = {kHelloMagic, kStepProtocol};
+absl::Status SayHello(Communicator& comm, bool one_request_per_step, absl::Duration timeout) {
+  const int64_t mode = one_request_per_step ? 1 : 0;
+  const int64_t hello[] = {kHelloMagic, kStepProtocol, mode};
   ASSIGN_OR_RETURN(std::vector<absl::Span<const char>> views,
                    comm.AllGatherMessages(
                        absl::MakeConstSpan(reinterpret_cast<const char*>(hello), sizeof(hello)),
                        timeout));
   for (size_t q = 0; q < views.size(); ++q) {
-    int64_t theirs[2] = {0, 0};
+    int64_t theirs[3] = {0, 0, 0};
     if (views[q].size() == sizeof(theirs)) std::memcpy(theirs, views[q].data(), sizeof(theirs));
-    if (theirs[0] == kHelloMagic && theirs[1] == kStepProtocol) continue;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", q, theirs[0] == kHelloMagic ? absl::StrCat(" speaks step protocol ", theirs[1])
-                                             : std::string(" speaks an older step protocol"),
-        ", this rank ", kStepProtocol,
-        ": every rank of a group must run the same shardserve build"));
+    if (views[q].size() == 2 * sizeof(int64_t)) std::memcpy(theirs, views[q].data(), 16);
+    if (theirs[0] != kHelloMagic || theirs[1] != kStepProtocol) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", q,
+          theirs[0] == kHelloMagic ? absl::StrCat(" speaks step protocol ", theirs[1])
+                                   : std::string(" speaks an older step protocol"),
+          ", this rank ", kStepProtocol,
+          ": every rank of a group must run the same shardserve build"));
+    }
+    if (theirs[2] != mode) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", q, " runs with one_request_per_step ", theirs[2] == 1 ? "on" : "off",
+          ", this rank ", one_request_per_step ? "on" : "off",
+          ": every rank of a group must form steps alike (--one_request_per_step)"));
+    }
   }
   return absl::OkStatus();
 }
@@ -517,7 +529,7 @@ void StepLoop::Run() {
     absl::Status broken;
     if (new_group) {
       new_group = false;
-      broken = SayHello(*comm, options_.collective_timeout);
+      broken = SayHello(*comm, options_.one_request_per_step, options_.collective_timeout);
     }
     // The message starts with the digest of this rank's tables, so that every rank learns
     // whether the ranks hold the same ones.

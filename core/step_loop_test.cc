@@ -216,44 +216,46 @@ TEST(StepLoop, OneRequestPerStepRunsEachRequestInAStepOfItsOwnWithTheRanksTaking
   f.configure = [](int, StepLoop::Options& options) { options.one_request_per_step = true; };
   InProcessRendezvous store;
   f.StartLoops(Connect(Fixture::kWorld, "one-per-step", store));
-  // Rank 0 holds three requests and rank 1 two, all queued before the loops start; each answer
+  // Rank 0 holds two requests and rank 1 four, all queued before the loops start; each answer
   // records the busy step it came in (counted on its rank).
+  const std::vector<int> rank_of = {0, 0, 1, 1, 1, 1};
   absl::Mutex mu;
-  std::vector<std::vector<int64_t>> steps(Fixture::kWorld);
+  std::vector<int64_t> step_of(rank_of.size(), 0);
   std::vector<std::future<absl::StatusOr<DenseResult>>> futures;
   std::vector<std::vector<float>> wants;
   std::mt19937 rng(3);
-  for (int i = 0; i < 5; ++i) {
-    const int rank = i < 3 ? 0 : 1;
+  for (size_t i = 0; i < rank_of.size(); ++i) {
     std::vector<int64_t> ids(2 * 4);
     for (auto& id : ids) id = rng() % 50;
     wants.push_back(f.ExpectedBag(ids, 4, PoolMode::kSum));
     auto r = BagRequest(f.emb, ids, 4, PoolMode::kSum);
     auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
     futures.push_back(promise->get_future());
-    StepLoop* loop = f.loops[rank].get();
-    r->done = [&mu, &steps, loop, rank, promise](absl::StatusOr<DenseResult> got) {
+    StepLoop* loop = f.loops[rank_of[i]].get();
+    r->done = [&mu, &step_of, loop, i, promise](absl::StatusOr<DenseResult> got) {
       {
         absl::MutexLock lock(&mu);
-        steps[rank].push_back(loop->busy_steps());
+        step_of[i] = loop->busy_steps();
       }
       promise->set_value(std::move(got));
     };
     loop->Submit(std::move(r));
   }
   for (auto& loop : f.loops) loop->Start();
-  for (int i = 0; i < 5; ++i) {
+  for (size_t i = 0; i < rank_of.size(); ++i) {
     absl::StatusOr<DenseResult> got = futures[i].get();
     ASSERT_TRUE(got.ok()) << got.status();
     ASSERT_EQ(got->Values().size(), wants[i].size());
     for (size_t k = 0; k < wants[i].size(); ++k) EXPECT_NEAR(got->Values()[k], wants[i][k], 1e-5);
   }
-  // Five steps; the ranks alternate while both have work, in the order their requests came.
+  // Six steps: the ranks alternate while both have work, then rank 1 runs the rest; each rank's
+  // requests in the order they came.
   absl::MutexLock lock(&mu);
-  EXPECT_EQ(steps[0], (std::vector<int64_t>{1, 3, 5}));
-  EXPECT_EQ(steps[1], (std::vector<int64_t>{2, 4}));
-  EXPECT_EQ(f.loops[0]->busy_steps(), 5);
-  EXPECT_EQ(f.loops[1]->busy_steps(), 5);
+  EXPECT_EQ(step_of, (std::vector<int64_t>{1, 3, 2, 4, 5, 6}));
+  EXPECT_EQ(f.loops[0]->busy_steps(), 6);
+  EXPECT_EQ(f.loops[1]->busy_steps(), 6);
+  absl::MutexLock broken_lock(&f.mu);
+  for (const absl::Status& s : f.broken) EXPECT_TRUE(s.ok()) << s;
 }
 
 // y = x W^T (+ bias) for the fixture's layer, one input row.
@@ -350,14 +352,29 @@ TEST(StepLoop, WorkForATableTheRanksDoNotHoldAlikeIsAnsweredUnavailableAndTheRes
   for (const absl::Status& s : f.broken) EXPECT_TRUE(s.ok()) << s;
 }
 
-TEST(StepLoop, ARankOfAnotherBuildFailsTheGroupWithAnErrorThatSaysSo) {
+TEST(StepLoop, ARankOfAnotherBuildOrStepModeFailsTheGroupWithAnErrorThatSaysSo) {
   // Rank 1 is driven by hand: first as an older build, whose first round is an idle agreement
-  // round (an empty message); then as a build of another step protocol, whose hello says so.
-  const int64_t hello_magic = 0x70657473'64726168;  // the wire format: magic, version
-  const std::vector<std::vector<int64_t>> firsts = {{}, {hello_magic, 1}};
-  for (const std::vector<int64_t>& first : firsts) {
+  // round (an empty message); then as a build of another step protocol, whose hello says so; then
+  // as this build with one request per step, which this rank does not run.
+  const int64_t hello_magic = 0x70657473'64726168;  // the wire format: magic, version, mode
+  struct Case {
+    std::vector<int64_t> first;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {{},
+       {"rank 1 speaks an older step protocol",
+        "every rank of a group must run the same shardserve build"}},
+      {{hello_magic, 1},
+       {"rank 1 speaks step protocol 1", "every rank of a group must run the same shardserve build"}},
+      {{hello_magic, 3, 1},
+       {"rank 1 runs with one_request_per_step on, this rank off",
+        "every rank of a group must form steps alike"}},
+  };
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const std::vector<int64_t>& first = cases[c].first;
     InProcessRendezvous store;
-    auto comms = Connect(2, absl::StrCat("other-build-", first.size()), store);
+    auto comms = Connect(2, absl::StrCat("other-build-", c), store);
     CpuKernels kernels;
     absl::Notification broken_notified;
     absl::Status broken;
@@ -376,11 +393,7 @@ TEST(StepLoop, ARankOfAnotherBuildFailsTheGroupWithAnErrorThatSaysSo) {
         absl::Seconds(5));
     ASSERT_TRUE(views.ok()) << views.status();
     ASSERT_TRUE(broken_notified.WaitForNotificationWithTimeout(absl::Seconds(10)));
-    EXPECT_THAT(broken.message(),
-                HasSubstr("every rank of a group must run the same shardserve build"));
-    EXPECT_THAT(broken.message(),
-                HasSubstr(first.empty() ? "rank 1 speaks an older step protocol"
-                                        : "rank 1 speaks step protocol 1"));
+    for (const std::string& says : cases[c].says) EXPECT_THAT(broken.message(), HasSubstr(says));
     EXPECT_FALSE(loop.serving());
     loop.Stop();
   }
