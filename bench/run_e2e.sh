@@ -42,57 +42,63 @@ start_cluster() {  # port, extra up flags; sets $cluster_pid
 start_cluster 50151
 $bin/bench/redis_baseline --port=6399 --load --rows=100000 --dim=128 >/dev/null
 
-record() {  # case, report file
-  echo "{\"case\": \"$1\", \"report\": $(cat "$2")}" >> "$out"
+record() {  # case, impl (empty: as reported): appends the report just written, if there is one
+  if [ ! -s "$work/r.json" ]; then
+    echo "run_e2e: no report for $1 ${2:-}" >&2
+    return
+  fi
+  [ -n "$2" ] && sed -i "s/\"impl\": \"[^\"]*\"/\"impl\": \"$2\"/" "$work/r.json"
+  echo "{\"case\": \"$1\", \"report\": $(cat "$work/r.json")}" >> "$out"
 }
-load() {  # case, port, flags...
-  $bin/client/shardserve-load --coordinator=127.0.0.1:"$2" --table=bench --progress=false \
-    --warmup_s=1 --duration_s="$secs" --report="$work/r.json" "${@:3}" >/dev/null || true
-  record "$1" "$work/r.json"
+load() {  # case, impl (empty: shardserve), port, flags...
+  rm -f "$work/r.json"
+  $bin/client/shardserve-load --coordinator=127.0.0.1:"$3" --table=bench --progress=false \
+    --warmup_s=1 --duration_s="$secs" --report="$work/r.json" "${@:4}" >/dev/null || true
+  record "$1" "$2"
 }
 echo_load() {  # case, flags...: against both trivial servers
   for api in callback async; do
     port=50099
     [ "$api" = async ] && port=50098
+    rm -f "$work/r.json"
     $bin/client/shardserve-load --target=127.0.0.1:$port --rows=100000 --table=bench \
       --progress=false --warmup_s=1 --duration_s="$secs" --report="$work/r.json" "${@:2}" \
       >/dev/null || true
-    sed -i "s/\"impl\": \"shardserve\"/\"impl\": \"bare-grpc-echo-$api\"/" "$work/r.json"
-    record "$1" "$work/r.json"
+    record "$1" "bare-grpc-echo-$api"
   done
 }
 redis() {  # case, flags...
+  rm -f "$work/r.json"
   $bin/bench/redis_baseline --port=6399 --warmup_s=1 --duration_s="$secs" --report="$work/r.json" "${@:2}" >/dev/null || true
-  record "$1" "$work/r.json"
+  record "$1" ""
 }
 for ((round = 1; round <= rounds; round++)); do
   for c in 1 4 16; do
-    load "bag_c$c" 50151 --op=embedding_bag --batch=512 --bag=20 --concurrency=$c
+    load "bag_c$c" "" 50151 --op=embedding_bag --batch=512 --bag=20 --concurrency=$c
     redis "bag_c$c" --op=embedding_bag --batch=512 --bag=20 --concurrency=$c
   done
   for c in 1 4; do
-    load "emb10240_c$c" 50151 --op=embedding --batch=512 --bag=20 --concurrency=$c
+    load "emb10240_c$c" "" 50151 --op=embedding --batch=512 --bag=20 --concurrency=$c
     redis "emb10240_c$c" --op=embedding --batch=512 --bag=20 --concurrency=$c
   done
   echo_load "bandwidth_c4" --op=embedding --batch=512 --bag=20 --concurrency=4
-  load "bandwidth_c4" 50151 --op=embedding --batch=512 --bag=20 --concurrency=4
-  load "forwarded_c4" 50151 --op=embedding --batch=512 --bag=20 --concurrency=4 --via_coordinator
-  sed -i 's/"impl": "shardserve"/"impl": "shardserve-via-coordinator"/' "$work/r.json"
-  sed -i '$ d' "$out"; record "bandwidth_c4" "$work/r.json"
+  load "bandwidth_c4" "" 50151 --op=embedding --batch=512 --bag=20 --concurrency=4
+  load "bandwidth_c4" shardserve-via-coordinator 50151 --op=embedding --batch=512 --bag=20 \
+    --concurrency=4 --via_coordinator
   echo_load "coalesce_64x1" --op=embedding_bag --batch=1 --bag=20 --concurrency=64
-  load "coalesce_64x1" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64
-  load "coalesce_64x1_stream" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64 --stream
+  load "coalesce_64x1" "" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64
+  load "coalesce_64x1_stream" "" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64 \
+    --stream
   # The baseline clusters run only while measured (idle workers still cost a few % of CPU): one
   # request per step (the group runs one request a step, the ranks taking turns: no coalescing),
   # and one request per rank per step (each of the 2 ranks brings one: a step carries two).
+  # (In result files before e2e_20261201T025712Z, shardserve-one-request-per-step is the latter.)
   for baseline in one-request-per-step:--one_request_per_step \
                   one-request-per-rank-per-step:--row_budget=1; do
     start_cluster 50152 "${baseline#*:}"
     for mode in "" _stream; do
-      load "coalesce_64x1$mode" 50152 --op=embedding_bag --batch=1 --bag=20 --concurrency=64 \
-        ${mode:+--stream}
-      sed -i "s/\"impl\": \"shardserve\"/\"impl\": \"shardserve-${baseline%%:*}\"/" "$work/r.json"
-      sed -i '$ d' "$out"; record "coalesce_64x1$mode" "$work/r.json"
+      load "coalesce_64x1$mode" "shardserve-${baseline%%:*}" 50152 --op=embedding_bag --batch=1 \
+        --bag=20 --concurrency=64 ${mode:+--stream}
     done
     kill "$cluster_pid"; wait "$cluster_pid" 2>/dev/null || true
   done
