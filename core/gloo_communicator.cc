@@ -4,6 +4,7 @@
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,7 +15,6 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
-#include <fstream>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -106,14 +106,24 @@ constexpr int64_t kLengthBytes = sizeof(int64_t);
 // Largest message the synchronous mesh carries: 1 MiB, or less where the kernel caps socket send
 // buffers lower (net.core.wmem_max). Gloo sizes a pair's send buffer to the message, so a message
 // within the cap is absorbed by the socket without a reader, and a blocking write never waits on
-// a peer that is itself blocked writing.
+// a peer that is itself blocked writing. The cap is what the kernel grants a socket that asks for
+// 1 MiB (it reports twice the usable size), which holds in a container's network namespace too,
+// where /proc/sys/net/core/wmem_max may not be visible.
 int64_t SyncLimit() {
   static const int64_t limit = [] {
-    int64_t wmem_max = int64_t{1} << 20;
-    std::ifstream in("/proc/sys/net/core/wmem_max");
-    int64_t value = 0;
-    if (in >> value && value > 0) wmem_max = value;
-    return std::max<int64_t>(std::min<int64_t>(int64_t{1} << 20, wmem_max), 16 << 10);
+    int64_t granted = int64_t{16} << 10;
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0) {
+      int want = 1 << 20;
+      int got = 0;
+      socklen_t len = sizeof(got);
+      if (::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof(want)) == 0 &&
+          ::getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &got, &len) == 0 && got > 0) {
+        granted = got / 2;
+      }
+      ::close(fd);
+    }
+    return std::max<int64_t>(std::min<int64_t>(int64_t{1} << 20, granted), 16 << 10);
   }();
   return limit;
 }
