@@ -113,9 +113,19 @@ class Communicator {
   }
   // Thread-safe: makes this rank's current Park() return, or its next one at once.
   virtual void Unpark() {}
-  // Whether waking a parked group costs about as little as a round (the caller may then park as
-  // soon as the group is idle instead of backing off first).
+  // Whether waking a parked group costs about as little as a round. Such a group needs no idle
+  // rounds at all: a rank without work calls AwaitRound() instead of starting the next message
+  // all-gather, and joins it once a peer starts it.
   virtual bool ParksCheaply() const { return false; }
+  // Where ParksCheaply(): blocks until a peer has started this rank's next AllGatherMessages (every
+  // AllGatherMessages lets waiting peers know, so they join it), or Unpark() was called since the
+  // last ClearUnpark(). The caller then starts that all-gather. UNIMPLEMENTED elsewhere.
+  virtual absl::Status AwaitRound() {
+    return absl::UnimplementedError("this communicator cannot await rounds");
+  }
+  // Thread-compatible with Unpark: forgets the Unpark()s so far (the caller has taken in the news
+  // they announced), so that AwaitRound waits for later ones.
+  virtual void ClearUnpark() {}
 
   // Typed conveniences.
   template <typename T>

@@ -68,6 +68,8 @@ class FaultInjectingCommunicator final : public Communicator {
   absl::Status Park(absl::Duration timeout) override { return inner_->Park(timeout); }
   void Unpark() override { inner_->Unpark(); }
   bool ParksCheaply() const override { return inner_->ParksCheaply(); }
+  absl::Status AwaitRound() override { return inner_->AwaitRound(); }
+  void ClearUnpark() override { inner_->ClearUnpark(); }
 
  private:
   std::unique_ptr<Communicator> inner_;

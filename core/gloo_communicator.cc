@@ -179,6 +179,10 @@ void IgnoreSigpipe() {
 struct GlooCommunicator::SharedMemory {
   static constexpr size_t kHeader = 4096;
   static constexpr size_t kDoorbell = 64;  // offset in the header: a futex word (Park)
+  // The round doorbell (AwaitRound): the number of the latest all-gather a peer started; and
+  // whether the owner waits on it (peers wake it only then).
+  static constexpr size_t kRoundBell = 128;
+  static constexpr size_t kRoundWaiting = 192;
 
   static size_t OutboxBytes(int world_size, int64_t block_bytes) {
     return kHeader + static_cast<size_t>(world_size - 1) * 2 * block_bytes;
@@ -201,6 +205,24 @@ struct GlooCommunicator::SharedMemory {
   uint32_t* Doorbell() const { return reinterpret_cast<uint32_t*>(outbox + kDoorbell); }
   uint32_t* PeerDoorbell(int peer) const {
     return reinterpret_cast<uint32_t*>(peer_header[peer] + kDoorbell);
+  }
+  uint32_t* RoundBell() const { return reinterpret_cast<uint32_t*>(outbox + kRoundBell); }
+  uint32_t* RoundWaiting() const { return reinterpret_cast<uint32_t*>(outbox + kRoundWaiting); }
+  // Lets `peer` know that this rank started all-gather `round`: raises its round doorbell, and
+  // wakes it if it waits there.
+  void RingRound(int peer, uint32_t round) const {
+    uint32_t* bell = reinterpret_cast<uint32_t*>(peer_header[peer] + kRoundBell);
+    uint32_t seen = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
+    while (static_cast<int32_t>(round - seen) > 0 &&
+           !__atomic_compare_exchange_n(bell, &seen, round, false, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST)) {
+    }
+    // Seen after the raise (both sequentially consistent): a peer that found the bell low before
+    // the raise has set its waiting word first, so it is woken, or wakes by itself.
+    if (__atomic_load_n(reinterpret_cast<uint32_t*>(peer_header[peer] + kRoundWaiting),
+                        __ATOMIC_SEQ_CST) != 0) {
+      ::syscall(SYS_futex, bell, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+    }
   }
 
   static size_t SlotIndex(int peer, int owner, int parity) {
@@ -536,6 +558,12 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
     const auto wait = ToChrono(timeout);
     const int slot = NextSyncSlots(1);
     const uint64_t async_slot = kMessageSlot | next_async_++;
+    ++gathers_;
+    if (shm_ != nullptr && shm_->doorbells) {  // peers waiting in AwaitRound join this all-gather
+      for (int q = 0; q < world_size_; ++q) {
+        if (q != rank_) shm_->RingRound(q, gathers_);
+      }
+    }
     // One frame per peer on the synchronous mesh: a header word, then the message itself where
     // the frame stays within SyncLimit(). A longer message follows on the asynchronous mesh, and
     // its header is the length's complement (negative), so the reader never depends on its own
@@ -879,6 +907,51 @@ void GlooCommunicator::Unpark() {
   unparked_ = true;
   if (parked_ != nullptr) parked_->abortWaitRecv();
   if (ringing_episode_ != 0) Ring(shm_->Doorbell(), ringing_episode_);
+  // The waiting rank leaves for the all-gather it waits for, as if a peer had started it.
+  if (awaited_round_ != 0) Ring(shm_->RoundBell(), awaited_round_);
+}
+
+void GlooCommunicator::ClearUnpark() {
+  absl::MutexLock lock(&park_mu_);
+  unparked_ = false;
+}
+
+absl::Status GlooCommunicator::AwaitRound() {
+  if (world_size_ == 1) {
+    absl::MutexLock lock(&park_mu_);
+    park_mu_.Await(absl::Condition(&unparked_));
+    unparked_ = false;
+    return absl::OkStatus();
+  }
+  if (shm_ == nullptr || !shm_->doorbells) return Communicator::AwaitRound();
+  return Guarded("await round", [&] {
+    const uint32_t next = gathers_ + 1;
+    bool local = false;
+    {
+      absl::MutexLock lock(&park_mu_);
+      local = unparked_;
+      unparked_ = false;
+      if (!local) awaited_round_ = next;
+    }
+    if (!local) {
+      uint32_t* bell = shm_->RoundBell();
+      __atomic_store_n(shm_->RoundWaiting(), 1, __ATOMIC_SEQ_CST);
+      while (true) {
+        const uint32_t rung = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
+        if (static_cast<int32_t>(rung - next) >= 0) break;
+        FutexWait(bell, rung);
+      }
+      __atomic_store_n(shm_->RoundWaiting(), 0, __ATOMIC_SEQ_CST);
+      absl::MutexLock lock(&park_mu_);
+      awaited_round_ = 0;
+      unparked_ = false;  // leaving now serves whatever asked
+    }
+    // The caller starts the all-gather next: peers that wait start waking now, not once this
+    // rank gets there (a no-op for a peer that rang this rank, since it does not wait).
+    for (int q = 0; q < world_size_; ++q) {
+      if (q != rank_) shm_->RingRound(q, next);
+    }
+  });
 }
 
 bool GlooCommunicator::SharesMemoryWith(int peer) const {

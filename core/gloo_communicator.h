@@ -90,6 +90,10 @@ class GlooCommunicator : public Communicator {
   absl::Status Park(absl::Duration timeout) override;
   void Unpark() override;
   bool ParksCheaply() const override;
+  // Ranks that share memory wait on a second doorbell in their outbox's header, which every
+  // AllGatherMessages raises on each peer to its number (and wakes the peer only if it waits).
+  absl::Status AwaitRound() override;
+  void ClearUnpark() override;
 
   // Whether exchange blocks between this rank and `peer` go through shared memory.
   bool SharesMemoryWith(int peer) const;
@@ -139,9 +143,11 @@ class GlooCommunicator : public Communicator {
   std::vector<char> scratch_;  // reduce-scatter receive space
   std::unique_ptr<SharedMemory> shm_;  // null when no peer shares memory
   uint32_t next_park_ = 0;             // park episodes (their slots; doorbell values)
+  uint32_t gathers_ = 0;               // AllGatherMessages started (round doorbell values)
   absl::Mutex park_mu_;                // Unpark comes from other threads
   bool unparked_ ABSL_GUARDED_BY(park_mu_) = false;
   uint32_t ringing_episode_ ABSL_GUARDED_BY(park_mu_) = 0;  // parked on the doorbell (0: not)
+  uint32_t awaited_round_ ABSL_GUARDED_BY(park_mu_) = 0;    // in AwaitRound for it (0: not)
   gloo::transport::UnboundBuffer* parked_ ABSL_GUARDED_BY(park_mu_) = nullptr;  // being waited on
 };
 

@@ -442,6 +442,65 @@ TEST(GlooCommunicator, ParkedGroupLeavesTogetherWhenAnyRankIsUnparked) {
                                   /*cheap=*/false);
 }
 
+// Ranks that share memory wait for rounds instead of running idle ones: AwaitRound returns once a
+// peer starts the next message all-gather, or once this rank is unparked (news since the last
+// ClearUnpark); a rank that leaves on news rings the others, so they join at once.
+TEST(GlooCommunicator, AwaitRoundEndsWhenAPeerStartsTheNextAllGatherOrOnNews) {
+  const int world = 3;
+  RunGroup(world, [&](int rank, GlooCommunicator& comm) {
+    ASSERT_TRUE(comm.ParksCheaply());
+    auto gather = [&](int round) {
+      const std::string mine = absl::StrCat(round, "/", rank);
+      auto got = comm.AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
+      ASSERT_TRUE(got.ok()) << got.status();
+      for (int q = 0; q < world; ++q) {
+        EXPECT_EQ(std::string((*got)[q].data(), (*got)[q].size()), absl::StrCat(round, "/", q));
+      }
+    };
+    // 1. Rank 0 has work and starts the round 100 ms in; the others wait until it does.
+    absl::Time start = absl::Now();
+    if (rank == 0) {
+      absl::SleepFor(absl::Milliseconds(100));
+    } else {
+      ASSERT_TRUE(comm.AwaitRound().ok());
+      EXPECT_GE(absl::Now() - start, absl::Milliseconds(90)) << "rank " << rank;
+    }
+    gather(1);
+    // 2. Everyone waits; rank 2 gets news 100 ms in (from another thread) and rings the others.
+    // An Unpark that came before ClearUnpark does not count.
+    comm.Unpark();
+    comm.ClearUnpark();
+    start = absl::Now();
+    std::thread news;
+    if (rank == 2) {
+      news = std::thread([&comm] {
+        absl::SleepFor(absl::Milliseconds(100));
+        comm.Unpark();
+      });
+    }
+    ASSERT_TRUE(comm.AwaitRound().ok());
+    EXPECT_GE(absl::Now() - start, absl::Milliseconds(90)) << "rank " << rank;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "rank " << rank;
+    if (news.joinable()) news.join();
+    gather(2);
+    // 3. News before the wait: it returns at once.
+    comm.Unpark();
+    start = absl::Now();
+    ASSERT_TRUE(comm.AwaitRound().ok());
+    EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "rank " << rank;
+    gather(3);
+  });
+  // Without shared memory there is nothing to wait on: the caller runs rounds.
+  GlooOptions sockets_only;
+  sockets_only.shared_memory_block_bytes = 0;
+  RunGroup(
+      2,
+      [](int, GlooCommunicator& comm) {
+        EXPECT_EQ(comm.AwaitRound().code(), absl::StatusCode::kUnimplemented);
+      },
+      sockets_only);
+}
+
 TEST(GlooCommunicator, BarrierCompletes) {
   RunGroup(3, [](int, GlooCommunicator& comm) { EXPECT_TRUE(comm.Barrier(kTimeout).ok()); });
 }

@@ -453,6 +453,9 @@ void StepLoop::Run() {
   std::vector<std::unique_ptr<StepRequest>> batch;
   bool new_group = false;  // its first round is the hello
   int turn = -1;  // one_request_per_step: the rank whose request the last busy step ran
+  // A group that parks cheaply has no idle rounds: AwaitRound returned, so the next round runs
+  // (a peer may have started it) whether or not this rank has work by then.
+  bool round_due = false;
   while (true) {
     if (options_.after_answers) options_.after_answers();  // the last round's answers
     batch.clear();
@@ -480,10 +483,13 @@ void StepLoop::Run() {
         idle_rounds = 0;  // counted from the group's first round on every rank
         new_group = true;
         turn = -1;
+        round_due = false;
         data = std::move(pending_data_);
         epoch_ = pending_epoch_;
         serving_ = true;
       }
+      // News from here on (Submit's Unpark) is what a wait before the next round waits for.
+      if (!round_due) comm->ClearUnpark();
       int64_t rows = 0;
       while (!queue_.empty() &&
              (batch.empty() || (!options_.one_request_per_step &&
@@ -495,6 +501,7 @@ void StepLoop::Run() {
       }
       tables = tables_;
     }
+    absl::Status broken;
     const absl::Time now = absl::Now();
     bool answered = false;
     for (auto& r : batch) {
@@ -513,6 +520,20 @@ void StepLoop::Run() {
           batch.end());
       if (options_.after_answers) options_.after_answers();  // their answers, before any wait
     }
+    if (!round_due && !new_group && batch.empty() && comm->ParksCheaply()) {
+      // No work here: instead of an idle round, wait until a peer starts the next round, or news
+      // (a request, a task, a new group, Stop, the periodic check) comes.
+      tables.reset();
+      absl::Status waited = comm->AwaitRound();
+      if (waited.ok()) {
+        round_due = true;
+        continue;
+      }
+      broken = waited;
+      absl::MutexLock lock(&mu_);
+      tables = tables_;
+    }
+    round_due = false;
 
     // Agreement round: every rank learns which (table, op) work any rank has, and with it every
     // rank's input for that work (so the ops need no input round of their own).
@@ -526,7 +547,6 @@ void StepLoop::Run() {
       w.weights.insert(w.weights.end(), r->weights.begin(), r->weights.end());
       w.values.insert(w.values.end(), r->values.begin(), r->values.end());
     }
-    absl::Status broken;
     if (new_group) {
       new_group = false;
       broken = SayHello(*comm, options_.one_request_per_step, options_.collective_timeout);
@@ -607,15 +627,14 @@ void StepLoop::Run() {
       }
     }
     if (broken.ok() && work.empty()) {
-      // Idle: back off (each rank sleeps between rounds, waking at once for local work); after
+      // Idle. A group that parks cheaply goes back to waiting for the next round (AwaitRound).
+      // Otherwise back off (each rank sleeps between rounds, waking at once for local work); after
       // park_after_idle_rounds such rounds (the same round on every rank) park the group until any
       // rank has news - work, a new group, a task, Stop. Waking a group parked on sockets costs
-      // more than a round, so there traffic with short gaps never parks it; a group that parks on
-      // doorbells parks at once, since a rank's back-off would delay its peers' next request.
-      const int park_after = comm->ParksCheaply() ? options_.cheap_park_after_idle_rounds
-                                                  : options_.park_after_idle_rounds;
+      // more than a round, so there traffic with short gaps never parks it.
       tables.reset();
-      if (++idle_rounds > park_after) {
+      if (comm->ParksCheaply()) continue;
+      if (++idle_rounds > options_.park_after_idle_rounds) {
         broken = comm->Park(options_.collective_timeout);
         if (broken.ok()) continue;
         if (absl::IsUnimplemented(broken)) broken = absl::OkStatus();  // cannot park: back off

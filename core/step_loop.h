@@ -7,12 +7,13 @@
 // different ones (see SetTable), one more round tells them which work none may run. A new group's
 // first round is a hello in which the ranks check that they speak the same step protocol (run the
 // same build); if not, the group fails with an error that says so.
-// An idle group backs off (sleeps up to Options::max_idle_sleep between rounds) instead of
-// spinning, and after Options::park_after_idle_rounds idle rounds parks (Communicator::Park: no
-// rounds, no polling) until any rank has news - a request, a new group, a task between steps,
-// Stop - or the periodic check (Options::park_check) that finds peers gone. A group whose
-// communicator wakes cheaply (ranks that share memory ring each other's doorbells) parks at once
-// (Options::cheap_park_after_idle_rounds), so a lone request does not wait for a peer's back-off.
+// A group whose communicator wakes cheaply (ranks that share memory ring each other's doorbells)
+// has no idle rounds: a rank without work waits (Communicator::AwaitRound) until a peer starts the
+// next round or it has news itself - a request, a new group, a task between steps, Stop, or the
+// periodic check (Options::park_check) that finds peers gone. Other idle groups back off (sleep up
+// to Options::max_idle_sleep between rounds) instead of spinning, and after
+// Options::park_after_idle_rounds idle rounds park (Communicator::Park: no rounds, no polling)
+// until any rank has news or the periodic check.
 //
 // Thread-safety: Submit, SetGroup, SetTable, DropTable, RunBetweenSteps and Stop may be called
 // from any thread;
@@ -84,13 +85,11 @@ class StepLoop {
     // A request always fits an empty queue.
     int64_t max_queued_bytes = int64_t{1} << 30;
     absl::Duration max_idle_sleep = absl::Milliseconds(1);
-    // Ranks park together (Communicator::Park), so these two must be the same on every rank.
+    // Ranks park together (Communicator::Park), so this must be the same on every rank. Groups
+    // that park cheaply (Communicator::ParksCheaply) wait for rounds instead and ignore it.
     int park_after_idle_rounds = 200;  // ~0.2 s of idleness (see Communicator::Park)
-    // The same where waking a parked group is cheap (Communicator::ParksCheaply): the first round
-    // that finds no work parks the group.
-    int cheap_park_after_idle_rounds = 0;
-    // A parked group still wakes this often for one round, so that a peer that died meanwhile
-    // is noticed (a parked wait does not see a peer's connection close).
+    // A parked or waiting rank still starts a round this often, so that a peer that died meanwhile
+    // is noticed (such a wait does not see a peer's connection close).
     absl::Duration park_check = absl::Seconds(1);
     absl::Duration collective_timeout = absl::Seconds(10);
     InputLimits limits;
