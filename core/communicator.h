@@ -111,20 +111,25 @@ class Communicator {
   virtual absl::Status Park(absl::Duration timeout) {
     return absl::UnimplementedError("this communicator cannot park");
   }
-  // Thread-safe: makes this rank's current Park() return, or its next one at once.
+  // Thread-safe: makes this rank's current Park() or AwaitRound() return, or its next one at once
+  // (unless ClearUnpark() comes in between).
   virtual void Unpark() {}
   // Whether waking a parked group costs about as little as a round. Such a group needs no idle
   // rounds at all: a rank without work calls AwaitRound() instead of starting the next message
-  // all-gather, and joins it once a peer starts it.
+  // all-gather, and joins it once a peer starts it. A communicator that parks cheaply implements
+  // AwaitRound.
   virtual bool ParksCheaply() const { return false; }
   // Where ParksCheaply(): blocks until a peer has started this rank's next AllGatherMessages (every
   // AllGatherMessages lets waiting peers know, so they join it), or Unpark() was called since the
-  // last ClearUnpark(). The caller then starts that all-gather. UNIMPLEMENTED elsewhere.
+  // last ClearUnpark() (the Unpark is then used up). Before returning it lets the peers know that
+  // this rank starts that all-gather, so the caller must start it (or break the group). It has no
+  // timeout and does not notice a peer that died: the caller unparks it now and then to check.
+  // UNIMPLEMENTED elsewhere.
   virtual absl::Status AwaitRound() {
     return absl::UnimplementedError("this communicator cannot await rounds");
   }
-  // Thread-compatible with Unpark: forgets the Unpark()s so far (the caller has taken in the news
-  // they announced), so that AwaitRound waits for later ones.
+  // Forgets the Unpark()s so far, so that AwaitRound waits for later ones. The caller orders it
+  // with whatever its Unpark()s announce (the news it has taken in), e.g. under one lock.
   virtual void ClearUnpark() {}
 
   // Typed conveniences.

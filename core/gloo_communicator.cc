@@ -558,7 +558,7 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
     const auto wait = ToChrono(timeout);
     const int slot = NextSyncSlots(1);
     const uint64_t async_slot = kMessageSlot | next_async_++;
-    ++gathers_;
+    gathers_ = NextRound();
     if (shm_ != nullptr && shm_->doorbells) {  // peers waiting in AwaitRound join this all-gather
       for (int q = 0; q < world_size_; ++q) {
         if (q != rank_) shm_->RingRound(q, gathers_);
@@ -925,7 +925,7 @@ absl::Status GlooCommunicator::AwaitRound() {
   }
   if (shm_ == nullptr || !shm_->doorbells) return Communicator::AwaitRound();
   return Guarded("await round", [&] {
-    const uint32_t next = gathers_ + 1;
+    const uint32_t next = NextRound();
     bool local = false;
     {
       absl::MutexLock lock(&park_mu_);
@@ -964,9 +964,15 @@ absl::Status GlooCommunicator::Abort() {
     broken_ = true;
     broken_reason_ = "aborted";
   }
-  // Closing the connections makes peers blocked on us fail now instead of at their timeout.
+  // Closing the connections makes peers blocked on us fail now instead of at their timeout; peers
+  // waiting for the next round are rung to start it, and fail at once too.
   context_.reset();
   sync_context_.reset();
+  if (shm_ != nullptr && shm_->doorbells) {
+    for (int q = 0; q < world_size_; ++q) {
+      if (q != rank_) shm_->RingRound(q, NextRound());
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -114,6 +114,9 @@ class GlooCommunicator : public Communicator {
   absl::Status Guarded(const char* what, Body&& body);
   // The next Buffer slots of the synchronous mesh (the same sequence on every rank).
   int NextSyncSlots(int n);
+  // The number of the next AllGatherMessages (round doorbell values; never 0, which means "not
+  // waiting", so the count skips it when it wraps, alike on every rank).
+  uint32_t NextRound() const { return gathers_ + 1 == 0 ? 1 : gathers_ + 1; }
   static absl::StatusOr<std::unique_ptr<SharedMemory>> ConnectSharedMemory(
       RendezvousStore& store, const std::string& prefix, int rank, int world_size,
       int64_t block_bytes, absl::Duration timeout);

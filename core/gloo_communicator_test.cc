@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -447,6 +448,35 @@ TEST(GlooCommunicator, ParkedGroupLeavesTogetherWhenAnyRankIsUnparked) {
 // ClearUnpark); a rank that leaves on news rings the others, so they join at once.
 TEST(GlooCommunicator, AwaitRoundEndsWhenAPeerStartsTheNextAllGatherOrOnNews) {
   const int world = 3;
+  absl::Mutex mu;
+  int ready = 0;  // ranks that took their start time, per phase (reset by the driver)
+  std::vector<GlooCommunicator*> comms(world, nullptr);
+  absl::Notification go, done;
+  // The driver starts each phase's trigger 150 ms after every rank took its start time; a
+  // watchdog unparks everyone after 20 s, so that a lost wake-up fails instead of hanging.
+  auto wait_ready = [&] {
+    absl::MutexLock lock(&mu);
+    auto all = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return ready == world; };
+    mu.Await(absl::Condition(&all));
+    ready = 0;
+  };
+  std::thread driver([&] {
+    wait_ready();  // phase 1: rank 0 starts the round
+    absl::SleepFor(absl::Milliseconds(150));
+    go.Notify();
+    wait_ready();  // phase 2: rank 2 gets news
+    absl::SleepFor(absl::Milliseconds(150));
+    absl::MutexLock lock(&mu);
+    comms[2]->Unpark();
+  });
+  std::thread watchdog([&] {
+    if (done.WaitForNotificationWithTimeout(absl::Seconds(20))) return;
+    absl::MutexLock lock(&mu);
+    for (GlooCommunicator* c : comms) {
+      if (c != nullptr) c->Unpark();
+    }
+    ADD_FAILURE() << "a rank waited 20 s";
+  });
   RunGroup(world, [&](int rank, GlooCommunicator& comm) {
     ASSERT_TRUE(comm.ParksCheaply());
     auto gather = [&](int round) {
@@ -457,39 +487,48 @@ TEST(GlooCommunicator, AwaitRoundEndsWhenAPeerStartsTheNextAllGatherOrOnNews) {
         EXPECT_EQ(std::string((*got)[q].data(), (*got)[q].size()), absl::StrCat(round, "/", q));
       }
     };
-    // 1. Rank 0 has work and starts the round 100 ms in; the others wait until it does.
-    absl::Time start = absl::Now();
+    auto take_start = [&] {
+      const absl::Time start = absl::Now();
+      absl::MutexLock lock(&mu);
+      comms[rank] = &comm;
+      ++ready;
+      return start;
+    };
+    // 1. Rank 0 has work and starts the round; the others wait until it does.
+    absl::Time start = take_start();
     if (rank == 0) {
-      absl::SleepFor(absl::Milliseconds(100));
+      go.WaitForNotification();
     } else {
-      ASSERT_TRUE(comm.AwaitRound().ok());
-      EXPECT_GE(absl::Now() - start, absl::Milliseconds(90)) << "rank " << rank;
+      EXPECT_TRUE(comm.AwaitRound().ok());
+      EXPECT_GE(absl::Now() - start, absl::Milliseconds(150)) << "rank " << rank;
     }
     gather(1);
-    // 2. Everyone waits; rank 2 gets news 100 ms in (from another thread) and rings the others.
-    // An Unpark that came before ClearUnpark does not count.
+    // 2. Everyone waits (an Unpark before ClearUnpark does not count); rank 2 gets news, and
+    // its leaving rings the others at once - it starts its round only 400 ms later.
     comm.Unpark();
     comm.ClearUnpark();
-    start = absl::Now();
-    std::thread news;
+    start = take_start();
+    EXPECT_TRUE(comm.AwaitRound().ok());
+    const absl::Duration waited = absl::Now() - start;
+    EXPECT_GE(waited, absl::Milliseconds(150)) << "rank " << rank;
     if (rank == 2) {
-      news = std::thread([&comm] {
-        absl::SleepFor(absl::Milliseconds(100));
-        comm.Unpark();
-      });
+      absl::SleepFor(absl::Milliseconds(400));
+    } else {
+      EXPECT_LT(waited, absl::Milliseconds(500)) << "rank " << rank;
     }
-    ASSERT_TRUE(comm.AwaitRound().ok());
-    EXPECT_GE(absl::Now() - start, absl::Milliseconds(90)) << "rank " << rank;
-    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "rank " << rank;
-    if (news.joinable()) news.join();
     gather(2);
     // 3. News before the wait: it returns at once.
     comm.Unpark();
     start = absl::Now();
-    ASSERT_TRUE(comm.AwaitRound().ok());
+    EXPECT_TRUE(comm.AwaitRound().ok());
     EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "rank " << rank;
     gather(3);
+    absl::MutexLock lock(&mu);
+    comms[rank] = nullptr;
   });
+  driver.join();
+  done.Notify();
+  watchdog.join();
   // Without shared memory there is nothing to wait on: the caller runs rounds.
   GlooOptions sockets_only;
   sockets_only.shared_memory_block_bytes = 0;

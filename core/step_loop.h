@@ -8,10 +8,11 @@
 // first round is a hello in which the ranks check that they speak the same step protocol (run the
 // same build); if not, the group fails with an error that says so.
 // A group whose communicator wakes cheaply (ranks that share memory ring each other's doorbells)
-// has no idle rounds: a rank without work waits (Communicator::AwaitRound) until a peer starts the
-// next round or it has news itself - a request, a new group, a task between steps, Stop, or the
-// periodic check (Options::park_check) that finds peers gone. Other idle groups back off (sleep up
-// to Options::max_idle_sleep between rounds) instead of spinning, and after
+// runs no idle rounds of its own accord: a rank without work waits (Communicator::AwaitRound)
+// until a peer starts the next round or it has news itself - a request, a new group, a task
+// between steps, Stop, or the periodic check (Options::park_check, on each rank) that finds peers
+// gone - and news other than a request makes it run a round without work. Other idle groups back
+// off (sleep up to Options::max_idle_sleep between rounds) instead of spinning, and after
 // Options::park_after_idle_rounds idle rounds park (Communicator::Park: no rounds, no polling)
 // until any rank has news or the periodic check.
 //
@@ -84,7 +85,7 @@ class StepLoop {
     // RESOURCE_EXHAUSTED (an overloaded worker sheds load instead of growing without bound).
     // A request always fits an empty queue.
     int64_t max_queued_bytes = int64_t{1} << 30;
-    absl::Duration max_idle_sleep = absl::Milliseconds(1);
+    absl::Duration max_idle_sleep = absl::Milliseconds(1);  // groups that do not park cheaply
     // Ranks park together (Communicator::Park), so this must be the same on every rank. Groups
     // that park cheaply (Communicator::ParksCheaply) wait for rounds instead and ignore it.
     int park_after_idle_rounds = 200;  // ~0.2 s of idleness (see Communicator::Park)
