@@ -105,9 +105,9 @@ class Communicator {
 
   // Idle groups (SPMD): every rank calls Park() when a round found no work on any rank (the same
   // number of times on every rank). It blocks until some rank of the group is unparked, and a rank
-  // that leaves makes every other leave the same park, so the whole group returns (an exchange of
-  // tokens, which `timeout` bounds - UNAVAILABLE after it, or when a peer is gone - or doorbells
-  // rung without waiting for replies). UNIMPLEMENTED: the caller has to poll instead.
+  // that leaves makes every other leave the same park, so the whole group returns (e.g. an
+  // exchange of tokens, which `timeout` bounds - UNAVAILABLE after it, or when a peer is gone).
+  // UNIMPLEMENTED: the caller has to poll instead.
   virtual absl::Status Park(absl::Duration timeout) {
     return absl::UnimplementedError("this communicator cannot park");
   }

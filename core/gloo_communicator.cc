@@ -178,11 +178,10 @@ void IgnoreSigpipe() {
 // other slot. Peers map the outbox read-only and its header page writable (to ring the doorbell).
 struct GlooCommunicator::SharedMemory {
   static constexpr size_t kHeader = 4096;
-  static constexpr size_t kDoorbell = 64;  // offset in the header: a futex word (Park)
-  // The round doorbell (AwaitRound): the number of the latest all-gather a peer started; and
-  // whether the owner waits on it (peers wake it only then).
-  static constexpr size_t kRoundBell = 128;
-  static constexpr size_t kRoundWaiting = 192;
+  // The doorbell (AwaitRound): the number of the latest all-gather a peer started; and whether
+  // the owner waits on it (peers wake it only then).
+  static constexpr size_t kRoundBell = 64;
+  static constexpr size_t kRoundWaiting = 128;
 
   static size_t OutboxBytes(int world_size, int64_t block_bytes) {
     return kHeader + static_cast<size_t>(world_size - 1) * 2 * block_bytes;
@@ -202,10 +201,6 @@ struct GlooCommunicator::SharedMemory {
     }
   }
 
-  uint32_t* Doorbell() const { return reinterpret_cast<uint32_t*>(outbox + kDoorbell); }
-  uint32_t* PeerDoorbell(int peer) const {
-    return reinterpret_cast<uint32_t*>(peer_header[peer] + kDoorbell);
-  }
   uint32_t* RoundBell() const { return reinterpret_cast<uint32_t*>(outbox + kRoundBell); }
   uint32_t* RoundWaiting() const { return reinterpret_cast<uint32_t*>(outbox + kRoundWaiting); }
   // Lets `peer` know that this rank started all-gather `round`: raises its round doorbell, and
@@ -821,37 +816,6 @@ absl::Status GlooCommunicator::Park(absl::Duration timeout) {
     unparked_ = false;
     return absl::OkStatus();
   }
-  if (shm_ != nullptr && shm_->doorbells) {
-    return Guarded("park", [&] {
-      // Episode e ends when this rank's doorbell reads e or later: a peer that left episode e
-      // rang it, or an Unpark here did. Leaving, this rank rings every peer's. (Ranks park in
-      // step, so their episode numbers agree; a peer that rings before this rank parks makes it
-      // leave at once.)
-      if (++next_park_ == 0) ++next_park_;  // 0 means "not parked" (ringing_episode_)
-      const uint32_t episode = next_park_;
-      uint32_t* bell = shm_->Doorbell();
-      bool local = false;
-      {
-        absl::MutexLock lock(&park_mu_);
-        local = unparked_;
-        unparked_ = false;
-        if (!local) ringing_episode_ = episode;
-      }
-      if (!local) {
-        while (true) {
-          const uint32_t rung = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
-          if (static_cast<int32_t>(rung - episode) >= 0) break;
-          FutexWait(bell, rung);
-        }
-        absl::MutexLock lock(&park_mu_);
-        ringing_episode_ = 0;
-        unparked_ = false;  // leaving now serves whatever asked
-      }
-      for (int q = 0; q < world_size_; ++q) {
-        if (q != rank_) Ring(shm_->PeerDoorbell(q), episode);
-      }
-    });
-  }
   return Guarded("park", [&] {
     const uint64_t slot = kParkSlot | next_park_++;
     std::vector<int> peers;
@@ -906,7 +870,6 @@ void GlooCommunicator::Unpark() {
   absl::MutexLock lock(&park_mu_);
   unparked_ = true;
   if (parked_ != nullptr) parked_->abortWaitRecv();
-  if (ringing_episode_ != 0) Ring(shm_->Doorbell(), ringing_episode_);
   // The waiting rank leaves for the all-gather it waits for, as if a peer had started it.
   if (awaited_round_ != 0) Ring(shm_->RoundBell(), awaited_round_);
 }

@@ -18,7 +18,7 @@
 // (PendingExchange::Received) until the peer's next exchange starts and acknowledges it;
 // consecutive exchanges alternate slots. Whether a peer really sees the same memory is checked
 // with a random nonce when the group forms, so other peers keep using the sockets. When every
-// rank maps every other's, the group also parks on doorbells in the outboxes' headers (Park).
+// rank maps every other's, ranks without work wait for the next round on doorbells in the outboxes' headers (AwaitRound).
 // Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
 // marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
 // timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread
@@ -84,14 +84,13 @@ class GlooCommunicator : public Communicator {
       void* out, absl::Span<const int64_t> recv_counts, absl::Span<const int64_t> send_counts,
       DataType type, absl::Duration timeout) override;
   absl::Status Abort() override;
-  // Parked ranks wait on a receive from any peer (no polling); Unpark aborts that wait. Where
-  // every rank can map every other's memory they wait on a doorbell instead (a futex word in
-  // their outbox's header that peers ring), which wakes a parked group in one futex wake.
+  // Parked ranks wait on a receive from any peer (no polling); Unpark aborts that wait.
   absl::Status Park(absl::Duration timeout) override;
   void Unpark() override;
   bool ParksCheaply() const override;
-  // Ranks that share memory wait on a second doorbell in their outbox's header, which every
-  // AllGatherMessages raises on each peer to its number (and wakes the peer only if it waits).
+  // Where every rank can map every other's memory, ranks wait on a doorbell in their outbox's
+  // header (a futex word), which every AllGatherMessages raises on each peer to its number (and
+  // wakes the peer only if it waits).
   absl::Status AwaitRound() override;
   void ClearUnpark() override;
 
@@ -149,7 +148,6 @@ class GlooCommunicator : public Communicator {
   uint32_t gathers_ = 0;               // AllGatherMessages started (round doorbell values)
   absl::Mutex park_mu_;                // Unpark comes from other threads
   bool unparked_ ABSL_GUARDED_BY(park_mu_) = false;
-  uint32_t ringing_episode_ ABSL_GUARDED_BY(park_mu_) = 0;  // parked on the doorbell (0: not)
   uint32_t awaited_round_ ABSL_GUARDED_BY(park_mu_) = 0;    // in AwaitRound for it (0: not)
   gloo::transport::UnboundBuffer* parked_ ABSL_GUARDED_BY(park_mu_) = nullptr;  // being waited on
 };

@@ -386,8 +386,8 @@ TEST(GlooCommunicator, LargeMessagesAndBlocksTakeTheAsyncPath) {
 }
 
 // Parked ranks stay parked until some rank is unparked (from another thread), then all leave
-// together; an Unpark that comes first makes the next Park return at once. Ranks that share
-// memory park on doorbells, the others on a receive from any peer.
+// together; an Unpark that comes first makes the next Park return at once. Every group parks on a
+// receive from any peer (ranks that share memory wait for rounds instead, AwaitRound).
 void ExpectParkedGroupLeavesTogether(int world, const std::function<GlooOptions(int)>& options_of,
                                      bool cheap) {
   std::vector<GlooCommunicator*> comms(world, nullptr);

@@ -803,7 +803,8 @@ double CpuSecondsWhileSleeping(absl::Duration d) {
   return (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
 }
 
-// Groups whose ranks share memory park on doorbells, the others on sockets (after backing off).
+// Groups whose ranks share memory wait for rounds on doorbells; the others back off, then park on
+// sockets.
 std::vector<std::pair<std::string, GlooOptions>> ParkingKinds() {
   GlooOptions sockets_only;
   sockets_only.shared_memory_block_bytes = 0;
@@ -857,9 +858,9 @@ TEST(StepLoop, LongIdleGroupParksAndWakesForWorkTasksAndStop) {
   }
 }
 
-// Requests that come one at a time with gaps between them: a group that parks on doorbells waits
+// Requests that come one at a time with gaps between them: a group on doorbells waits
 // between them instead of backing off (no rounds while idle) and still answers each at once.
-TEST(StepLoop, SparseRequestsFindTheGroupParkedOnDoorbells) {
+TEST(StepLoop, SparseRequestsFindTheGroupWaitingOnDoorbells) {
   for (const auto& [kind, gloo] : ParkingKinds()) {
     SCOPED_TRACE(kind);
     Fixture f;
