@@ -183,12 +183,50 @@ TEST(GlooCommunicator, SplitPhaseAllToAllInAnySendOrder) {
   });
 }
 
+// One exchange on rank `rank` of `world`: rank r sends count(r, q) floats valued 1000 r + 100 q +
+// i + round to q - computed in place where SendBuffer gives the block's place in shared memory on
+// even rounds, copied in by Send otherwise - and checks every block it gets. Rank 0 reads its
+// blocks late, after its peers had time to write their next round's, which must not clobber them.
+// `sent` sees where each block could be computed in place (SendBuffer), `got` the exchange after
+// the check.
+void ExchangeRound(GlooCommunicator& comm, int rank, int world, int round,
+                   const std::function<int64_t(int, int)>& count, const std::string& label,
+                   const std::function<void(int, int64_t, const void*)>& sent = nullptr,
+                   const std::function<void(const PendingExchange&, int, int64_t)>& got = nullptr) {
+  std::vector<int64_t> recv(world), sends(world);
+  for (int q = 0; q < world; ++q) recv[q] = count(q, rank);
+  for (int q = 0; q < world; ++q) sends[q] = count(rank, q);
+  std::vector<float> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}), -1.0f);
+  auto exchange = comm.StartAllToAllV(out.data(), recv, sends, DataType::kFloat32, kTimeout);
+  ASSERT_TRUE(exchange.ok()) << exchange.status();
+  for (int q = 0; q < world; ++q) {
+    if (sends[q] == 0) continue;
+    std::vector<float> block(sends[q]);
+    for (int64_t i = 0; i < sends[q]; ++i) block[i] = 1000.0f * rank + 100.0f * q + i + round;
+    float* direct = static_cast<float*>((*exchange)->SendBuffer(q, sends[q]));
+    if (sent) sent(q, sends[q], direct);
+    if (direct != nullptr && round % 2 == 0) {
+      std::copy(block.begin(), block.end(), direct);
+      ASSERT_TRUE((*exchange)->Send(q, direct, sends[q]).ok());
+    } else {
+      ASSERT_TRUE((*exchange)->Send(q, block.data(), sends[q]).ok());
+    }
+  }
+  ASSERT_TRUE((*exchange)->Wait().ok());
+  if (rank == 0) absl::SleepFor(absl::Milliseconds(30));
+  for (int q = 0; q < world; ++q) {
+    std::vector<float> expected;
+    for (int64_t i = 0; i < recv[q]; ++i) expected.push_back(1000.0f * q + 100.0f * rank + i + round);
+    EXPECT_EQ(BlockFrom(**exchange, out, recv, q), expected)
+        << "round " << round << ", " << label << ", from " << q;
+    if (got) got(**exchange, q, recv[q]);
+  }
+}
+
 // Ranks of one process share memory: exchange blocks up to the slot size go through the peers'
 // outboxes (written in place through SendBuffer, or copied in by Send; read in place through
 // Received), larger ones over the sockets, in the same exchange; with the slot size 0 everything
-// takes the sockets. Blocks of consecutive exchanges use alternate slots: rank 0 reads its
-// blocks only after its peers had time to write their next round's blocks, which must not
-// clobber them.
+// takes the sockets. Blocks of consecutive exchanges use alternate slots.
 TEST(GlooCommunicator, ExchangeBlocksGoThroughSharedMemoryUpToTheSlotSize) {
   for (const int64_t slot_bytes : {int64_t{0}, int64_t{64}, int64_t{64} << 20}) {
     GlooOptions options;
@@ -202,38 +240,19 @@ TEST(GlooCommunicator, ExchangeBlocksGoThroughSharedMemoryUpToTheSlotSize) {
           }
           for (int round = 0; round < 4; ++round) {
             // Rank r sends 3 * ((r + q + round) % 4) * 5 floats to q: 0, 60 or 120 bytes, ...
-            auto count = [&](int from, int to) -> int64_t { return 15 * ((from + to + round) % 4); };
-            std::vector<int64_t> recv(world), sends(world);
-            for (int q = 0; q < world; ++q) recv[q] = count(q, rank);
-            for (int q = 0; q < world; ++q) sends[q] = count(rank, q);
-            std::vector<float> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}), -1.0f);
-            auto exchange = comm.StartAllToAllV(out.data(), recv, sends, DataType::kFloat32, kTimeout);
-            ASSERT_TRUE(exchange.ok()) << exchange.status();
-            std::vector<std::vector<float>> blocks(world);
-            for (int q = 0; q < world; ++q) {
-              if (sends[q] == 0) continue;
-              blocks[q].resize(sends[q]);
-              for (int64_t i = 0; i < sends[q]; ++i) blocks[q][i] = 1000.0f * rank + 100.0f * q + i + round;
-              float* direct = static_cast<float*>((*exchange)->SendBuffer(q, sends[q]));
-              const bool shared = q != rank && sends[q] * 4 <= slot_bytes;
-              EXPECT_EQ(direct != nullptr, shared) << "to " << q << ", " << sends[q] << " floats";
-              if (direct != nullptr && round % 2 == 0) {  // computed in place, or copied in by Send
-                std::copy(blocks[q].begin(), blocks[q].end(), direct);
-                ASSERT_TRUE((*exchange)->Send(q, direct, sends[q]).ok());
-              } else {
-                ASSERT_TRUE((*exchange)->Send(q, blocks[q].data(), sends[q]).ok());
-              }
-            }
-            ASSERT_TRUE((*exchange)->Wait().ok());
-            if (rank == 0) absl::SleepFor(absl::Milliseconds(30));
-            for (int q = 0; q < world; ++q) {
-              std::vector<float> expected;
-              for (int64_t i = 0; i < recv[q]; ++i) expected.push_back(1000.0f * q + 100.0f * rank + i + round);
-              EXPECT_EQ(BlockFrom(**exchange, out, recv, q), expected)
-                  << "round " << round << ", slot " << slot_bytes << ", from " << q;
-              // In place exactly where it went through shared memory.
-              EXPECT_EQ((*exchange)->Received(q) != nullptr, q != rank && recv[q] * 4 <= slot_bytes && recv[q] > 0);
-            }
+            ExchangeRound(
+                comm, rank, world, round,
+                [&](int from, int to) -> int64_t { return 15 * ((from + to + round) % 4); },
+                absl::StrCat("slot ", slot_bytes),
+                [&](int q, int64_t floats, const void* direct) {
+                  EXPECT_EQ(direct != nullptr, q != rank && floats * 4 <= slot_bytes)
+                      << "to " << q << ", " << floats << " floats";
+                },
+                [&](const PendingExchange& exchange, int q, int64_t floats) {
+                  // In place exactly where it went through shared memory.
+                  EXPECT_EQ(exchange.Received(q) != nullptr,
+                            q != rank && floats * 4 <= slot_bytes && floats > 0);
+                });
           }
         },
         options);
@@ -244,7 +263,7 @@ TEST(GlooCommunicator, ExchangeBlocksGoThroughSharedMemoryUpToTheSlotSize) {
 // one way, over the socket or none the other way; ranks with different slot sizes - so a
 // reader's acknowledgement of the last shared-memory block travels alone in some exchanges and
 // with its own block's announcement in others. Every block must arrive intact, and none may be
-// overwritten while its reader still reads it in place (rank 0 reads late).
+// overwritten while its reader still reads it in place.
 TEST(GlooCommunicator, ExchangesWhoseDirectionsDifferKeepEveryBlockIntact) {
   for (const int64_t rank0_slot : {int64_t{64}, int64_t{64} << 20}) {
     const int world = 3;
@@ -258,35 +277,10 @@ TEST(GlooCommunicator, ExchangesWhoseDirectionsDifferKeepEveryBlockIntact) {
         [&](int rank, GlooCommunicator& comm) {
           for (int round = 0; round < 9; ++round) {
             // 0, 10 or 20 floats (0, 40 or 80 bytes) from `from` to `to`: rarely the same both ways.
-            auto count = [&](int from, int to) -> int64_t {
-              return 10 * ((2 * from + to + round) % 3);
-            };
-            std::vector<int64_t> recv(world), sends(world);
-            for (int q = 0; q < world; ++q) recv[q] = count(q, rank);
-            for (int q = 0; q < world; ++q) sends[q] = count(rank, q);
-            std::vector<float> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}), -1.0f);
-            auto exchange = comm.StartAllToAllV(out.data(), recv, sends, DataType::kFloat32, kTimeout);
-            ASSERT_TRUE(exchange.ok()) << exchange.status();
-            for (int q = 0; q < world; ++q) {
-              if (sends[q] == 0) continue;
-              std::vector<float> block(sends[q]);
-              for (int64_t i = 0; i < sends[q]; ++i) block[i] = 1000.0f * rank + 100.0f * q + i + round;
-              float* direct = static_cast<float*>((*exchange)->SendBuffer(q, sends[q]));
-              if (direct != nullptr && round % 2 == 0) {
-                std::copy(block.begin(), block.end(), direct);
-                ASSERT_TRUE((*exchange)->Send(q, direct, sends[q]).ok());
-              } else {
-                ASSERT_TRUE((*exchange)->Send(q, block.data(), sends[q]).ok());
-              }
-            }
-            ASSERT_TRUE((*exchange)->Wait().ok());
-            if (rank == 0) absl::SleepFor(absl::Milliseconds(20));
-            for (int q = 0; q < world; ++q) {
-              std::vector<float> expected;
-              for (int64_t i = 0; i < recv[q]; ++i) expected.push_back(1000.0f * q + 100.0f * rank + i + round);
-              EXPECT_EQ(BlockFrom(**exchange, out, recv, q), expected)
-                  << "round " << round << ", rank 0's slot " << rank0_slot << ", from " << q;
-            }
+            ExchangeRound(
+                comm, rank, world, round,
+                [&](int from, int to) -> int64_t { return 10 * ((2 * from + to + round) % 3); },
+                absl::StrCat("rank 0's slot ", rank0_slot));
           }
         });
   }
