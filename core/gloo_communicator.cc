@@ -398,9 +398,28 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
         ConnectSharedMemory(store, key_prefix, rank, world_size,
                             options.shared_memory_block_bytes, options.connect_timeout);
     if (!shm.ok()) throw std::runtime_error(std::string(shm.status().message()));
+    // Every rank of a pair must pick the same path for a message, so the group agrees on one
+    // limit: the lowest (socket caps may differ between hosts).
+    int64_t limit = SyncLimit();
+    if (options.sync_message_limit > 0) limit = std::min(limit, options.sync_message_limit);
+    limit = std::max<int64_t>(limit, 2 * kLengthBytes);
+    const std::string limit_key = key_prefix + "/sync-limit/";
+    absl::Status set = store.Set(absl::StrCat(limit_key, rank), absl::StrCat(limit));
+    if (!set.ok()) throw std::runtime_error(std::string(set.message()));
+    for (int q = 0; q < world_size; ++q) {
+      if (q == rank) continue;
+      absl::StatusOr<std::string> theirs =
+          store.Get(absl::StrCat(limit_key, q), options.connect_timeout);
+      int64_t value = 0;
+      if (!theirs.ok() || !absl::SimpleAtoi(*theirs, &value) || value < 2 * kLengthBytes) {
+        throw std::runtime_error(absl::StrCat("no synchronous-mesh limit from rank ", q));
+      }
+      limit = std::min(limit, value);
+    }
     std::unique_ptr<GlooCommunicator> comm(
         new GlooCommunicator(std::move(context), std::move(sync_context), rank, world_size));
     comm->shm_ = *std::move(shm);
+    comm->sync_limit_ = limit;
     return comm;
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("gloo: rank ", rank, " of ", world_size,
@@ -560,17 +579,16 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
       }
     }
     // One frame per peer on the synchronous mesh: a header word, then the message itself where
-    // the frame stays within SyncLimit(). A longer message follows on the asynchronous mesh, and
-    // its header is the length's complement (negative), so the reader never depends on its own
-    // SyncLimit() agreeing with the writer's.
+    // the frame stays within sync_limit_. A longer message follows on the asynchronous mesh, and
+    // its header is the length's complement (negative): the reader follows the writer's choice.
     const int64_t length = static_cast<int64_t>(mine.size());
-    const bool inline_message = length <= SyncLimit() - kLengthBytes;
+    const bool inline_message = length <= sync_limit_ - kLengthBytes;
     const int64_t header = inline_message ? length : ~length;
     outgoing_.resize(kLengthBytes + length);
     std::memcpy(outgoing_.data(), &header, kLengthBytes);
     if (length > 0) std::memcpy(outgoing_.data() + kLengthBytes, mine.data(), length);
     const int64_t frame = inline_message ? kLengthBytes + length : kLengthBytes;
-    // Send first (writes of at most SyncLimit() bytes complete into the socket buffers), then read.
+    // Send first (writes of at most sync_limit_ bytes complete into the socket buffers), then read.
     std::unique_ptr<gloo::transport::UnboundBuffer> large;
     for (int q = 0; q < world_size_; ++q) {
       if (q == rank_) continue;
@@ -583,8 +601,8 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
     for (int q = 0; q < world_size_; ++q) {
       if (q == rank_) continue;
       ReceiveBuffer& in = received_[q];
-      in.Reserve(SyncLimit());
-      sync_context_->getPair(q)->createRecvBuffer(slot, in.data.get(), SyncLimit())->waitRecv();
+      in.Reserve(sync_limit_);
+      sync_context_->getPair(q)->createRecvBuffer(slot, in.data.get(), sync_limit_)->waitRecv();
       int64_t theirs = 0;
       std::memcpy(&theirs, in.data.get(), kLengthBytes);
       if (theirs < 0) {  // the message follows on the asynchronous mesh
@@ -596,7 +614,7 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
         auto buffer = context_->createUnboundBuffer(in.data.get() + kLengthBytes, theirs);
         buffer->recv(q, async_slot);
         if (!buffer->waitRecv(wait)) throw std::runtime_error("receive aborted");
-      } else if (theirs > SyncLimit() - kLengthBytes) {  // cannot have fit the frame
+      } else if (theirs > sync_limit_ - kLengthBytes) {  // cannot have fit the frame
         throw std::runtime_error(absl::StrCat("bad message length ", theirs, " from rank ", q));
       }
       views[q] = absl::Span<const char>(in.data.get() + kLengthBytes, theirs);
@@ -793,8 +811,8 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAll
       if (shm_->SlotFrom(q, in, 0) != nullptr) in = 2 * kLengthBytes;
       if (shm_->SlotFor(q, out_bytes, 0) != nullptr) out_bytes = 2 * kLengthBytes;
     }
-    sync[q] = std::max(in, out_bytes) <= SyncLimit() ||
-              (world_size_ == 2 && std::min(in, out_bytes) <= SyncLimit());
+    sync[q] = std::max(in, out_bytes) <= sync_limit_ ||
+              (world_size_ == 2 && std::min(in, out_bytes) <= sync_limit_);
   }
   auto exchange = std::make_unique<Exchange>(
       *this, static_cast<char*>(out), std::move(bytes), std::move(send_bytes), std::move(sync),

@@ -55,6 +55,9 @@ struct GlooOptions {
   // outboxes are sparse; at most two slots of this size per peer are ever resident in each
   // direction (a rank's RSS counts the peers' slots it has read, too).
   int64_t shared_memory_block_bytes = int64_t{16} << 20;
+  // Largest message on the synchronous mesh, if lower than what the kernel lets a socket buffer
+  // (at most 1 MiB; 0: that). The group uses the lowest of its ranks' limits.
+  int64_t sync_message_limit = 0;
 };
 
 class GlooCommunicator : public Communicator {
@@ -146,6 +149,7 @@ class GlooCommunicator : public Communicator {
   std::unique_ptr<SharedMemory> shm_;  // null when no peer shares memory
   uint32_t next_park_ = 0;             // park episodes (their slots; doorbell values)
   uint32_t gathers_ = 0;               // AllGatherMessages started (round doorbell values)
+  int64_t sync_limit_ = 0;             // the group's largest synchronous-mesh message
   absl::Mutex park_mu_;                // Unpark comes from other threads
   bool unparked_ ABSL_GUARDED_BY(park_mu_) = false;
   uint32_t awaited_round_ ABSL_GUARDED_BY(park_mu_) = 0;    // in AwaitRound for it (0: not)

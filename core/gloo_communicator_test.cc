@@ -199,9 +199,11 @@ void ExchangeRound(GlooCommunicator& comm, int rank, int world, int round,
   std::vector<float> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}), -1.0f);
   auto exchange = comm.StartAllToAllV(out.data(), recv, sends, DataType::kFloat32, kTimeout);
   ASSERT_TRUE(exchange.ok()) << exchange.status();
+  std::vector<std::vector<float>> blocks(world);  // sent from here until Wait returns
   for (int q = 0; q < world; ++q) {
     if (sends[q] == 0) continue;
-    std::vector<float> block(sends[q]);
+    std::vector<float>& block = blocks[q];
+    block.resize(sends[q]);
     for (int64_t i = 0; i < sends[q]; ++i) block[i] = 1000.0f * rank + 100.0f * q + i + round;
     float* direct = static_cast<float*>((*exchange)->SendBuffer(q, sends[q]));
     if (sent) sent(q, sends[q], direct);
@@ -284,6 +286,39 @@ TEST(GlooCommunicator, ExchangesWhoseDirectionsDifferKeepEveryBlockIntact) {
           }
         });
   }
+}
+
+// Ranks whose synchronous-mesh limits differ (socket caps differ between hosts) agree on the
+// lowest, so both ends of a pair pick the same path for every message and block: sizes straddle
+// rank 0's limit, which its peers do not have.
+TEST(GlooCommunicator, RanksWithDifferentSyncLimitsAgreeOnEveryPath) {
+  const int world = 3;
+  const int64_t limit = 20000;
+  RunGroupWith(
+      world,
+      [&](int rank) {
+        GlooOptions options;
+        options.shared_memory_block_bytes = 0;  // every block on the sockets
+        if (rank == 0) options.sync_message_limit = limit;
+        return options;
+      },
+      [&](int rank, GlooCommunicator& comm) {
+        for (const int64_t size : {limit - 16, limit - 8, limit - 7, limit, limit + 1, 3 * limit}) {
+          const std::string mine(size + rank, static_cast<char>('a' + rank));
+          auto got = comm.AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
+          ASSERT_TRUE(got.ok()) << got.status();
+          for (int q = 0; q < world; ++q) {
+            EXPECT_EQ(std::string((*got)[q].data(), (*got)[q].size()),
+                      std::string(size + q, static_cast<char>('a' + q)))
+                << size << " bytes from rank " << q;
+          }
+          // Blocks of about the same sizes, in 4-byte floats.
+          ExchangeRound(
+              comm, rank, world, static_cast<int>(size % 7),
+              [&](int from, int to) -> int64_t { return size / 4 + from - to; },
+              absl::StrCat(size, " bytes"));
+        }
+      });
 }
 
 TEST(GlooCommunicator, SilentPeerMakesHotPathFailWithinSyncTimeout) {
