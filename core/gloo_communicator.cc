@@ -84,17 +84,19 @@ void FutexWait(uint32_t* word, uint32_t expected) {
   }
 }
 
-// Raises a doorbell to `episode` (never lowers it; episodes wrap, so compared as differences) and
-// wakes whoever waits on it. A bell already at `episode` or later was rung, and its waiters woken,
-// by whoever raised it.
-void Ring(uint32_t* bell, uint32_t episode) {
+// Raises a round doorbell to `round` (never lowers it; rounds wrap, so compared as differences)
+// and wakes its owner if the owner's waiting word says it waits there. Both are sequentially
+// consistent, as are the owner's store of its waiting word and its load of the bell: an owner
+// that found the bell low before the raise has set its waiting word first, so it is woken, or
+// wakes by itself (the futex wait sees the changed bell).
+void Ring(uint32_t* bell, const uint32_t* waiting, uint32_t round) {
   uint32_t seen = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
-  while (static_cast<int32_t>(episode - seen) > 0) {
-    if (__atomic_compare_exchange_n(bell, &seen, episode, false, __ATOMIC_SEQ_CST,
-                                    __ATOMIC_SEQ_CST)) {
-      ::syscall(SYS_futex, bell, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-      return;
-    }
+  while (static_cast<int32_t>(round - seen) > 0 &&
+         !__atomic_compare_exchange_n(bell, &seen, round, false, __ATOMIC_SEQ_CST,
+                                      __ATOMIC_SEQ_CST)) {
+  }
+  if (__atomic_load_n(waiting, __ATOMIC_SEQ_CST) != 0) {
+    ::syscall(SYS_futex, bell, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
   }
 }
 
@@ -203,20 +205,12 @@ struct GlooCommunicator::SharedMemory {
 
   uint32_t* RoundBell() const { return reinterpret_cast<uint32_t*>(outbox + kRoundBell); }
   uint32_t* RoundWaiting() const { return reinterpret_cast<uint32_t*>(outbox + kRoundWaiting); }
-  // Lets `peer` know that this rank started all-gather `round`: raises its round doorbell, and
-  // wakes it if it waits there.
-  void RingRound(int peer, uint32_t round) const {
-    uint32_t* bell = reinterpret_cast<uint32_t*>(peer_header[peer] + kRoundBell);
-    uint32_t seen = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
-    while (static_cast<int32_t>(round - seen) > 0 &&
-           !__atomic_compare_exchange_n(bell, &seen, round, false, __ATOMIC_SEQ_CST,
-                                        __ATOMIC_SEQ_CST)) {
-    }
-    // Seen after the raise (both sequentially consistent): a peer that found the bell low before
-    // the raise has set its waiting word first, so it is woken, or wakes by itself.
-    if (__atomic_load_n(reinterpret_cast<uint32_t*>(peer_header[peer] + kRoundWaiting),
-                        __ATOMIC_SEQ_CST) != 0) {
-      ::syscall(SYS_futex, bell, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  // Lets every peer know that this rank starts all-gather `round` (Ring on its round doorbell).
+  void RingPeers(uint32_t round) const {
+    for (size_t q = 0; q < peer_header.size(); ++q) {
+      if (peer_header[q] == nullptr) continue;  // this rank (or no doorbells: never rung)
+      Ring(reinterpret_cast<uint32_t*>(peer_header[q] + kRoundBell),
+           reinterpret_cast<const uint32_t*>(peer_header[q] + kRoundWaiting), round);
     }
   }
 
@@ -573,11 +567,7 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
     const int slot = NextSyncSlots(1);
     const uint64_t async_slot = kMessageSlot | next_async_++;
     gathers_ = NextRound();
-    if (shm_ != nullptr && shm_->doorbells) {  // peers waiting in AwaitRound join this all-gather
-      for (int q = 0; q < world_size_; ++q) {
-        if (q != rank_) shm_->RingRound(q, gathers_);
-      }
-    }
+    if (shm_ != nullptr && shm_->doorbells) shm_->RingPeers(gathers_);  // waiting peers join
     // One frame per peer on the synchronous mesh: a header word, then the message itself where
     // the frame stays within sync_limit_. A longer message follows on the asynchronous mesh, and
     // its header is the length's complement (negative): the reader follows the writer's choice.
@@ -666,7 +656,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
         for (int q = 0; q < comm_.world_size_; ++q) {
           if (shm->owe_ack[q] && To(q) != nullptr) {
             ack_with_block_[q] = true;  // sent with the announcement of this exchange's block
-          } else if (shm->owe_ack[q]) {
+          } else if (shm->owe_ack[q]) {  // sent alone
             int64_t done = 1;
             comm_.sync_context_->getPair(q)->createSendBuffer(slot_ + 1, &done, kLengthBytes)
                 ->send(0, kLengthBytes);
@@ -889,7 +879,7 @@ void GlooCommunicator::Unpark() {
   unparked_ = true;
   if (parked_ != nullptr) parked_->abortWaitRecv();
   // The waiting rank leaves for the all-gather it waits for, as if a peer had started it.
-  if (awaited_round_ != 0) Ring(shm_->RoundBell(), awaited_round_);
+  if (awaited_round_ != 0) Ring(shm_->RoundBell(), shm_->RoundWaiting(), awaited_round_);
 }
 
 void GlooCommunicator::ClearUnpark() {
@@ -898,12 +888,7 @@ void GlooCommunicator::ClearUnpark() {
 }
 
 absl::Status GlooCommunicator::AwaitRound() {
-  if (world_size_ == 1) {
-    absl::MutexLock lock(&park_mu_);
-    park_mu_.Await(absl::Condition(&unparked_));
-    unparked_ = false;
-    return absl::OkStatus();
-  }
+  if (world_size_ == 1) return Park(absl::InfiniteDuration());  // no peers: news alone ends it
   if (shm_ == nullptr || !shm_->doorbells) return Communicator::AwaitRound();
   return Guarded("await round", [&] {
     const uint32_t next = NextRound();
@@ -929,9 +914,7 @@ absl::Status GlooCommunicator::AwaitRound() {
     }
     // The caller starts the all-gather next: peers that wait start waking now, not once this
     // rank gets there (a no-op for a peer that rang this rank, since it does not wait).
-    for (int q = 0; q < world_size_; ++q) {
-      if (q != rank_) shm_->RingRound(q, next);
-    }
+    shm_->RingPeers(next);
   });
 }
 
@@ -949,11 +932,7 @@ absl::Status GlooCommunicator::Abort() {
   // waiting for the next round are rung to start it, and fail at once too.
   context_.reset();
   sync_context_.reset();
-  if (shm_ != nullptr && shm_->doorbells) {
-    for (int q = 0; q < world_size_; ++q) {
-      if (q != rank_) shm_->RingRound(q, NextRound());
-    }
-  }
+  if (shm_ != nullptr && shm_->doorbells) shm_->RingPeers(NextRound());
   return absl::OkStatus();
 }
 

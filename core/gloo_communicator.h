@@ -18,7 +18,8 @@
 // (PendingExchange::Received) until the peer's next exchange starts and acknowledges it;
 // consecutive exchanges alternate slots. Whether a peer really sees the same memory is checked
 // with a random nonce when the group forms, so other peers keep using the sockets. When every
-// rank maps every other's, ranks without work wait for the next round on doorbells in the outboxes' headers (AwaitRound).
+// rank maps every other's, ranks without work wait for the next round on doorbells in the
+// outboxes' headers (AwaitRound).
 // Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
 // marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
 // timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread
