@@ -6,15 +6,14 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <immintrin.h>
 #include <string>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "ATen/Parallel.h"
 #include "ATen/core/Tensor.h"
-#include "ATen/ops/_embedding_bag_forward_only.h"
 #include "ATen/ops/addmm.h"
-#include "ATen/ops/empty.h"
 #include "ATen/ops/from_blob.h"
 #include "ATen/ops/mm.h"
 #include "c10/core/InferenceMode.h"
@@ -26,10 +25,6 @@ constexpr size_t kAlignment = 64;
 
 at::Tensor FloatView(float* data, int64_t rows, int64_t cols) {
   return at::from_blob(data, {rows, cols}, at::TensorOptions().dtype(at::kFloat));
-}
-
-at::Tensor IdView(const int64_t* data, int64_t n) {
-  return at::from_blob(const_cast<int64_t*>(data), {n}, at::TensorOptions().dtype(at::kLong));
 }
 
 // LibTorch reports errors by throwing c10::Error; this is the one place that turns them into a
@@ -121,40 +116,142 @@ absl::Status CpuKernels::GatherRows(const MatrixView& shard, const int64_t* ids,
   return absl::OkStatus();
 }
 
+namespace {
+
+// Bag pooling, computed as ATen's CPU embedding_bag computes it, bit for bit (checked against it
+// in cpu_kernels_test): each bag starts from 0 and adds its rows in order, as fma(w, row, acc)
+// when weighted (caffe2's EmbeddingLookupIdx, which ATen runs); mean divides by the bag's size;
+// max keeps the first row, then each later element greater than the kept one (so a NaN is kept
+// only where it comes first). Vector widths do not change the result: every element is its own
+// chain of operations. ATen's op costs far more around that arithmetic (tensors made, an output
+// allocated and copied back) than a step's few small bags take to pool.
+enum class Pool { kSum, kWeightedSum, kMax };
+
+constexpr int64_t kPrefetchAhead = 16;  // ids: rows are scattered over a shard larger than caches
+
+// One bag over `cols` columns, one element at a time: `data` points at the first of them, rows are
+// `stride` apart; `divisor` is the bag's size in mean mode, else 0 (no division). The portable
+// loop, and the columns vectors do not cover.
+void PoolScalar(Pool pool, const float* data, int64_t stride, int64_t cols, const int64_t* ids,
+                const float* weights, int64_t n, float divisor, float* out) {
+  for (int64_t j = 0; j < cols; ++j) {
+    float acc = pool == Pool::kMax ? data[ids[0] * stride + j] : 0.0f;
+    for (int64_t k = pool == Pool::kMax ? 1 : 0; k < n; ++k) {
+      const float x = data[ids[k] * stride + j];
+      if (pool == Pool::kMax) {
+        acc = x > acc ? x : acc;
+      } else if (pool == Pool::kWeightedSum) {
+        acc = std::fma(weights[k], x, acc);
+      } else {
+        acc += x;
+      }
+    }
+    out[j] = divisor != 0.0f ? acc / divisor : acc;
+  }
+}
+
+// The same over 8 * kRegs columns, in AVX registers. This block's columns of the rows
+// kPrefetchAhead ids on (within the `available` ids from the bag's first) are prefetched.
+template <int kRegs, Pool kPool>
+__attribute__((target("avx2,fma"))) void PoolBlockAvx2(const float* data, int64_t stride,
+                                                       const int64_t* ids, const float* weights,
+                                                       int64_t n, int64_t available,
+                                                       float divisor, float* out) {
+  __m256 acc[kRegs];
+  int64_t k = 0;
+#pragma GCC unroll 8
+  for (int r = 0; r < kRegs; ++r) {
+    acc[r] = kPool == Pool::kMax ? _mm256_loadu_ps(data + ids[0] * stride + 8 * r)
+                                 : _mm256_setzero_ps();
+  }
+  if (kPool == Pool::kMax) k = 1;
+  for (; k < n; ++k) {
+    if (k + kPrefetchAhead < available) {
+      const char* ahead = reinterpret_cast<const char*>(data + ids[k + kPrefetchAhead] * stride);
+      for (int line = 0; line < (kRegs + 1) / 2; ++line) {
+        _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      }
+    }
+    const float* row = data + ids[k] * stride;
+    const __m256 w = kPool == Pool::kWeightedSum ? _mm256_set1_ps(weights[k]) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < kRegs; ++r) {
+      const __m256 x = _mm256_loadu_ps(row + 8 * r);
+      if (kPool == Pool::kMax) {
+        acc[r] = _mm256_max_ps(x, acc[r]);  // x > acc ? x : acc, as maxps does with NaN
+      } else if (kPool == Pool::kWeightedSum) {
+        acc[r] = _mm256_fmadd_ps(w, x, acc[r]);
+      } else {
+        acc[r] = _mm256_add_ps(acc[r], x);
+      }
+    }
+  }
+  const __m256 d = _mm256_set1_ps(divisor);
+#pragma GCC unroll 8
+  for (int r = 0; r < kRegs; ++r) {
+    _mm256_storeu_ps(out + 8 * r, divisor != 0.0f ? _mm256_div_ps(acc[r], d) : acc[r]);
+  }
+}
+
+template <Pool kPool>
+__attribute__((target("avx2,fma"))) void PoolBagAvx2(const float* data, int64_t cols,
+                                                     const int64_t* ids, const float* weights,
+                                                     int64_t n, int64_t available, float divisor,
+                                                     float* out) {
+  int64_t c = 0;
+  for (; c + 64 <= cols; c += 64) {
+    PoolBlockAvx2<8, kPool>(data + c, cols, ids, weights, n, available, divisor, out + c);
+  }
+  for (; c + 8 <= cols; c += 8) {
+    PoolBlockAvx2<1, kPool>(data + c, cols, ids, weights, n, available, divisor, out + c);
+  }
+  if (c < cols) PoolScalar(kPool, data + c, cols, cols - c, ids, weights, n, divisor, out + c);
+}
+
+}  // namespace
+
 absl::Status CpuKernels::PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
                                   float empty_max, float* out) {
   if (bags.num_bags == 0 || shard.cols == 0) return absl::OkStatus();
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool vectors = has_avx2 && options_.vector_instructions;
+  const int64_t cols = shard.cols;
   const int64_t num_ids = bags.offsets[bags.num_bags];
-  if (num_ids == 0) {  // every bag is empty (this also covers shards with no rows)
-    const float fill = mode == PoolMode::kMax ? empty_max : 0.0f;
-    std::fill(out, out + bags.num_bags * shard.cols, fill);
-    return absl::OkStatus();
+  for (int64_t i = 0; i < num_ids; ++i) {
+    if (bags.ids[i] < 0 || bags.ids[i] >= shard.rows) {
+      return absl::InternalError(absl::StrCat("cpu kernel pool bags: row ", bags.ids[i],
+                                              " is outside the shard's ", shard.rows, " rows"));
+    }
   }
-  absl::Status status = TorchGuard("pool bags", [&] {
-    at::Tensor weight = FloatView(shard.data, shard.rows, shard.cols);
-    c10::optional<at::Tensor> per_sample;
-    if (bags.weights != nullptr) {
-      per_sample = at::from_blob(const_cast<float*>(bags.weights), {num_ids},
-                                 at::TensorOptions().dtype(at::kFloat));
-    }
-    at::Tensor result = FloatView(out, bags.num_bags, shard.cols);
-    at::Tensor offset2bag = at::empty({0}, at::kLong);
-    at::Tensor bag_size = at::empty({0}, at::kLong);
-    at::Tensor max_indices = at::empty({0}, at::kLong);
-    at::_embedding_bag_forward_only_out(
-        result, offset2bag, bag_size, max_indices, weight, IdView(bags.ids, num_ids),
-        IdView(bags.offsets, bags.num_bags), /*scale_grad_by_freq=*/false,
-        static_cast<int64_t>(mode), /*sparse=*/false, per_sample, /*include_last_offset=*/false,
-        /*padding_idx=*/-1);
-    if (result.data_ptr<float>() != out) {  // ATen chose to reallocate: copy into place
-      FloatView(out, bags.num_bags, shard.cols).copy_(result);
-    }
-  });
-  if (!status.ok() || mode != PoolMode::kMax || empty_max == 0.0f) return status;
+  const Pool pool = mode == PoolMode::kMax ? Pool::kMax
+                    : bags.weights != nullptr ? Pool::kWeightedSum
+                                              : Pool::kSum;
   for (int64_t b = 0; b < bags.num_bags; ++b) {
-    if (bags.offsets[b] == bags.offsets[b + 1]) {
-      float* row = out + b * shard.cols;
-      for (int64_t j = 0; j < shard.cols; ++j) row[j] = empty_max;
+    float* bag_out = out + b * cols;
+    const int64_t begin = bags.offsets[b], n = bags.offsets[b + 1] - begin;
+    if (n == 0) {
+      std::fill(bag_out, bag_out + cols, mode == PoolMode::kMax ? empty_max : 0.0f);
+      continue;
+    }
+    const int64_t* ids = bags.ids + begin;
+    const float* weights = bags.weights != nullptr ? bags.weights + begin : nullptr;
+    const float divisor = mode == PoolMode::kMean ? static_cast<float>(n) : 0.0f;
+    if (!vectors) {
+      PoolScalar(pool, shard.data, cols, cols, ids, weights, n, divisor, bag_out);
+      continue;
+    }
+    const int64_t available = num_ids - begin;
+    switch (pool) {
+      case Pool::kSum:
+        PoolBagAvx2<Pool::kSum>(shard.data, cols, ids, weights, n, available, divisor, bag_out);
+        break;
+      case Pool::kWeightedSum:
+        PoolBagAvx2<Pool::kWeightedSum>(shard.data, cols, ids, weights, n, available, divisor,
+                                        bag_out);
+        break;
+      case Pool::kMax:
+        PoolBagAvx2<Pool::kMax>(shard.data, cols, ids, weights, n, available, divisor, bag_out);
+        break;
     }
   }
   return absl::OkStatus();

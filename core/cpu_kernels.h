@@ -1,4 +1,6 @@
-// CpuKernels: LocalKernels on the host CPU, over LibTorch's (ATen's) CPU ops.
+// CpuKernels: LocalKernels on the host CPU: our own loops where ATen's op would cost more than the
+// arithmetic (row gathers, bag pooling, which match ATen's results bit for bit), ATen's matmul for
+// Linear.
 //
 // Device memory is host memory (64-byte aligned). Thread-compatible; InitThread() sets the
 // calling thread's ATen intra-op thread count.
@@ -12,6 +14,9 @@ namespace shardserve::core {
 struct CpuKernelOptions {
   // ATen intra-op threads for the executor thread. 1 suits one rank per core.
   int intra_op_threads = 1;
+  // AVX2 and FMA for bag pooling where the CPU has them (the same results either way; off is the
+  // portable loop, for tests).
+  bool vector_instructions = true;
 };
 
 class CpuKernels : public LocalKernels {
