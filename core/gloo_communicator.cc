@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -173,33 +174,69 @@ void IgnoreSigpipe() {
 
 }  // namespace
 
-// This rank's outbox and the peers' outboxes it maps (see the header). An outbox is a header page
-// (a random nonce, then the owner's doorbell) and then two slots of `block_bytes` per peer (peers
-// in rank order without the owner), used by alternate exchanges: a peer reads a block in place
-// until its next exchange starts, and acknowledges it then, while the owner already fills the
-// other slot. Peers map the outbox read-only and its header page writable (to ring the doorbell).
+// This rank's outbox and the peers' outboxes it maps (see the header). An outbox is a header (a
+// random nonce, the owner's round doorbell, and the mail words below), two message areas, and then
+// two slots of `block_bytes` per peer (peers in rank order without the owner), used by alternate
+// exchanges: a peer reads a block in place until its next exchange starts, and acknowledges it
+// then, while the owner already fills the other slot. Peers map the outbox read-only and its header
+// writable (to ring the doorbell, and to count themselves among the owner's waiters).
+//
+// Mail (where the group has doorbells): the per-step messages need no sockets either. The owner
+// writes its all-gather message into the area of the round's parity and publishes the round's
+// number; peers wait for the number and read the message where it lies, until their next
+// all-gather (by then the owner has everyone's message of this round, so it never writes an area
+// a peer still reads). An exchange block in a slot is announced by the exchange's number in the
+// owner's word for that peer, and acknowledged by the reader's number in its own word for the
+// owner. A rank that waits sleeps on the owner's count of changes (a futex), counted among the
+// owner's waiters so that the owner wakes it (spinning first was slower on a small machine, where
+// the spinner holds the core its peer needs); every few milliseconds it checks that the owner
+// still runs (a pidfd), and it gives up after the sync timeout. A rank that left the group (its
+// closed word), or went on to a later operation without what this rank waits for, fails the wait
+// at once.
 struct GlooCommunicator::SharedMemory {
-  static constexpr size_t kHeader = 4096;
+  static constexpr size_t kHeader = 8192;
   // The doorbell (AwaitRound): the number of the latest all-gather a peer started; and whether
   // the owner waits on it (peers wake it only then).
   static constexpr size_t kRoundBell = 64;
   static constexpr size_t kRoundWaiting = 128;
+  // Mail words, written by the owner but for kWaiters: the number of the all-gather whose message
+  // is published; whether the owner left the group; the collective operations (all-gathers and
+  // exchanges) it has started; a count of its changes to any of its words, which peers sleep on;
+  // the message length per parity (the complement where the message is too large for the area and
+  // takes the asynchronous mesh); the peers asleep on the count (they add and subtract).
+  static constexpr size_t kMessageRound = 192;
+  static constexpr size_t kClosed = 196;
+  static constexpr size_t kOperations = 200;
+  static constexpr size_t kChanges = 204;
+  static constexpr size_t kMessageLength = 208;
+  static constexpr size_t kWaiters = 256;
+  // Per peer q, at kPeerWords + q * kPeerWordsBytes: the exchange whose block for q is in its slot
+  // (u32), the last exchange whose block from q the owner has read (u32), the block's bytes per
+  // parity (int64 each).
+  static constexpr size_t kPeerWords = 512;
+  static constexpr size_t kPeerWordsBytes = 32;
+  static constexpr int kMaxMailWorld = static_cast<int>((kHeader - kPeerWords) / kPeerWordsBytes);
+  static constexpr int64_t kMessageBytes = int64_t{1} << 20;  // each of the two areas
 
   static size_t OutboxBytes(int world_size, int64_t block_bytes) {
-    return kHeader + static_cast<size_t>(world_size - 1) * 2 * block_bytes;
+    return kHeader + 2 * kMessageBytes + static_cast<size_t>(world_size - 1) * 2 * block_bytes;
   }
 
   SharedMemory(int rank, int world_size)
       : rank(rank), peer_outbox(world_size, nullptr), peer_size(world_size, 0),
         peer_block_bytes(world_size, 0), peer_header(world_size, nullptr),
-        peer_reads_mine(world_size, false), owe_ack(world_size, false),
-        await_ack(world_size, false) {}
+        peer_pidfd(world_size, -1), peer_reads_mine(world_size, false),
+        owe_ack(world_size, false), await_ack(world_size, false) {}
   ~SharedMemory() {
-    if (outbox != nullptr) ::munmap(outbox, outbox_size);
+    if (outbox != nullptr) {
+      Close();
+      ::munmap(outbox, outbox_size);
+    }
     if (fd >= 0) ::close(fd);
     for (size_t q = 0; q < peer_outbox.size(); ++q) {
       if (peer_outbox[q] != nullptr) ::munmap(const_cast<char*>(peer_outbox[q]), peer_size[q]);
       if (peer_header[q] != nullptr) ::munmap(peer_header[q], kHeader);
+      if (peer_pidfd[q] >= 0) ::close(peer_pidfd[q]);
     }
   }
 
@@ -214,6 +251,89 @@ struct GlooCommunicator::SharedMemory {
     }
   }
 
+  // Mail. A word of an outbox header (this rank's: `owner` == rank).
+  uint32_t* Word(int owner, size_t offset) const {
+    char* header = owner == rank ? outbox : peer_header[owner];
+    return reinterpret_cast<uint32_t*>(header + offset);
+  }
+  int64_t* Length(int owner, size_t offset) const {
+    return reinterpret_cast<int64_t*>(Word(owner, offset));
+  }
+  // The words of `owner` about its traffic with `peer`.
+  static size_t Posted(int peer) { return kPeerWords + peer * kPeerWordsBytes; }
+  static size_t Consumed(int peer) { return Posted(peer) + 4; }
+  static size_t BlockBytes(int peer, int parity) { return Posted(peer) + 8 + 8 * parity; }
+  const char* MessageArea(int owner, int parity) const {
+    const char* base = owner == rank ? outbox : peer_outbox[owner];
+    return base + kHeader + parity * kMessageBytes;
+  }
+  // Sets one of this rank's words and wakes the peers that sleep on its changes, if any sleep (a
+  // peer counts itself in kWaiters before it reads the count: one of the two sees the other).
+  void Publish(size_t offset, uint32_t value) const {
+    __atomic_store_n(Word(rank, offset), value, __ATOMIC_SEQ_CST);
+    uint32_t* changes = Word(rank, kChanges);
+    __atomic_fetch_add(changes, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(Word(rank, kWaiters), __ATOMIC_SEQ_CST) != 0) {
+      ::syscall(SYS_futex, changes, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+    }
+  }
+  // Starts this rank's next collective operation (the same sequence on every rank). Nobody is
+  // woken for it: a peer that waits for something this rank left behind sees it within its wait's
+  // slice.
+  void StartOperation() {
+    operations += 1;
+    __atomic_store_n(Word(rank, kOperations), operations, __ATOMIC_SEQ_CST);
+  }
+  // Marks this rank gone and wakes whoever waits for it, so that they fail now.
+  void Close() const {
+    if (mail) Publish(kClosed, 1);
+  }
+  // Waits until `owner`'s word at `offset` has reached `target` (rounds and exchanges are counted
+  // alike on every rank and wrap, so compared as a difference). Throws if the owner has gone, or
+  // has started a later operation than this rank's without setting the word (it left this one,
+  // e.g. after a kernel failed there), or after `timeout`.
+  void AwaitWord(int owner, size_t offset, uint32_t target, absl::Duration timeout,
+                 const char* what) const {
+    const uint32_t* word = Word(owner, offset);
+    auto reached = [&] {
+      return static_cast<int32_t>(__atomic_load_n(word, __ATOMIC_SEQ_CST) - target) >= 0;
+    };
+    if (reached()) return;
+    uint32_t* waiters = Word(owner, kWaiters);
+    __atomic_fetch_add(waiters, 1, __ATOMIC_SEQ_CST);
+    struct Leave {
+      ~Leave() { __atomic_fetch_sub(waiters, 1, __ATOMIC_SEQ_CST); }
+      uint32_t* waiters;
+    } leave{waiters};
+    const uint32_t* changes = Word(owner, kChanges);
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      const uint32_t seen = __atomic_load_n(changes, __ATOMIC_SEQ_CST);
+      const uint32_t theirs = __atomic_load_n(Word(owner, kOperations), __ATOMIC_SEQ_CST);
+      if (reached()) return;
+      if (__atomic_load_n(Word(owner, kClosed), __ATOMIC_SEQ_CST) != 0) {
+        throw std::runtime_error(absl::StrCat(what, ": rank ", owner, " left the group"));
+      }
+      if (static_cast<int32_t>(theirs - operations) > 0) {  // set before it moved on, if at all
+        throw std::runtime_error(absl::StrCat(what, ": rank ", owner,
+                                              " went on to its next operation without it"));
+      }
+      struct timespec slice = {0, 5'000'000};  // 5 ms
+      if (::syscall(SYS_futex, changes, FUTEX_WAIT, seen, &slice, nullptr, 0) == 0 ||
+          errno != ETIMEDOUT) {
+        continue;  // woken (or the count changed, or a signal): look again
+      }
+      struct pollfd exited = {peer_pidfd[owner], POLLIN, 0};
+      if (::poll(&exited, 1, 0) > 0) {
+        throw std::runtime_error(absl::StrCat(what, ": rank ", owner, " exited"));
+      }
+      if (absl::Now() > deadline) {
+        throw std::runtime_error(absl::StrCat(what, ": nothing from rank ", owner, " in ",
+                                              absl::FormatDuration(timeout)));
+      }
+    }
+  }
+
   static size_t SlotIndex(int peer, int owner, int parity) {
     return 2 * static_cast<size_t>(peer < owner ? peer : peer - 1) + parity;
   }
@@ -221,12 +341,13 @@ struct GlooCommunicator::SharedMemory {
   // through shared memory.
   char* SlotFor(int peer, int64_t bytes, int parity) const {
     if (!peer_reads_mine[peer] || bytes <= 0 || bytes > block_bytes) return nullptr;
-    return outbox + kHeader + SlotIndex(peer, rank, parity) * block_bytes;
+    return outbox + kHeader + 2 * kMessageBytes + SlotIndex(peer, rank, parity) * block_bytes;
   }
   // Where `peer` puts its block for this rank, if that block goes through shared memory.
   const char* SlotFrom(int peer, int64_t bytes, int parity) const {
     if (peer_outbox[peer] == nullptr || bytes <= 0 || bytes > peer_block_bytes[peer]) return nullptr;
-    return peer_outbox[peer] + kHeader + SlotIndex(rank, peer, parity) * peer_block_bytes[peer];
+    return peer_outbox[peer] + kHeader + 2 * kMessageBytes +
+           SlotIndex(rank, peer, parity) * peer_block_bytes[peer];
   }
 
   const int rank;
@@ -238,7 +359,11 @@ struct GlooCommunicator::SharedMemory {
   std::vector<size_t> peer_size;
   std::vector<int64_t> peer_block_bytes;
   std::vector<char*> peer_header;         // writable: null when this rank cannot ring that peer
+  std::vector<int> peer_pidfd;            // readable once that peer's process has exited
   bool doorbells = false;                 // every rank of the group can ring every other's
+  bool mail = false;                      // and messages and announcements go through outboxes
+  uint64_t messages = 0;                  // all-gathers by mail (the message areas' parity)
+  uint32_t operations = 0;                // collective operations started (kOperations)
   std::vector<bool> peer_reads_mine;      // the peer maps this rank's outbox
   uint64_t exchanges = 0;                 // exchanges started (the slot parity)
   std::vector<bool> owe_ack;    // read a block of that peer's in the last exchange
@@ -310,8 +435,16 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
     shm->peer_outbox[q] = static_cast<const char*>(base);
     shm->peer_size[q] = size;
     shm->peer_block_bytes[q] = peer_block;
-    if (header != MAP_FAILED) shm->peer_header[q] = static_cast<char*>(header);
-    mapped[q] = header != MAP_FAILED ? '2' : '1';  // 2: can ring its doorbell too
+    // Ringing the peer and waiting for its mail also takes a pidfd, to see it exit.
+    const int pidfd =
+        header != MAP_FAILED ? static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)) : -1;
+    if (pidfd >= 0) {
+      shm->peer_header[q] = static_cast<char*>(header);
+      shm->peer_pidfd[q] = pidfd;
+    } else if (header != MAP_FAILED) {
+      ::munmap(header, SharedMemory::kHeader);
+    }
+    mapped[q] = pidfd >= 0 ? '2' : '1';  // 2: can ring its doorbell too
   }
   // Which peers map this rank's outbox (and can ring it). Once every peer has said, nobody opens
   // it again. Every rank reads every rank's answer, so all agree on whether the group parks on
@@ -340,9 +473,12 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
     return shm;
   }
   shm->doorbells = doorbells;
+  shm->mail = doorbells && world_size <= SharedMemory::kMaxMailWorld;
   for (int q = 0; q < world_size && !doorbells; ++q) {  // nobody rings: no writable mappings
     if (shm->peer_header[q] != nullptr) ::munmap(shm->peer_header[q], SharedMemory::kHeader);
     shm->peer_header[q] = nullptr;
+    if (shm->peer_pidfd[q] >= 0) ::close(shm->peer_pidfd[q]);
+    shm->peer_pidfd[q] = -1;
   }
   return shm;
 }
@@ -414,6 +550,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
         new GlooCommunicator(std::move(context), std::move(sync_context), rank, world_size));
     comm->shm_ = *std::move(shm);
     comm->sync_limit_ = limit;
+    comm->sync_timeout_ = options.sync_timeout;
     return comm;
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("gloo: rank ", rank, " of ", world_size,
@@ -568,6 +705,10 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
     const uint64_t async_slot = kMessageSlot | next_async_++;
     gathers_ = NextRound();
     if (shm_ != nullptr && shm_->doorbells) shm_->RingPeers(gathers_);  // waiting peers join
+    if (shm_ != nullptr && shm_->mail) {
+      GatherByMail(mine, async_slot, wait, views);
+      return;
+    }
     // One frame per peer on the synchronous mesh: a header word, then the message itself where
     // the frame stays within sync_limit_. A longer message follows on the asynchronous mesh, and
     // its header is the length's complement (negative): the reader follows the writer's choice.
@@ -618,6 +759,61 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
   return views;
 }
 
+// AllGatherMessages where the group has mail (see SharedMemory): the message goes into this
+// rank's area of the round's parity - or, if larger than the area, over the asynchronous mesh -
+// and peers' messages are read where they lie.
+void GlooCommunicator::GatherByMail(absl::Span<const char> mine, uint64_t async_slot,
+                                    std::chrono::milliseconds wait,
+                                    std::vector<absl::Span<const char>>& views) {
+  SharedMemory& shm = *shm_;
+  shm.StartOperation();
+  const int parity = static_cast<int>(shm.messages++ % 2);
+  const size_t length_word = SharedMemory::kMessageLength + 8 * parity;
+  const int64_t length = static_cast<int64_t>(mine.size());
+  const bool in_area = length <= SharedMemory::kMessageBytes;
+  std::unique_ptr<gloo::transport::UnboundBuffer> large;
+  if (in_area) {
+    char* area = const_cast<char*>(shm.MessageArea(rank_, parity));
+    if (length > 0) std::memcpy(area, mine.data(), length);
+    views[rank_] = absl::Span<const char>(area, length);
+  } else {
+    outgoing_.assign(mine.begin(), mine.end());
+    views[rank_] = absl::Span<const char>(outgoing_.data(), length);
+    large = context_->createUnboundBuffer(outgoing_.data(), length);
+    for (int q = 0; q < world_size_; ++q) {
+      if (q != rank_) large->send(q, async_slot);
+    }
+  }
+  __atomic_store_n(shm.Length(rank_, length_word), in_area ? length : ~length, __ATOMIC_RELEASE);
+  shm.Publish(SharedMemory::kMessageRound, gathers_);
+  received_.resize(world_size_);
+  for (int q = 0; q < world_size_; ++q) {
+    if (q == rank_) continue;
+    shm.AwaitWord(q, SharedMemory::kMessageRound, gathers_, sync_timeout_, "message all-gather");
+    int64_t theirs = __atomic_load_n(shm.Length(q, length_word), __ATOMIC_ACQUIRE);
+    if (theirs >= 0) {
+      if (theirs > SharedMemory::kMessageBytes) {
+        throw std::runtime_error(absl::StrCat("bad message length ", theirs, " from rank ", q));
+      }
+      views[q] = absl::Span<const char>(shm.MessageArea(q, parity), theirs);
+      continue;
+    }
+    theirs = ~theirs;  // on the asynchronous mesh
+    if (theirs <= SharedMemory::kMessageBytes || theirs > (int64_t{1} << 40)) {
+      throw std::runtime_error(absl::StrCat("bad message length ", theirs, " from rank ", q));
+    }
+    ReceiveBuffer& in = received_[q];
+    in.Reserve(theirs);
+    auto buffer = context_->createUnboundBuffer(in.data.get(), theirs);
+    buffer->recv(q, async_slot);
+    if (!buffer->waitRecv(wait)) throw std::runtime_error("receive aborted");
+    views[q] = absl::Span<const char>(in.data.get(), theirs);
+  }
+  for (int q = 0; large && q < world_size_ - 1; ++q) {
+    if (!large->waitSend(wait)) throw std::runtime_error("send aborted");
+  }
+}
+
 // Blocks on the synchronous mesh are read by the calling thread in Wait(); the others are posted
 // on the asynchronous mesh at once. Each Send writes its block straight to the socket, or, between
 // peers that share memory, into the peer's slot of this rank's outbox and announces it with its
@@ -625,14 +821,17 @@ absl::StatusOr<std::vector<absl::Span<const char>>> GlooCommunicator::AllGatherM
 // which acknowledges it (read in the owner's Wait()); meanwhile the owner uses the other slot of
 // the pair. The acknowledgement rides with that next exchange's announcement where the peer sends
 // the owner a block through shared memory in it, and is a message of its own (sync slot `slot`
-// + 1) otherwise: both ends know which, from the exchange's sizes.
+// + 1) otherwise: both ends know which, from the exchange's sizes. Where the group has mail, the
+// announcement and the acknowledgement are words in the outboxes' headers instead (SharedMemory).
 class GlooCommunicator::Exchange : public PendingExchange {
  public:
   Exchange(GlooCommunicator& comm, char* out, std::vector<int64_t> recv_bytes,
            std::vector<int64_t> send_bytes, std::vector<bool> sync, size_t elem, int slot,
-           uint64_t async_slot, std::chrono::milliseconds timeout, int parity)
+           uint64_t async_slot, std::chrono::milliseconds timeout, uint64_t number)
       : comm_(comm),
-        parity_(parity),
+        number_(static_cast<uint32_t>(number)),
+        parity_(static_cast<int>(number % 2)),
+        mail_(comm.shm_ != nullptr && comm.shm_->mail),
         acks_due_(recv_bytes.size(), false),
         ack_with_block_(recv_bytes.size(), false),
         out_(out),
@@ -651,10 +850,13 @@ class GlooCommunicator::Exchange : public PendingExchange {
 
   absl::Status Post() {
     return comm_.Guarded("all-to-all (post)", [&] {
+      if (mail_) comm_.shm_->StartOperation();
       if (SharedMemory* shm = comm_.shm_.get()) {
         // The blocks read in place in the last exchange are done with: release their slots.
         for (int q = 0; q < comm_.world_size_; ++q) {
-          if (shm->owe_ack[q] && To(q) != nullptr) {
+          if (mail_ && shm->owe_ack[q]) {
+            shm->Publish(SharedMemory::Consumed(q), number_ - 1);
+          } else if (shm->owe_ack[q] && To(q) != nullptr) {
             ack_with_block_[q] = true;  // sent with the announcement of this exchange's block
           } else if (shm->owe_ack[q]) {  // sent alone
             int64_t done = 1;
@@ -691,7 +893,14 @@ class GlooCommunicator::Exchange : public PendingExchange {
       return absl::InternalError("gloo: exchange block for a peer has the wrong size");
     }
     return comm_.Guarded("all-to-all (send)", [&] {
-      if (char* slot = To(peer)) {
+      if (char* slot = To(peer); slot != nullptr && mail_) {
+        if (slot != data) std::memcpy(slot, data, bytes);
+        SharedMemory& shm = *comm_.shm_;
+        __atomic_store_n(shm.Length(comm_.rank_, SharedMemory::BlockBytes(peer, parity_)), bytes,
+                         __ATOMIC_RELEASE);
+        shm.Publish(SharedMemory::Posted(peer), number_);
+        shm.await_ack[peer] = true;
+      } else if (slot != nullptr) {
         if (slot != data) std::memcpy(slot, data, bytes);
         int64_t announced[2] = {bytes, ack_with_block_[peer] ? 1 : 0};
         comm_.sync_context_->getPair(peer)->createSendBuffer(slot_, announced, sizeof(announced))
@@ -725,7 +934,26 @@ class GlooCommunicator::Exchange : public PendingExchange {
     return comm_.Guarded("all-to-all", [&] {
       for (int q = 0; q < comm_.world_size_; ++q) {
         if (q == comm_.rank_) continue;
-        if (acks_due_[q] && From(q) == nullptr) {  // sent alone by q when this exchange started there
+        if (mail_) {
+          SharedMemory& shm = *comm_.shm_;
+          const int me = comm_.rank_;
+          if (acks_due_[q]) {
+            shm.AwaitWord(q, SharedMemory::Consumed(me), number_ - 1, comm_.sync_timeout_,
+                          "all-to-all (acknowledgement)");
+          }
+          if (recv_bytes_[q] > 0 && From(q) != nullptr) {
+            shm.AwaitWord(q, SharedMemory::Posted(me), number_, comm_.sync_timeout_,
+                          "all-to-all");
+            const int64_t announced = __atomic_load_n(
+                shm.Length(q, SharedMemory::BlockBytes(me, parity_)), __ATOMIC_ACQUIRE);
+            if (announced != recv_bytes_[q]) {
+              throw std::runtime_error(absl::StrCat("rank ", q, " announced ", announced,
+                                                    " bytes where ", recv_bytes_[q], " were due"));
+            }
+            shm.owe_ack[q] = true;
+            continue;
+          }
+        } else if (acks_due_[q] && From(q) == nullptr) {  // sent alone by q as this exchange began
           int64_t done = 0;
           comm_.sync_context_->getPair(q)->createRecvBuffer(slot_ + 1, &done, kLengthBytes)->waitRecv();
         }
@@ -765,7 +993,9 @@ class GlooCommunicator::Exchange : public PendingExchange {
   }
 
   GlooCommunicator& comm_;
+  const uint32_t number_;          // exchanges started on this communicator, this one included
   const int parity_;               // which slot of each pair this exchange uses
+  const bool mail_;                // announcements and acknowledgements in the outboxes' headers
   std::vector<bool> acks_due_;     // peers that acknowledge the last exchange's blocks in Wait()
   std::vector<bool> ack_with_block_;  // peers this rank acknowledges with its block's announcement
   char* out_;
@@ -807,7 +1037,7 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> GlooCommunicator::StartAllToAll
   auto exchange = std::make_unique<Exchange>(
       *this, static_cast<char*>(out), std::move(bytes), std::move(send_bytes), std::move(sync),
       SizeOf(type), NextSyncSlots(2), kExchangeSlot | next_async_++, ToChrono(timeout),
-      shm_ ? static_cast<int>(shm_->exchanges++ % 2) : 0);
+      shm_ ? ++shm_->exchanges : 0);
   absl::Status status = exchange->Post();
   if (!status.ok()) return status;
   return exchange;
@@ -929,10 +1159,12 @@ absl::Status GlooCommunicator::Abort() {
     broken_reason_ = "aborted";
   }
   // Closing the connections makes peers blocked on us fail now instead of at their timeout; peers
-  // waiting for the next round are rung to start it, and fail at once too.
+  // waiting for the next round are rung to start it, and fail at once too, as do peers waiting
+  // for this rank's mail.
   context_.reset();
   sync_context_.reset();
   if (shm_ != nullptr && shm_->doorbells) shm_->RingPeers(NextRound());
+  if (shm_ != nullptr) shm_->Close();
   return absl::OkStatus();
 }
 

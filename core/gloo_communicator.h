@@ -18,8 +18,12 @@
 // (PendingExchange::Received) until the peer's next exchange starts and acknowledges it;
 // consecutive exchanges alternate slots. Whether a peer really sees the same memory is checked
 // with a random nonce when the group forms, so other peers keep using the sockets. When every
-// rank maps every other's, ranks without work wait for the next round on doorbells in the
-// outboxes' headers (AwaitRound).
+// rank maps every other's (and can watch its process exit, a pidfd), ranks without work wait for
+// the next round on doorbells in the outboxes' headers (AwaitRound), and the hot path needs no
+// sockets at all ("mail"): each rank's AllGatherMessages message goes into one of two areas of
+// its outbox, read in place by its peers, and exchange blocks are announced and acknowledged by
+// words in the outboxes' headers; a waiting rank sleeps on a futex, and fails at once when the
+// rank it waits for leaves the group, exits, or goes on without what it waits for.
 // Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
 // marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
 // timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread
@@ -27,6 +31,7 @@
 #ifndef SHARDSERVE_CORE_GLOO_COMMUNICATOR_H_
 #define SHARDSERVE_CORE_GLOO_COMMUNICATOR_H_
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -115,6 +120,9 @@ class GlooCommunicator : public Communicator {
   // Runs `body` (which may throw), turning any exception into UNAVAILABLE and breaking the group.
   template <typename Body>
   absl::Status Guarded(const char* what, Body&& body);
+  // AllGatherMessages through the outboxes (SharedMemory::mail).
+  void GatherByMail(absl::Span<const char> mine, uint64_t async_slot,
+                    std::chrono::milliseconds wait, std::vector<absl::Span<const char>>& views);
   // The next Buffer slots of the synchronous mesh (the same sequence on every rank).
   int NextSyncSlots(int n);
   // The number of the next AllGatherMessages (round doorbell values; never 0, which means "not
@@ -151,6 +159,7 @@ class GlooCommunicator : public Communicator {
   uint32_t next_park_ = 0;             // park episodes (their slots; doorbell values)
   uint32_t gathers_ = 0;               // AllGatherMessages started (round doorbell values)
   int64_t sync_limit_ = 0;             // the group's largest synchronous-mesh message
+  absl::Duration sync_timeout_;        // GlooOptions::sync_timeout
   absl::Mutex park_mu_;                // Unpark comes from other threads
   bool unparked_ ABSL_GUARDED_BY(park_mu_) = false;
   uint32_t awaited_round_ ABSL_GUARDED_BY(park_mu_) = 0;    // in AwaitRound for it (0: not)

@@ -130,28 +130,39 @@ TEST(GlooCommunicator, ReduceScatterWithRaggedBlocks) {
   });
 }
 
+// Ranks of one process share memory, so by default messages go through their outboxes (larger
+// than the 1 MiB area: over the asynchronous mesh); without shared memory, over the sockets. Rank 0
+// checks its views late, after its peers had time to publish their next round's messages, which
+// must not clobber them.
 TEST(GlooCommunicator, AllGatherMessagesOfAnySizeAcrossRounds) {
-  const int world = 3;
-  RunGroup(world, [world](int rank, GlooCommunicator& comm) {
-    // Sizes straddle the initial 64 KiB posted capacity: some rounds overflow and grow it.
-    const std::vector<int64_t> sizes = {0, 17, 100000, 300000, 5, 70000, 0};
-    for (size_t round = 0; round < sizes.size(); ++round) {
-      auto message_of = [&](int r) {
-        std::string m(sizes[round] + r * 3, '\0');
-        for (size_t i = 0; i < m.size(); ++i) m[i] = static_cast<char>((i * 7 + r + round) & 0x7f);
-        return m;
-      };
-      const std::string mine = message_of(rank);
-      absl::StatusOr<std::vector<absl::Span<const char>>> got =
-          comm.AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
-      ASSERT_TRUE(got.ok()) << got.status();
-      ASSERT_EQ(got->size(), world);
-      for (int r = 0; r < world; ++r) {
-        EXPECT_EQ(std::string((*got)[r].data(), (*got)[r].size()), message_of(r))
-            << "round " << round << " from rank " << r;
+  GlooOptions sockets_only;
+  sockets_only.shared_memory_block_bytes = 0;
+  for (const GlooOptions& options : {GlooOptions(), sockets_only}) {
+    const int world = 3;
+    RunGroup(world, [world](int rank, GlooCommunicator& comm) {
+      // Sizes straddle the initial 64 KiB posted capacity and the 1 MiB message area.
+      const std::vector<int64_t> sizes = {0, 17, 100000, 300000, 5, 3 << 20, 70000, 0, 3 << 20};
+      for (size_t round = 0; round < sizes.size(); ++round) {
+        auto message_of = [&](int r) {
+          std::string m(sizes[round] + r * 3, '\0');
+          for (size_t i = 0; i < m.size(); ++i) {
+            m[i] = static_cast<char>((i * 7 + r + round) & 0x7f);
+          }
+          return m;
+        };
+        const std::string mine = message_of(rank);
+        absl::StatusOr<std::vector<absl::Span<const char>>> got =
+            comm.AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
+        ASSERT_TRUE(got.ok()) << got.status();
+        ASSERT_EQ(got->size(), world);
+        if (rank == 0) absl::SleepFor(absl::Milliseconds(20));
+        for (int r = 0; r < world; ++r) {
+          EXPECT_EQ(std::string((*got)[r].data(), (*got)[r].size()), message_of(r))
+              << "round " << round << " from rank " << r;
+        }
       }
-    }
-  });
+    }, options);
+  }
 }
 
 TEST(GlooCommunicator, SplitPhaseAllToAllInAnySendOrder) {
@@ -367,6 +378,60 @@ TEST(GlooCommunicator, SilentPeerMakesExchangeFailWithinSyncTimeout) {
         ASSERT_TRUE((*exchange)->Send(1, mine.data(), 2).ok());
         EXPECT_EQ((*exchange)->Wait().code(), absl::StatusCode::kUnavailable);
         EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+      },
+      options);
+}
+
+// Where messages and announcements go through the outboxes, a rank that leaves the group (its
+// communicator aborted or gone) or abandons an operation (a kernel failed while it computed its
+// block, and it went on to the next round) fails its waiting peers at once, not at the timeout.
+TEST(GlooCommunicator, PeersWaitingForMailFailAtOnceWhenARankLeavesOrGoesOn) {
+  GlooOptions options;
+  options.sync_timeout = absl::Seconds(20);
+  // Rank 1 aborts while rank 0 waits for its message.
+  RunGroup(
+      2,
+      [](int rank, GlooCommunicator& comm) {
+        if (rank == 1) {
+          absl::SleepFor(absl::Milliseconds(200));
+          ASSERT_TRUE(comm.Abort().ok());
+          absl::SleepFor(absl::Seconds(3));  // alive, its communicator too: the abort alone tells
+          return;
+        }
+        const std::string mine = "hello";
+        const absl::Time start = absl::Now();
+        auto got = comm.AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
+        EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+        EXPECT_THAT(std::string(got.status().message()), HasSubstr("rank 1 left the group"));
+        EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+      },
+      options);
+  // Rank 1 abandons an exchange in which it owes rank 0 a block, and starts the next round.
+  RunGroup(
+      2,
+      [](int rank, GlooCommunicator& comm) {
+        std::vector<float> out(4), mine(2, 1.0f);
+        auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
+                                            std::vector<int64_t>{2, 2}, DataType::kFloat32,
+                                            kTimeout);
+        ASSERT_TRUE(exchange.ok()) << exchange.status();
+        if (rank == 1) {
+          absl::SleepFor(absl::Milliseconds(200));
+          exchange->reset();  // without sending
+          const std::string next = "next round";
+          EXPECT_FALSE(
+              comm.AllGatherMessages(absl::MakeConstSpan(next.data(), next.size()), kTimeout).ok())
+              << "rank 0 never gets there";
+          return;
+        }
+        ASSERT_TRUE((*exchange)->Send(1, mine.data(), 2).ok());
+        ASSERT_TRUE((*exchange)->Send(0, mine.data(), 2).ok());
+        const absl::Time start = absl::Now();
+        const absl::Status status = (*exchange)->Wait();
+        EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+        EXPECT_THAT(std::string(status.message()), HasSubstr("went on to its next operation"));
+        EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+        ASSERT_TRUE(comm.Abort().ok());  // as the step loop does: rank 1 stops waiting too
       },
       options);
 }
