@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -181,38 +182,40 @@ void IgnoreSigpipe() {
 // then, while the owner already fills the other slot. Peers map the outbox read-only and its header
 // writable (to ring the doorbell, and to count themselves among the owner's waiters).
 //
-// Mail (where the group has doorbells): the per-step messages need no sockets either. The owner
-// writes its all-gather message into the area of the round's parity and publishes the round's
-// number; peers wait for the number and read the message where it lies, until their next
-// all-gather (by then the owner has everyone's message of this round, so it never writes an area
-// a peer still reads). An exchange block in a slot is announced by the exchange's number in the
-// owner's word for that peer, and acknowledged by the reader's number in its own word for the
-// owner. A rank that waits sleeps on the owner's count of changes (a futex), counted among the
-// owner's waiters so that the owner wakes it (spinning first was slower on a small machine, where
-// the spinner holds the core its peer needs); every few milliseconds it checks that the owner
-// still runs (a pidfd), and it gives up after the sync timeout. A rank that left the group (its
-// closed word), or went on to a later operation without what this rank waits for, fails the wait
-// at once.
+// Mail (where the group has doorbells, and every rank can watch every other exit): the per-step
+// messages need no sockets either. The owner writes its all-gather message into the area of the
+// round's parity and publishes the round's number; peers wait for the number and read the message
+// where it lies, until their next all-gather (by then the owner has everyone's message of this
+// round, so it never writes an area a peer still reads). An exchange block in a slot is announced
+// by the exchange's number in the owner's word for that peer, and acknowledged by the reader's
+// number in its own word for the owner, which the owner waits for before it fills that slot again.
+// A rank that waits sleeps on the owner's count of changes (a futex), counted among the owner's
+// waiters so that the owner wakes it (spinning first was slower on a small machine, where the
+// spinner holds the core its peer needs); after a quiet slice it checks that the owner still runs
+// (a pidfd), and it gives up after the sync timeout. A rank that left the group (its closed word),
+// or went on to another operation without what this rank waits for, fails the wait at once.
 struct GlooCommunicator::SharedMemory {
   static constexpr size_t kHeader = 8192;
   // The doorbell (AwaitRound): the number of the latest all-gather a peer started; and whether
   // the owner waits on it (peers wake it only then).
   static constexpr size_t kRoundBell = 64;
   static constexpr size_t kRoundWaiting = 128;
-  // Mail words, written by the owner but for kWaiters: the number of the all-gather whose message
-  // is published; whether the owner left the group; the collective operations (all-gathers and
-  // exchanges) it has started; a count of its changes to any of its words, which peers sleep on;
-  // the message length per parity (the complement where the message is too large for the area and
-  // takes the asynchronous mesh); the peers asleep on the count (they add and subtract).
+  // Mail words, written by the owner but for kWaiters: the number of mail all-gathers whose
+  // message is published (u64); the collective operation it is in (u64: the count of operations
+  // it has started, above a tag of the operation's kind and number, so that ranks that ran
+  // different operations tell); whether the owner left the group (u32); a count of its changes to
+  // its words, which peers sleep on (u32, a futex); the message length per parity (int64 each:
+  // the complement where the message is too large for the area and takes the asynchronous mesh);
+  // the peers asleep on the count (u32: they add and subtract).
   static constexpr size_t kMessageRound = 192;
-  static constexpr size_t kClosed = 196;
-  static constexpr size_t kOperations = 200;
-  static constexpr size_t kChanges = 204;
-  static constexpr size_t kMessageLength = 208;
+  static constexpr size_t kOperation = 200;
+  static constexpr size_t kClosed = 208;
+  static constexpr size_t kChanges = 212;
+  static constexpr size_t kMessageLength = 216;
   static constexpr size_t kWaiters = 256;
-  // Per peer q, at kPeerWords + q * kPeerWordsBytes: the exchange whose block for q is in its slot
-  // (u32), the last exchange whose block from q the owner has read (u32), the block's bytes per
-  // parity (int64 each).
+  // Per peer q, at kPeerWords + q * kPeerWordsBytes: the exchange whose block for q is in its slot,
+  // the last exchange whose block from q the owner has read (u64 each: they change only when the
+  // pair passes a block, so they must not wrap), the block's bytes per parity (int64 each).
   static constexpr size_t kPeerWords = 512;
   static constexpr size_t kPeerWordsBytes = 32;
   static constexpr int kMaxMailWorld = static_cast<int>((kHeader - kPeerWords) / kPeerWordsBytes);
@@ -225,8 +228,9 @@ struct GlooCommunicator::SharedMemory {
   SharedMemory(int rank, int world_size)
       : rank(rank), peer_outbox(world_size, nullptr), peer_size(world_size, 0),
         peer_block_bytes(world_size, 0), peer_header(world_size, nullptr),
-        peer_pidfd(world_size, -1), peer_reads_mine(world_size, false),
-        owe_ack(world_size, false), await_ack(world_size, false) {}
+        peer_pidfd(world_size, -1), slot_used(world_size, {0, 0}),
+        peer_reads_mine(world_size, false), owe_ack(world_size, false),
+        await_ack(world_size, false) {}
   ~SharedMemory() {
     if (outbox != nullptr) {
       Close();
@@ -251,85 +255,94 @@ struct GlooCommunicator::SharedMemory {
     }
   }
 
-  // Mail. A word of an outbox header (this rank's: `owner` == rank).
-  uint32_t* Word(int owner, size_t offset) const {
-    char* header = owner == rank ? outbox : peer_header[owner];
-    return reinterpret_cast<uint32_t*>(header + offset);
+  // Mail. Words of an outbox header (this rank's: `owner` == rank).
+  char* Header(int owner) const { return owner == rank ? outbox : peer_header[owner]; }
+  uint32_t* Word32(int owner, size_t offset) const {
+    return reinterpret_cast<uint32_t*>(Header(owner) + offset);
+  }
+  uint64_t* Word64(int owner, size_t offset) const {
+    return reinterpret_cast<uint64_t*>(Header(owner) + offset);
   }
   int64_t* Length(int owner, size_t offset) const {
-    return reinterpret_cast<int64_t*>(Word(owner, offset));
+    return reinterpret_cast<int64_t*>(Header(owner) + offset);
   }
   // The words of `owner` about its traffic with `peer`.
   static size_t Posted(int peer) { return kPeerWords + peer * kPeerWordsBytes; }
-  static size_t Consumed(int peer) { return Posted(peer) + 4; }
-  static size_t BlockBytes(int peer, int parity) { return Posted(peer) + 8 + 8 * parity; }
+  static size_t Consumed(int peer) { return Posted(peer) + 8; }
+  static size_t BlockBytes(int peer, int parity) { return Posted(peer) + 16 + 8 * parity; }
   const char* MessageArea(int owner, int parity) const {
     const char* base = owner == rank ? outbox : peer_outbox[owner];
     return base + kHeader + parity * kMessageBytes;
   }
   // Sets one of this rank's words and wakes the peers that sleep on its changes, if any sleep (a
   // peer counts itself in kWaiters before it reads the count: one of the two sees the other).
-  void Publish(size_t offset, uint32_t value) const {
-    __atomic_store_n(Word(rank, offset), value, __ATOMIC_SEQ_CST);
-    uint32_t* changes = Word(rank, kChanges);
+  template <typename Word>
+  void Publish(size_t offset, Word value) const {
+    __atomic_store_n(reinterpret_cast<Word*>(outbox + offset), value, __ATOMIC_SEQ_CST);
+    uint32_t* changes = Word32(rank, kChanges);
     __atomic_fetch_add(changes, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(Word(rank, kWaiters), __ATOMIC_SEQ_CST) != 0) {
+    if (__atomic_load_n(Word32(rank, kWaiters), __ATOMIC_SEQ_CST) != 0) {
       ::syscall(SYS_futex, changes, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
     }
   }
-  // Starts this rank's next collective operation (the same sequence on every rank). Nobody is
-  // woken for it: a peer that waits for something this rank left behind sees it within its wait's
-  // slice.
-  void StartOperation() {
+  // Starts this rank's next collective operation (the same sequence on every rank): an
+  // all-gather or an exchange (`exchange`), the `number`th of its kind. Nobody is woken for it: a
+  // peer that waits for something this rank left behind sees it within its wait's slice.
+  void StartOperation(bool exchange, uint64_t number) {
     operations += 1;
-    __atomic_store_n(Word(rank, kOperations), operations, __ATOMIC_SEQ_CST);
+    operation = uint64_t{operations} << 32 | uint64_t{exchange} << 31 | (number & 0x7fffffff);
+    __atomic_store_n(Word64(rank, kOperation), operation, __ATOMIC_SEQ_CST);
   }
   // Marks this rank gone and wakes whoever waits for it, so that they fail now.
   void Close() const {
-    if (mail) Publish(kClosed, 1);
+    if (mail) Publish<uint32_t>(kClosed, 1);
   }
-  // Waits until `owner`'s word at `offset` has reached `target` (rounds and exchanges are counted
-  // alike on every rank and wrap, so compared as a difference). Throws if the owner has gone, or
-  // has started a later operation than this rank's without setting the word (it left this one,
-  // e.g. after a kernel failed there), or after `timeout`.
-  void AwaitWord(int owner, size_t offset, uint32_t target, absl::Duration timeout,
+  // Waits until `owner`'s word at `offset` has reached `target`. Throws if the owner has gone,
+  // has started a later operation than this rank's without setting the word, or is in another
+  // operation than this rank's (it left one, e.g. after a kernel failed there), or after `timeout`.
+  void AwaitWord(int owner, size_t offset, uint64_t target, absl::Duration timeout,
                  const char* what) const {
-    const uint32_t* word = Word(owner, offset);
+    const uint64_t* word = Word64(owner, offset);
     auto reached = [&] {
-      return static_cast<int32_t>(__atomic_load_n(word, __ATOMIC_SEQ_CST) - target) >= 0;
+      return static_cast<int64_t>(__atomic_load_n(word, __ATOMIC_SEQ_CST) - target) >= 0;
     };
     if (reached()) return;
-    uint32_t* waiters = Word(owner, kWaiters);
+    uint32_t* waiters = Word32(owner, kWaiters);
     __atomic_fetch_add(waiters, 1, __ATOMIC_SEQ_CST);
     struct Leave {
       ~Leave() { __atomic_fetch_sub(waiters, 1, __ATOMIC_SEQ_CST); }
       uint32_t* waiters;
     } leave{waiters};
-    const uint32_t* changes = Word(owner, kChanges);
+    const uint32_t* changes = Word32(owner, kChanges);
     const absl::Time deadline = absl::Now() + timeout;
     while (true) {
       const uint32_t seen = __atomic_load_n(changes, __ATOMIC_SEQ_CST);
-      const uint32_t theirs = __atomic_load_n(Word(owner, kOperations), __ATOMIC_SEQ_CST);
-      if (reached()) return;
-      if (__atomic_load_n(Word(owner, kClosed), __ATOMIC_SEQ_CST) != 0) {
+      const uint64_t theirs = __atomic_load_n(Word64(owner, kOperation), __ATOMIC_SEQ_CST);
+      if (reached()) return;  // set before the owner moved on, if at all
+      if (__atomic_load_n(Word32(owner, kClosed), __ATOMIC_SEQ_CST) != 0) {
         throw std::runtime_error(absl::StrCat(what, ": rank ", owner, " left the group"));
       }
-      if (static_cast<int32_t>(theirs - operations) > 0) {  // set before it moved on, if at all
-        throw std::runtime_error(absl::StrCat(what, ": rank ", owner,
-                                              " went on to its next operation without it"));
-      }
-      struct timespec slice = {0, 5'000'000};  // 5 ms
-      if (::syscall(SYS_futex, changes, FUTEX_WAIT, seen, &slice, nullptr, 0) == 0 ||
-          errno != ETIMEDOUT) {
-        continue;  // woken (or the count changed, or a signal): look again
-      }
-      struct pollfd exited = {peer_pidfd[owner], POLLIN, 0};
-      if (::poll(&exited, 1, 0) > 0) {
-        throw std::runtime_error(absl::StrCat(what, ": rank ", owner, " exited"));
+      const int32_t ahead = static_cast<int32_t>(static_cast<uint32_t>(theirs >> 32) - operations);
+      if (ahead > 0 || (ahead == 0 && theirs != operation)) {
+        throw std::runtime_error(absl::StrCat(what, ": rank ", owner, " went on to ",
+                                              ahead > 0 ? "a later" : "another",
+                                              " operation without it"));
       }
       if (absl::Now() > deadline) {
         throw std::runtime_error(absl::StrCat(what, ": nothing from rank ", owner, " in ",
                                               absl::FormatDuration(timeout)));
+      }
+      struct timespec slice = {0, 5'000'000};  // 5 ms
+      if (::syscall(SYS_futex, changes, FUTEX_WAIT, seen, &slice, nullptr, 0) == 0 ||
+          errno == EAGAIN || errno == EINTR) {
+        continue;  // woken, or the count changed: look again
+      }
+      if (errno != ETIMEDOUT) {
+        throw std::runtime_error(absl::StrCat(what, ": futex wait failed: errno ", errno));
+      }
+      struct pollfd exited = {peer_pidfd[owner], POLLIN, 0};  // a quiet slice: is it still there?
+      if (::poll(&exited, 1, 0) > 0) {
+        throw std::runtime_error(absl::StrCat(what, ": rank ", owner, " exited"));
       }
     }
   }
@@ -363,7 +376,10 @@ struct GlooCommunicator::SharedMemory {
   bool doorbells = false;                 // every rank of the group can ring every other's
   bool mail = false;                      // and messages and announcements go through outboxes
   uint64_t messages = 0;                  // all-gathers by mail (the message areas' parity)
-  uint32_t operations = 0;                // collective operations started (kOperations)
+  uint32_t operations = 0;                // collective operations started, and the current one
+  uint64_t operation = 0;                 //   (kOperation)
+  // Per peer and parity: the exchange whose block last went through that slot (0: none yet).
+  std::vector<std::array<uint64_t, 2>> slot_used;
   std::vector<bool> peer_reads_mine;      // the peer maps this rank's outbox
   uint64_t exchanges = 0;                 // exchanges started (the slot parity)
   std::vector<bool> owe_ack;    // read a block of that peer's in the last exchange
@@ -435,33 +451,31 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
     shm->peer_outbox[q] = static_cast<const char*>(base);
     shm->peer_size[q] = size;
     shm->peer_block_bytes[q] = peer_block;
-    // Ringing the peer and waiting for its mail also takes a pidfd, to see it exit.
+    if (header != MAP_FAILED) shm->peer_header[q] = static_cast<char*>(header);
+    // Waiting for its mail also takes a pidfd, to see it exit.
     const int pidfd =
         header != MAP_FAILED ? static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)) : -1;
-    if (pidfd >= 0) {
-      shm->peer_header[q] = static_cast<char*>(header);
-      shm->peer_pidfd[q] = pidfd;
-    } else if (header != MAP_FAILED) {
-      ::munmap(header, SharedMemory::kHeader);
-    }
-    mapped[q] = pidfd >= 0 ? '2' : '1';  // 2: can ring its doorbell too
+    shm->peer_pidfd[q] = pidfd;
+    mapped[q] = pidfd >= 0 ? '3' : header != MAP_FAILED ? '2' : '1';  // 2: can ring it; 3: mail
   }
-  // Which peers map this rank's outbox (and can ring it). Once every peer has said, nobody opens
-  // it again. Every rank reads every rank's answer, so all agree on whether the group parks on
-  // doorbells.
+  // Which peers map this rank's outbox (and can ring it, and watch it exit). Once every peer has
+  // said, nobody opens it again. Every rank reads every rank's answer, so all agree on whether the
+  // group parks on doorbells, and on whether it has mail.
   const std::string ok_key = prefix + "/shm-mapped/";
   RETURN_IF_ERROR(store.Set(absl::StrCat(ok_key, rank), mapped));
   bool any = false;
   bool doorbells = true;
+  bool mail = world_size <= SharedMemory::kMaxMailWorld;
   for (int q = 0; q < world_size; ++q) {
     std::string theirs = mapped;
     if (q != rank) {
       ASSIGN_OR_RETURN(theirs, store.Get(absl::StrCat(ok_key, q), timeout));
     }
     for (int p = 0; p < world_size; ++p) {
-      if (p != q && (theirs.size() != static_cast<size_t>(world_size) || theirs[p] != '2')) {
-        doorbells = false;
-      }
+      if (p == q) continue;
+      const char state = theirs.size() == static_cast<size_t>(world_size) ? theirs[p] : '0';
+      doorbells = doorbells && state >= '2';
+      mail = mail && state == '3';
     }
     if (q == rank) continue;
     shm->peer_reads_mine[q] = shm->outbox != nullptr &&
@@ -473,12 +487,16 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
     return shm;
   }
   shm->doorbells = doorbells;
-  shm->mail = doorbells && world_size <= SharedMemory::kMaxMailWorld;
-  for (int q = 0; q < world_size && !doorbells; ++q) {  // nobody rings: no writable mappings
-    if (shm->peer_header[q] != nullptr) ::munmap(shm->peer_header[q], SharedMemory::kHeader);
-    shm->peer_header[q] = nullptr;
-    if (shm->peer_pidfd[q] >= 0) ::close(shm->peer_pidfd[q]);
-    shm->peer_pidfd[q] = -1;
+  shm->mail = mail;
+  for (int q = 0; q < world_size; ++q) {
+    if (!doorbells && shm->peer_header[q] != nullptr) {  // nobody rings: no writable mappings
+      ::munmap(shm->peer_header[q], SharedMemory::kHeader);
+      shm->peer_header[q] = nullptr;
+    }
+    if (!mail && shm->peer_pidfd[q] >= 0) {
+      ::close(shm->peer_pidfd[q]);
+      shm->peer_pidfd[q] = -1;
+    }
   }
   return shm;
 }
@@ -766,8 +784,9 @@ void GlooCommunicator::GatherByMail(absl::Span<const char> mine, uint64_t async_
                                     std::chrono::milliseconds wait,
                                     std::vector<absl::Span<const char>>& views) {
   SharedMemory& shm = *shm_;
-  shm.StartOperation();
-  const int parity = static_cast<int>(shm.messages++ % 2);
+  const uint64_t number = ++shm.messages;
+  shm.StartOperation(/*exchange=*/false, number);
+  const int parity = static_cast<int>(number % 2);
   const size_t length_word = SharedMemory::kMessageLength + 8 * parity;
   const int64_t length = static_cast<int64_t>(mine.size());
   const bool in_area = length <= SharedMemory::kMessageBytes;
@@ -785,11 +804,11 @@ void GlooCommunicator::GatherByMail(absl::Span<const char> mine, uint64_t async_
     }
   }
   __atomic_store_n(shm.Length(rank_, length_word), in_area ? length : ~length, __ATOMIC_RELEASE);
-  shm.Publish(SharedMemory::kMessageRound, gathers_);
+  shm.Publish(SharedMemory::kMessageRound, number);
   received_.resize(world_size_);
   for (int q = 0; q < world_size_; ++q) {
     if (q == rank_) continue;
-    shm.AwaitWord(q, SharedMemory::kMessageRound, gathers_, sync_timeout_, "message all-gather");
+    shm.AwaitWord(q, SharedMemory::kMessageRound, number, sync_timeout_, "message all-gather");
     int64_t theirs = __atomic_load_n(shm.Length(q, length_word), __ATOMIC_ACQUIRE);
     if (theirs >= 0) {
       if (theirs > SharedMemory::kMessageBytes) {
@@ -829,7 +848,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
            std::vector<int64_t> send_bytes, std::vector<bool> sync, size_t elem, int slot,
            uint64_t async_slot, std::chrono::milliseconds timeout, uint64_t number)
       : comm_(comm),
-        number_(static_cast<uint32_t>(number)),
+        number_(number),
         parity_(static_cast<int>(number % 2)),
         mail_(comm.shm_ != nullptr && comm.shm_->mail),
         acks_due_(recv_bytes.size(), false),
@@ -850,13 +869,24 @@ class GlooCommunicator::Exchange : public PendingExchange {
 
   absl::Status Post() {
     return comm_.Guarded("all-to-all (post)", [&] {
-      if (mail_) comm_.shm_->StartOperation();
-      if (SharedMemory* shm = comm_.shm_.get()) {
+      if (mail_) {
+        // The blocks read in place in the last exchange are done with: release their slots. The
+        // slots this exchange may fill must have been released by their readers (as they are by
+        // now, unless an exchange in between ended early: this rank or the reader left it).
+        SharedMemory& shm = *comm_.shm_;
+        shm.StartOperation(/*exchange=*/true, number_);
+        for (int q = 0; q < comm_.world_size_; ++q) {
+          if (shm.owe_ack[q]) shm.Publish(SharedMemory::Consumed(q), number_ - 1);
+          shm.owe_ack[q] = false;
+          if (const uint64_t used = shm.slot_used[q][parity_]; used != 0) {
+            shm.AwaitWord(q, SharedMemory::Consumed(comm_.rank_), used, comm_.sync_timeout_,
+                          "all-to-all (slot release)");
+          }
+        }
+      } else if (SharedMemory* shm = comm_.shm_.get()) {
         // The blocks read in place in the last exchange are done with: release their slots.
         for (int q = 0; q < comm_.world_size_; ++q) {
-          if (mail_ && shm->owe_ack[q]) {
-            shm->Publish(SharedMemory::Consumed(q), number_ - 1);
-          } else if (shm->owe_ack[q] && To(q) != nullptr) {
+          if (shm->owe_ack[q] && To(q) != nullptr) {
             ack_with_block_[q] = true;  // sent with the announcement of this exchange's block
           } else if (shm->owe_ack[q]) {  // sent alone
             int64_t done = 1;
@@ -899,7 +929,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
         __atomic_store_n(shm.Length(comm_.rank_, SharedMemory::BlockBytes(peer, parity_)), bytes,
                          __ATOMIC_RELEASE);
         shm.Publish(SharedMemory::Posted(peer), number_);
-        shm.await_ack[peer] = true;
+        shm.slot_used[peer][parity_] = number_;
       } else if (slot != nullptr) {
         if (slot != data) std::memcpy(slot, data, bytes);
         int64_t announced[2] = {bytes, ack_with_block_[peer] ? 1 : 0};
@@ -937,10 +967,6 @@ class GlooCommunicator::Exchange : public PendingExchange {
         if (mail_) {
           SharedMemory& shm = *comm_.shm_;
           const int me = comm_.rank_;
-          if (acks_due_[q]) {
-            shm.AwaitWord(q, SharedMemory::Consumed(me), number_ - 1, comm_.sync_timeout_,
-                          "all-to-all (acknowledgement)");
-          }
           if (recv_bytes_[q] > 0 && From(q) != nullptr) {
             shm.AwaitWord(q, SharedMemory::Posted(me), number_, comm_.sync_timeout_,
                           "all-to-all");
@@ -993,7 +1019,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
   }
 
   GlooCommunicator& comm_;
-  const uint32_t number_;          // exchanges started on this communicator, this one included
+  const uint64_t number_;          // exchanges started on this communicator, this one included
   const int parity_;               // which slot of each pair this exchange uses
   const bool mail_;                // announcements and acknowledgements in the outboxes' headers
   std::vector<bool> acks_due_;     // peers that acknowledge the last exchange's blocks in Wait()
@@ -1152,6 +1178,8 @@ bool GlooCommunicator::SharesMemoryWith(int peer) const {
   return shm_ != nullptr && peer >= 0 && peer < world_size_ && peer != rank_ &&
          shm_->peer_reads_mine[peer] && shm_->peer_outbox[peer] != nullptr;
 }
+
+bool GlooCommunicator::HasMail() const { return shm_ != nullptr && shm_->mail; }
 
 absl::Status GlooCommunicator::Abort() {
   if (!broken_) {

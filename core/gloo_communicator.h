@@ -105,6 +105,8 @@ class GlooCommunicator : public Communicator {
 
   // Whether exchange blocks between this rank and `peer` go through shared memory.
   bool SharesMemoryWith(int peer) const;
+  // Whether the group's hot path needs no sockets ("mail", see above).
+  bool HasMail() const;
 
   using Communicator::AllGatherV;
   using Communicator::AllReduce;
