@@ -5,9 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <iostream>
 #include <limits>
 #include <random>
 #include <string>
@@ -18,20 +16,11 @@
 #include "ATen/ops/from_blob.h"
 #include "absl/strings/str_cat.h"
 #include "c10/core/InferenceMode.h"
+#include "core/test_seed.h"
 #include "gtest/gtest.h"
 
 namespace shardserve::core {
 namespace {
-
-uint64_t Seed() {
-  static const uint64_t seed = [] {
-    const char* env = std::getenv("SHARDSERVE_TEST_SEED");
-    const uint64_t s = env != nullptr ? std::strtoull(env, nullptr, 10) : std::random_device{}();
-    std::cout << "SHARDSERVE_TEST_SEED=" << s << std::endl;
-    return s;
-  }();
-  return seed;
-}
 
 // Equal bits, or both NaN (a NaN's payload is not part of the semantics).
 bool SameFloat(float a, float b) {
@@ -77,7 +66,7 @@ std::vector<float> RandomMatrix(std::mt19937_64& rng, int64_t rows, int64_t cols
 
 void ExpectPoolBagsMatchATen(bool vector_instructions) {
   c10::InferenceMode guard;
-  std::mt19937_64 rng(Seed());
+  std::mt19937_64 rng(TestSeed());
   CpuKernelOptions options;
   options.vector_instructions = vector_instructions;
   CpuKernels kernels(options);

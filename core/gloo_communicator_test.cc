@@ -408,61 +408,59 @@ TEST(GlooCommunicator, PeersWaitingForMailFailAtOnceWhenARankLeavesOrGoesOn) {
         EXPECT_LT(absl::Now() - start, absl::Seconds(2));
       },
       options);
-  // Rank 1 abandons an exchange in which it owes rank 0 a block, and starts the next round.
+  // In the two cases below rank 0 sends its blocks and waits for rank 1's, which never comes:
+  // rank 1 starts the next round instead, which rank 0 never gets to.
+  auto start_exchange = [](GlooCommunicator& comm, std::vector<float>& out) {
+    return comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
+                               std::vector<int64_t>{2, 2}, DataType::kFloat32, kTimeout);
+  };
+  auto start_next_round = [](GlooCommunicator& comm) {
+    const std::string next = "next round";
+    EXPECT_FALSE(
+        comm.AllGatherMessages(absl::MakeConstSpan(next.data(), next.size()), kTimeout).ok());
+  };
+  auto expect_wait_fails_at_once = [](GlooCommunicator& comm, PendingExchange& exchange,
+                                      const std::string& why) {
+    const std::vector<float> mine(2, 1.0f);
+    ASSERT_TRUE(exchange.Send(1, mine.data(), 2).ok());
+    ASSERT_TRUE(exchange.Send(0, mine.data(), 2).ok());
+    const absl::Time start = absl::Now();
+    const absl::Status status = exchange.Wait();
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(why));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+    ASSERT_TRUE(comm.Abort().ok());  // as the step loop does: rank 1 stops waiting too
+  };
+  // Rank 1 abandons an exchange in which it owes rank 0 a block.
   RunGroup(
       2,
-      [](int rank, GlooCommunicator& comm) {
-        std::vector<float> out(4), mine(2, 1.0f);
-        auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
-                                            std::vector<int64_t>{2, 2}, DataType::kFloat32,
-                                            kTimeout);
+      [&](int rank, GlooCommunicator& comm) {
+        std::vector<float> out(4);
+        auto exchange = start_exchange(comm, out);
         ASSERT_TRUE(exchange.ok()) << exchange.status();
         if (rank == 1) {
           absl::SleepFor(absl::Milliseconds(200));
           exchange->reset();  // without sending
-          const std::string next = "next round";
-          EXPECT_FALSE(
-              comm.AllGatherMessages(absl::MakeConstSpan(next.data(), next.size()), kTimeout).ok())
-              << "rank 0 never gets there";
+          start_next_round(comm);
           return;
         }
-        ASSERT_TRUE((*exchange)->Send(1, mine.data(), 2).ok());
-        ASSERT_TRUE((*exchange)->Send(0, mine.data(), 2).ok());
-        const absl::Time start = absl::Now();
-        const absl::Status status = (*exchange)->Wait();
-        EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
-        EXPECT_THAT(std::string(status.message()), HasSubstr("went on to a later operation"));
-        EXPECT_LT(absl::Now() - start, absl::Seconds(2));
-        ASSERT_TRUE(comm.Abort().ok());  // as the step loop does: rank 1 stops waiting too
+        expect_wait_fails_at_once(comm, **exchange, "went on to a later operation");
       },
       options);
-  // Rank 1 skips the exchange altogether (e.g. it could not allocate its buffers) and starts the
-  // next round, while rank 0 waits for its block.
+  // Rank 1 skips the exchange altogether (e.g. it could not allocate its buffers).
   RunGroup(
       2,
-      [](int rank, GlooCommunicator& comm) {
+      [&](int rank, GlooCommunicator& comm) {
         if (rank == 1) {
           absl::SleepFor(absl::Milliseconds(200));
-          const std::string next = "next round";
-          EXPECT_FALSE(
-              comm.AllGatherMessages(absl::MakeConstSpan(next.data(), next.size()), kTimeout).ok())
-              << "rank 0 never gets there";
+          start_next_round(comm);
           absl::SleepFor(absl::Seconds(1));  // still in the group while rank 0 finds out
           return;
         }
-        std::vector<float> out(4), mine(2, 1.0f);
-        auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
-                                            std::vector<int64_t>{2, 2}, DataType::kFloat32,
-                                            kTimeout);
+        std::vector<float> out(4);
+        auto exchange = start_exchange(comm, out);
         ASSERT_TRUE(exchange.ok()) << exchange.status();
-        ASSERT_TRUE((*exchange)->Send(1, mine.data(), 2).ok());
-        ASSERT_TRUE((*exchange)->Send(0, mine.data(), 2).ok());
-        const absl::Time start = absl::Now();
-        const absl::Status status = (*exchange)->Wait();
-        EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
-        EXPECT_THAT(std::string(status.message()), HasSubstr("went on to another operation"));
-        EXPECT_LT(absl::Now() - start, absl::Seconds(2));
-        ASSERT_TRUE(comm.Abort().ok());
+        expect_wait_fails_at_once(comm, **exchange, "went on to another operation");
       },
       options);
 }

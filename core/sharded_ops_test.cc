@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "c10/core/InferenceMode.h"
 #include "core/in_process_group.h"
+#include "core/test_seed.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -39,19 +40,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-uint64_t Seed() {
-  static const uint64_t seed = [] {
-    const char* env = std::getenv("SHARDSERVE_TEST_SEED");
-    const uint64_t s = env != nullptr ? std::strtoull(env, nullptr, 10) : std::random_device{}();
-    std::cout << "SHARDSERVE_TEST_SEED=" << s << std::endl;
-    return s;
-  }();
-  return seed;
-}
-
 at::Generator& Gen() {
   static at::Generator gen = [] {
-    at::Generator g = at::detail::createCPUGenerator(Seed());
+    at::Generator g = at::detail::createCPUGenerator(TestSeed());
     return g;
   }();
   return gen;
@@ -379,7 +370,7 @@ Case BagCase(const BagShape& s, const ShardingSpec& spec, bool ragged) {
   kase.mode = s.mode;
   kase.include_last_offset = s.include_last_offset;
   EXPECT_TRUE(kase.config.Validate().ok()) << kase.label;  // normalises padding_idx
-  std::mt19937_64 rng(Seed() + spec.world_size());
+  std::mt19937_64 rng(TestSeed() + spec.world_size());
   for (int r = 0; r < spec.world_size(); ++r) {
     RankInput in;
     std::vector<int64_t> shape = s.input;
