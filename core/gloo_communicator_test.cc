@@ -1,6 +1,12 @@
 #include "core/gloo_communicator.h"
 
 #include <signal.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -463,6 +469,57 @@ TEST(GlooCommunicator, PeersWaitingForMailFailAtOnceWhenARankLeavesOrGoesOn) {
         expect_wait_fails_at_once(comm, **exchange, "went on to another operation");
       },
       options);
+}
+
+// Rank 1 of the test below, in a process of its own: this test binary run again with
+// SHARDSERVE_GLOO_RANK1_DIR set; it joins the group and waits to be killed.
+TEST(GlooCommunicatorChild, JoinAsRankOneAndWait) {
+  const char* dir = std::getenv("SHARDSERVE_GLOO_RANK1_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "only as the child of PeerProcessThatDies...";
+  FileRendezvous store(dir);
+  auto comm = GlooCommunicator::Create(store, "crash", 1, 2);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  absl::SleepFor(absl::Seconds(60));
+}
+
+// A peer process that dies (SIGKILL: it closes nothing itself) while a rank waits for its mail
+// fails the wait at once: the rank watches the peer's process (a pidfd), not only its words.
+TEST(GlooCommunicator, PeerProcessThatDiesFailsMailWaitersAtOnce) {
+  char dir[] = "/tmp/shardserve-gloo-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  env_strings.push_back(absl::StrCat("SHARDSERVE_GLOO_RANK1_DIR=", dir));
+  std::vector<char*> envp;
+  for (std::string& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string exe = "/proc/self/exe";
+  std::string filter = "--gtest_filter=GlooCommunicatorChild.JoinAsRankOneAndWait";
+  char* argv[] = {exe.data(), filter.data(), nullptr};
+  pid_t child = -1;
+  ASSERT_EQ(::posix_spawn(&child, exe.c_str(), nullptr, nullptr, argv, envp.data()), 0);
+  FileRendezvous store(dir);
+  GlooOptions options;
+  options.sync_timeout = absl::Seconds(20);
+  auto comm = GlooCommunicator::Create(store, "crash", 0, 2, options);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  ASSERT_TRUE((*comm)->HasMail()) << "processes of one user on one host share memory";
+  std::thread killer([child] {
+    absl::SleepFor(absl::Milliseconds(300));
+    ::kill(child, SIGKILL);
+  });
+  const std::string mine = "hello";
+  const absl::Time start = absl::Now();
+  auto got = (*comm)->AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
+  const absl::Duration waited = absl::Now() - start;
+  killer.join();
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_THAT(std::string(got.status().message()), HasSubstr("rank 1 exited"));
+  EXPECT_GE(waited, absl::Milliseconds(250));
+  EXPECT_LT(waited, absl::Seconds(2));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(GlooCommunicator, OneWayLargeBlockInAPairUsesTheSyncPath) {
