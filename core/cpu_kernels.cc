@@ -6,7 +6,6 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
-#include <immintrin.h>
 #include <string>
 #include <tuple>
 
@@ -17,6 +16,10 @@
 #include "ATen/ops/from_blob.h"
 #include "ATen/ops/mm.h"
 #include "c10/core/InferenceMode.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace shardserve::core {
 namespace {
@@ -150,6 +153,7 @@ void PoolScalar(Pool pool, const float* data, int64_t stride, int64_t cols, cons
   }
 }
 
+#if defined(__x86_64__)
 // The same over 8 * kRegs columns, in AVX registers. This block's columns of the rows
 // kPrefetchAhead ids on (within the `available` ids from the bag's first) are prefetched.
 template <int kRegs, Pool kPool>
@@ -208,13 +212,35 @@ __attribute__((target("avx2,fma"))) void PoolBagAvx2(const float* data, int64_t 
   if (c < cols) PoolScalar(kPool, data + c, cols, cols - c, ids, weights, n, divisor, out + c);
 }
 
+bool HasVectorPooling() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+void PoolBagVectors(Pool pool, const float* data, int64_t cols, const int64_t* ids,
+                    const float* weights, int64_t n, int64_t available, float divisor,
+                    float* out) {
+  switch (pool) {
+    case Pool::kSum:
+      return PoolBagAvx2<Pool::kSum>(data, cols, ids, weights, n, available, divisor, out);
+    case Pool::kWeightedSum:
+      return PoolBagAvx2<Pool::kWeightedSum>(data, cols, ids, weights, n, available, divisor, out);
+    case Pool::kMax:
+      return PoolBagAvx2<Pool::kMax>(data, cols, ids, weights, n, available, divisor, out);
+  }
+}
+#else
+bool HasVectorPooling() { return false; }
+void PoolBagVectors(Pool, const float*, int64_t, const int64_t*, const float*, int64_t, int64_t,
+                    float, float*) {}
+#endif  // __x86_64__
+
 }  // namespace
 
 absl::Status CpuKernels::PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
                                   float empty_max, float* out) {
   if (bags.num_bags == 0 || shard.cols == 0) return absl::OkStatus();
-  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool vectors = has_avx2 && options_.vector_instructions;
+  const bool vectors = options_.vector_instructions && HasVectorPooling();
   const int64_t cols = shard.cols;
   const int64_t num_ids = bags.offsets[bags.num_bags];
   for (int64_t i = 0; i < num_ids; ++i) {
@@ -236,22 +262,10 @@ absl::Status CpuKernels::PoolBags(const MatrixView& shard, const BagsView& bags,
     const int64_t* ids = bags.ids + begin;
     const float* weights = bags.weights != nullptr ? bags.weights + begin : nullptr;
     const float divisor = mode == PoolMode::kMean ? static_cast<float>(n) : 0.0f;
-    if (!vectors) {
+    if (vectors) {
+      PoolBagVectors(pool, shard.data, cols, ids, weights, n, num_ids - begin, divisor, bag_out);
+    } else {
       PoolScalar(pool, shard.data, cols, cols, ids, weights, n, divisor, bag_out);
-      continue;
-    }
-    const int64_t available = num_ids - begin;
-    switch (pool) {
-      case Pool::kSum:
-        PoolBagAvx2<Pool::kSum>(shard.data, cols, ids, weights, n, available, divisor, bag_out);
-        break;
-      case Pool::kWeightedSum:
-        PoolBagAvx2<Pool::kWeightedSum>(shard.data, cols, ids, weights, n, available, divisor,
-                                        bag_out);
-        break;
-      case Pool::kMax:
-        PoolBagAvx2<Pool::kMax>(shard.data, cols, ids, weights, n, available, divisor, bag_out);
-        break;
     }
   }
   return absl::OkStatus();

@@ -14,8 +14,8 @@ namespace shardserve::core {
 struct CpuKernelOptions {
   // ATen intra-op threads for the executor thread. 1 suits one rank per core.
   int intra_op_threads = 1;
-  // AVX2 and FMA for bag pooling where the CPU has them (the same results either way; off is the
-  // portable loop, for tests).
+  // AVX2 and FMA for bag pooling where the CPU has them (x86-64; the same results either way; off
+  // is the portable loop, for tests).
   bool vector_instructions = true;
 };
 
