@@ -130,8 +130,6 @@ namespace {
 // allocated and copied back) than a step's few small bags take to pool.
 enum class Pool { kSum, kWeightedSum, kMax };
 
-constexpr int64_t kPrefetchAhead = 16;  // ids: rows are scattered over a shard larger than caches
-
 // One bag over `cols` columns, one element at a time: `data` points at the first of them, rows are
 // `stride` apart; `divisor` is the bag's size in mean mode, else 0 (no division). The portable
 // loop, and the columns vectors do not cover.
@@ -154,6 +152,8 @@ void PoolScalar(Pool pool, const float* data, int64_t stride, int64_t cols, cons
 }
 
 #if defined(__x86_64__)
+constexpr int64_t kPrefetchAhead = 16;  // ids: rows are scattered over a shard larger than caches
+
 // The same over 8 * kRegs columns, in AVX registers. This block's columns of the rows
 // kPrefetchAhead ids on (within the `available` ids from the bag's first) are prefetched.
 template <int kRegs, Pool kPool>

@@ -1,6 +1,6 @@
 // CpuKernels::PoolBags against ATen's CPU embedding_bag (what F.embedding_bag runs), bit for bit,
 // on random inputs (seed printed; set SHARDSERVE_TEST_SEED to replay) that include empty bags,
-// repeated ids, and NaN, infinities and signed zeros among the weights.
+// repeated ids, and NaN, infinities, signed zeros and extremes among the table's values.
 #include "core/cpu_kernels.h"
 
 #include <cmath>

@@ -200,24 +200,26 @@ struct GlooCommunicator::SharedMemory {
   // the owner waits on it (peers wake it only then).
   static constexpr size_t kRoundBell = 64;
   static constexpr size_t kRoundWaiting = 128;
-  // Mail words, written by the owner but for kWaiters: the number of mail all-gathers whose
-  // message is published (u64); the collective operation it is in (u64: the count of operations
-  // it has started, above a tag of the operation's kind and number, so that ranks that ran
-  // different operations tell); whether the owner left the group (u32); a count of its changes to
-  // its words, which peers sleep on (u32, a futex); the message length per parity (int64 each:
-  // the complement where the message is too large for the area and takes the asynchronous mesh);
-  // the peers asleep on the count (u32: they add and subtract).
-  static constexpr size_t kMessageRound = 192;
-  static constexpr size_t kOperation = 200;
-  static constexpr size_t kClosed = 208;
-  static constexpr size_t kChanges = 212;
-  static constexpr size_t kMessageLength = 216;
+  // Mail words, written by the owner but for kWaiters: per parity, the number of the mail
+  // all-gather whose message is in that area (u64 each); the collective operation it is in (u64:
+  // the count of operations it has started, above a tag of the operation's kind and number, so
+  // that ranks that ran different operations tell); whether the owner left the group (u32); a
+  // count of its changes to its words, which peers sleep on (u32, a futex); the message length per
+  // parity (int64 each: the complement where the message is too large for the area and takes the
+  // asynchronous mesh); the peers asleep on the count (u32: they add and subtract).
+  static constexpr size_t kMessageRound = 192;  // + 8 * parity
+  static constexpr size_t kOperation = 208;
+  static constexpr size_t kClosed = 216;
+  static constexpr size_t kChanges = 220;
+  static constexpr size_t kMessageLength = 224;  // + 8 * parity
   static constexpr size_t kWaiters = 256;
-  // Per peer q, at kPeerWords + q * kPeerWordsBytes: the exchange whose block for q is in its slot,
-  // the last exchange whose block from q the owner has read (u64 each: they change only when the
-  // pair passes a block, so they must not wrap), the block's bytes per parity (int64 each).
+  // Per peer q, at kPeerWords + q * kPeerWordsBytes: per parity, the exchange whose block for q is
+  // in that slot; the last exchange whose block from q the owner is done with; per parity, the
+  // block's bytes (u64 / int64 each: exchange numbers change only when the pair passes a block, so
+  // they must not wrap). A reader waits for its exchange's number in its parity's word exactly: a
+  // rank that left an exchange without its block cannot pass the next one off as it.
   static constexpr size_t kPeerWords = 512;
-  static constexpr size_t kPeerWordsBytes = 32;
+  static constexpr size_t kPeerWordsBytes = 48;
   static constexpr int kMaxMailWorld = static_cast<int>((kHeader - kPeerWords) / kPeerWordsBytes);
   static constexpr int64_t kMessageBytes = int64_t{1} << 20;  // each of the two areas
 
@@ -267,9 +269,11 @@ struct GlooCommunicator::SharedMemory {
     return reinterpret_cast<int64_t*>(Header(owner) + offset);
   }
   // The words of `owner` about its traffic with `peer`.
-  static size_t Posted(int peer) { return kPeerWords + peer * kPeerWordsBytes; }
-  static size_t Consumed(int peer) { return Posted(peer) + 8; }
-  static size_t BlockBytes(int peer, int parity) { return Posted(peer) + 16 + 8 * parity; }
+  static size_t Posted(int peer, int parity) {
+    return kPeerWords + peer * kPeerWordsBytes + 8 * parity;
+  }
+  static size_t Consumed(int peer) { return Posted(peer, 0) + 16; }
+  static size_t BlockBytes(int peer, int parity) { return Posted(peer, 0) + 24 + 8 * parity; }
   const char* MessageArea(int owner, int parity) const {
     const char* base = owner == rank ? outbox : peer_outbox[owner];
     return base + kHeader + parity * kMessageBytes;
@@ -297,14 +301,19 @@ struct GlooCommunicator::SharedMemory {
   void Close() const {
     if (mail) Publish<uint32_t>(kClosed, 1);
   }
-  // Waits until `owner`'s word at `offset` has reached `target`. Throws if the owner has gone,
-  // has started a later operation than this rank's without setting the word, or is in another
-  // operation than this rank's (it left one, e.g. after a kernel failed there), or after `timeout`.
-  void AwaitWord(int owner, size_t offset, uint64_t target, absl::Duration timeout,
+  // Waits until `owner`'s word at `offset` has reached `target` (`exact`: equals it; a word past
+  // it then means the owner skipped it). Throws if the owner has gone, has started a later
+  // operation than this rank's without setting the word, or is in another operation than this
+  // rank's (it left one, e.g. after a kernel failed there), or after `timeout`.
+  void AwaitWord(int owner, size_t offset, uint64_t target, bool exact, absl::Duration timeout,
                  const char* what) const {
     const uint64_t* word = Word64(owner, offset);
     auto reached = [&] {
-      return static_cast<int64_t>(__atomic_load_n(word, __ATOMIC_SEQ_CST) - target) >= 0;
+      const int64_t past = static_cast<int64_t>(__atomic_load_n(word, __ATOMIC_SEQ_CST) - target);
+      if (exact && past > 0) {
+        throw std::runtime_error(absl::StrCat(what, ": rank ", owner, " skipped it"));
+      }
+      return past >= 0;
     };
     if (reached()) return;
     uint32_t* waiters = Word32(owner, kWaiters);
@@ -382,7 +391,7 @@ struct GlooCommunicator::SharedMemory {
   std::vector<std::array<uint64_t, 2>> slot_used;
   std::vector<bool> peer_reads_mine;      // the peer maps this rank's outbox
   uint64_t exchanges = 0;                 // exchanges started (the slot parity)
-  std::vector<bool> owe_ack;    // read a block of that peer's in the last exchange
+  std::vector<bool> owe_ack;    // read a block of that peer's in the last exchange (mail: due)
   std::vector<bool> await_ack;  // sent that peer a block in the last exchange
 };
 
@@ -804,11 +813,12 @@ void GlooCommunicator::GatherByMail(absl::Span<const char> mine, uint64_t async_
     }
   }
   __atomic_store_n(shm.Length(rank_, length_word), in_area ? length : ~length, __ATOMIC_RELEASE);
-  shm.Publish(SharedMemory::kMessageRound, number);
+  const size_t round_word = SharedMemory::kMessageRound + 8 * parity;
+  shm.Publish(round_word, number);
   received_.resize(world_size_);
   for (int q = 0; q < world_size_; ++q) {
     if (q == rank_) continue;
-    shm.AwaitWord(q, SharedMemory::kMessageRound, number, sync_timeout_, "message all-gather");
+    shm.AwaitWord(q, round_word, number, /*exact=*/true, sync_timeout_, "message all-gather");
     int64_t theirs = __atomic_load_n(shm.Length(q, length_word), __ATOMIC_ACQUIRE);
     if (theirs >= 0) {
       if (theirs > SharedMemory::kMessageBytes) {
@@ -877,10 +887,14 @@ class GlooCommunicator::Exchange : public PendingExchange {
         shm.StartOperation(/*exchange=*/true, number_);
         for (int q = 0; q < comm_.world_size_; ++q) {
           if (shm.owe_ack[q]) shm.Publish(SharedMemory::Consumed(q), number_ - 1);
-          shm.owe_ack[q] = false;
-          if (const uint64_t used = shm.slot_used[q][parity_]; used != 0) {
-            shm.AwaitWord(q, SharedMemory::Consumed(comm_.rank_), used, comm_.sync_timeout_,
-                          "all-to-all (slot release)");
+          // Due from q in this exchange, whether or not it gets to Wait(): released at the next.
+          shm.owe_ack[q] = q != comm_.rank_ && recv_bytes_[q] > 0 && From(q) != nullptr;
+        }
+        for (int q = 0; q < comm_.world_size_; ++q) {
+          const uint64_t used = shm.slot_used[q][parity_];
+          if (used != 0 && To(q) != nullptr) {
+            shm.AwaitWord(q, SharedMemory::Consumed(comm_.rank_), used, /*exact=*/false,
+                          comm_.sync_timeout_, "all-to-all (slot release)");
           }
         }
       } else if (SharedMemory* shm = comm_.shm_.get()) {
@@ -928,7 +942,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
         SharedMemory& shm = *comm_.shm_;
         __atomic_store_n(shm.Length(comm_.rank_, SharedMemory::BlockBytes(peer, parity_)), bytes,
                          __ATOMIC_RELEASE);
-        shm.Publish(SharedMemory::Posted(peer), number_);
+        shm.Publish(SharedMemory::Posted(peer, parity_), number_);
         shm.slot_used[peer][parity_] = number_;
       } else if (slot != nullptr) {
         if (slot != data) std::memcpy(slot, data, bytes);
@@ -968,15 +982,14 @@ class GlooCommunicator::Exchange : public PendingExchange {
           SharedMemory& shm = *comm_.shm_;
           const int me = comm_.rank_;
           if (recv_bytes_[q] > 0 && From(q) != nullptr) {
-            shm.AwaitWord(q, SharedMemory::Posted(me), number_, comm_.sync_timeout_,
-                          "all-to-all");
+            shm.AwaitWord(q, SharedMemory::Posted(me, parity_), number_, /*exact=*/true,
+                          comm_.sync_timeout_, "all-to-all");
             const int64_t announced = __atomic_load_n(
                 shm.Length(q, SharedMemory::BlockBytes(me, parity_)), __ATOMIC_ACQUIRE);
             if (announced != recv_bytes_[q]) {
               throw std::runtime_error(absl::StrCat("rank ", q, " announced ", announced,
                                                     " bytes where ", recv_bytes_[q], " were due"));
             }
-            shm.owe_ack[q] = true;
             continue;
           }
         } else if (acks_due_[q] && From(q) == nullptr) {  // sent alone by q as this exchange began

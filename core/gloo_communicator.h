@@ -18,12 +18,14 @@
 // (PendingExchange::Received) until the peer's next exchange starts and acknowledges it;
 // consecutive exchanges alternate slots. Whether a peer really sees the same memory is checked
 // with a random nonce when the group forms, so other peers keep using the sockets. When every
-// rank maps every other's (and can watch its process exit, a pidfd), ranks without work wait for
-// the next round on doorbells in the outboxes' headers (AwaitRound), and the hot path needs no
-// sockets at all ("mail"): each rank's AllGatherMessages message goes into one of two areas of
-// its outbox, read in place by its peers, and exchange blocks are announced and acknowledged by
-// words in the outboxes' headers; a waiting rank sleeps on a futex, and fails at once when the
-// rank it waits for leaves the group, exits, or goes on without what it waits for.
+// rank maps every other's, ranks without work wait for the next round on doorbells in the
+// outboxes' headers (AwaitRound); when every rank can also watch every other's process exit (a
+// pidfd), the hot path needs no sockets ("mail"): each rank's AllGatherMessages message goes into
+// one of two areas of its outbox, read in place by its peers, and exchange blocks in slots are
+// announced and acknowledged by words in the outboxes' headers; a waiting rank sleeps on a futex,
+// and fails at once when the rank it waits for leaves the group, exits, or goes on without what
+// it waits for. (Blocks larger than the slots, messages larger than the areas and Gloo's own
+// collectives still take the sockets.)
 // Gloo reports failures by throwing; every call here catches them and returns UNAVAILABLE, and
 // marks the communicator broken. Sync-path waits end after GlooOptions::sync_timeout (socket
 // timeouts; their per-call timeout cannot shorten them). Not thread-safe: one executor thread

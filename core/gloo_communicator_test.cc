@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -453,6 +454,28 @@ TEST(GlooCommunicator, PeersWaitingForMailFailAtOnceWhenARankLeavesOrGoesOn) {
         expect_wait_fails_at_once(comm, **exchange, "went on to a later operation");
       },
       options);
+  // Rank 1 abandons an exchange in which it owes rank 0 a block, and starts the next exchange,
+  // where it sends one: rank 0 must not take that for the block it waits for.
+  RunGroup(
+      2,
+      [&](int rank, GlooCommunicator& comm) {
+        std::vector<float> out(4);
+        auto exchange = start_exchange(comm, out);
+        ASSERT_TRUE(exchange.ok()) << exchange.status();
+        if (rank == 1) {
+          absl::SleepFor(absl::Milliseconds(200));
+          exchange->reset();  // without sending
+          std::vector<float> next_out(4);
+          auto next = start_exchange(comm, next_out);
+          ASSERT_TRUE(next.ok()) << next.status();
+          const std::vector<float> mine(2, 2.0f);
+          ASSERT_TRUE((*next)->Send(0, mine.data(), 2).ok());
+          EXPECT_FALSE((*next)->Wait().ok());  // rank 0 never gets there
+          return;
+        }
+        expect_wait_fails_at_once(comm, **exchange, "went on to a later operation");
+      },
+      options);
   // Rank 1 skips the exchange altogether (e.g. it could not allocate its buffers).
   RunGroup(
       2,
@@ -485,10 +508,14 @@ TEST(GlooCommunicatorChild, JoinAsRankOneAndWait) {
 // A peer process that dies (SIGKILL: it closes nothing itself) while a rank waits for its mail
 // fails the wait at once: the rank watches the peer's process (a pidfd), not only its words.
 TEST(GlooCommunicator, PeerProcessThatDiesFailsMailWaitersAtOnce) {
-  char dir[] = "/tmp/shardserve-gloo-XXXXXX";
-  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/shardserve-gloo-XXXXXX");
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
   std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (absl::StartsWith(*e, "GTEST_SHARD") || absl::StartsWith(*e, "GTEST_TOTAL_SHARDS")) continue;
+    env_strings.emplace_back(*e);
+  }
   env_strings.push_back(absl::StrCat("SHARDSERVE_GLOO_RANK1_DIR=", dir));
   std::vector<char*> envp;
   for (std::string& e : env_strings) envp.push_back(e.data());
@@ -498,6 +525,16 @@ TEST(GlooCommunicator, PeerProcessThatDiesFailsMailWaitersAtOnce) {
   char* argv[] = {exe.data(), filter.data(), nullptr};
   pid_t child = -1;
   ASSERT_EQ(::posix_spawn(&child, exe.c_str(), nullptr, nullptr, argv, envp.data()), 0);
+  struct Reap {  // whatever happens below, the child goes, and its directory with it
+    ~Reap() {
+      ::kill(child, SIGKILL);
+      int status = 0;
+      ::waitpid(child, &status, 0);
+      std::filesystem::remove_all(dir);
+    }
+    pid_t child;
+    std::string dir;
+  } reap{child, dir};
   FileRendezvous store(dir);
   GlooOptions options;
   options.sync_timeout = absl::Seconds(20);
@@ -513,13 +550,10 @@ TEST(GlooCommunicator, PeerProcessThatDiesFailsMailWaitersAtOnce) {
   auto got = (*comm)->AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
   const absl::Duration waited = absl::Now() - start;
   killer.join();
-  int status = 0;
-  ::waitpid(child, &status, 0);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
   EXPECT_THAT(std::string(got.status().message()), HasSubstr("rank 1 exited"));
   EXPECT_GE(waited, absl::Milliseconds(250));
   EXPECT_LT(waited, absl::Seconds(2));
-  std::filesystem::remove_all(dir);
 }
 
 TEST(GlooCommunicator, OneWayLargeBlockInAPairUsesTheSyncPath) {
