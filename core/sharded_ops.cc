@@ -267,6 +267,14 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const Gathered&
                             scales.data());
 }
 
+absl::Status ShardedOps::LeaveGroup(const absl::Status& status) {
+  control_.Abort().IgnoreError();
+  data_.Abort().IgnoreError();
+  if (status.code() == absl::StatusCode::kUnavailable) return status;
+  return absl::UnavailableError(absl::StrCat(
+      "left the group in an op it could not finish with its peers: ", status.message()));
+}
+
 absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
                                   const std::vector<int64_t>& recv_counts,
                                   const BlockProducer& produce, std::vector<float>* staging,
@@ -274,9 +282,15 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   const int world = data_.world_size();
   const int me = data_.rank();
   const int64_t recv_total = Sum(recv_counts);
-  ASSIGN_OR_RETURN(*storage, kernels_.Allocate(recv_total * sizeof(float)));
-  ASSIGN_OR_RETURN(DeviceBuffer blocks,
-                   kernels_.Allocate((Sum(send_counts) - send_counts[me]) * sizeof(float)));
+  // Every rank takes part in every exchange, to its end: one that cannot (no memory for its
+  // buffers, a kernel that failed while it computed a block) leaves the group.
+  auto leave = [this](const absl::Status& status) { return LeaveGroup(status); };
+  absl::StatusOr<DeviceBuffer> allocated = kernels_.Allocate(recv_total * sizeof(float));
+  if (!allocated.ok()) return leave(allocated.status());
+  *storage = *std::move(allocated);
+  allocated = kernels_.Allocate((Sum(send_counts) - send_counts[me]) * sizeof(float));
+  if (!allocated.ok()) return leave(allocated.status());
+  DeviceBuffer blocks = *std::move(allocated);
   ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
                    data_.StartAllToAllV(storage->data(), recv_counts, send_counts,
                                         DataType::kFloat32,
@@ -289,13 +303,15 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
     // memory (peers sharing memory).
     void* direct = kernels_.host_accessible() ? exchange->SendBuffer(dest, send_counts[dest]) : nullptr;
     float* block = direct != nullptr ? static_cast<float*>(direct) : blocks.floats() + offset[dest];
-    RETURN_IF_ERROR(produce(dest, block));
+    if (absl::Status produced = produce(dest, block); !produced.ok()) return leave(produced);
     if (send_counts[dest] > 0) RETURN_IF_ERROR(exchange->Send(dest, block, send_counts[dest]));
   }
   // This rank's own block goes straight where it would be received (no copy).
   int64_t own = 0;
   for (int q = 0; q < me; ++q) own += recv_counts[q];
-  RETURN_IF_ERROR(produce(me, storage->floats() + own));
+  if (absl::Status produced = produce(me, storage->floats() + own); !produced.ok()) {
+    return leave(produced);
+  }
   RETURN_IF_ERROR(exchange->Wait());
   const float* base = storage->floats();
   if (!kernels_.host_accessible() && staging != nullptr) {
@@ -345,7 +361,9 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
   const bool valid = validation.ok();
   ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kIds, input.ids, nullptr, nullptr,
                                             PoolMode::kSum, {}, gathered));
-  RETURN_IF_ERROR(RenormLookedUpRows(table, g));
+  if (absl::Status renormed = RenormLookedUpRows(table, g); !renormed.ok()) {
+    return LeaveGroup(renormed);
+  }
 
   const int me = data_.rank();
   const int world = data_.world_size();
@@ -426,7 +444,9 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
   ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kBags, input.ids,
                                             valid ? &bags->offsets : nullptr, weights,
                                             input.mode, {}, gathered));
-  RETURN_IF_ERROR(RenormLookedUpRows(table, g));
+  if (absl::Status renormed = RenormLookedUpRows(table, g); !renormed.ok()) {
+    return LeaveGroup(renormed);
+  }
 
   const int me = data_.rank();
   const int world = data_.world_size();

@@ -85,12 +85,18 @@ class ShardedOps {
                                         PoolMode mode, absl::Span<const float> rows,
                                         const InputMessages* gathered);
   absl::Status RenormLookedUpRows(ShardedTable& table, const Gathered& gathered);
+  // For a failure of this rank's own (a kernel, an allocation) that stops it short of collectives
+  // its peers run in this op: leaves the group (aborts both communicators), so that they fail now
+  // instead of waiting for it, or taking a later collective's data for this one's. Returns
+  // UNAVAILABLE, with `status`'s message.
+  absl::Status LeaveGroup(const absl::Status& status);
   // The result exchange: posts the receives (recv_counts floats from each rank), then for each
   // destination - peers first, this rank last, so transfers overlap the remaining compute - lets
   // `produce` write that destination's send_counts[dest] floats and sends them. Returns where
   // each rank's block lies, readable by the host (in `storage` or `staging`, or in a peer's shared
   // memory until the next exchange). With `staging` null, blocks received on a device without
-  // host access stay there (device pointers into `storage`), for AssembleColumns.
+  // host access stay there (device pointers into `storage`), for AssembleColumns. A rank that
+  // cannot allocate its buffers or compute a block leaves the group (LeaveGroup).
   using BlockProducer = std::function<absl::Status(int dest, float* block)>;
   absl::Status Exchange(const std::vector<int64_t>& send_counts,
                         const std::vector<int64_t>& recv_counts, const BlockProducer& produce,

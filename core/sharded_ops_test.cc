@@ -629,6 +629,48 @@ TEST(ShardedOps, BadInputOnOneRankIsRejectedWhilePeersAreServedAndNothingIsRenor
   }
 }
 
+// A rank that cannot take part in an op's result exchange (here: no memory for its buffers) leaves
+// the group: its peer fails now, instead of waiting for it until the timeout - or, were a later
+// exchange to follow, taking that one's blocks for this one's.
+TEST(ShardedOps, ARankThatCannotAllocateItsExchangeBuffersLeavesTheGroup) {
+  class NoMemoryKernels : public CpuKernels {
+   public:
+    absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes) override {
+      if (refuse) return absl::ResourceExhaustedError("no memory, on purpose");
+      return CpuKernels::Allocate(bytes);
+    }
+    bool refuse = false;
+  };
+  c10::InferenceMode guard;
+  TableConfig config;
+  config.name = "emb";
+  config.num_rows = 20;
+  config.num_cols = 6;
+  config.spec = Spec(1, {0, 1});
+  ASSERT_TRUE(config.Validate().ok());
+  at::Tensor weight = at::randn({20, 6}, Gen(), at::kFloat);
+  std::vector<absl::StatusOr<DenseResult>> results(2, absl::UnknownError("not run"));
+  std::vector<absl::Duration> took(2);
+  absl::Status status = RunInProcessGroup(2, [&](int rank, Communicator& comm, CpuKernels& cpu) {
+    NoMemoryKernels no_memory;
+    LocalKernels& kernels = rank == 1 ? static_cast<LocalKernels&>(no_memory) : cpu;
+    ShardedOps ops(comm, comm, kernels);
+    auto table = ShardedTable::Create(config, rank, kernels);
+    if (!table.ok()) return table.status();
+    if (auto s = (*table)->LoadFromFull(weight.data_ptr<float>(), nullptr); !s.ok()) return s;
+    no_memory.refuse = true;
+    const absl::Time start = absl::Now();
+    results[rank] = ops.Embedding(**table, EmbeddingInput{{1, 2, 3}, {3}});
+    took[rank] = absl::Now() - start;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(results[1].status().code(), absl::StatusCode::kUnavailable) << results[1].status();
+  EXPECT_THAT(std::string(results[1].status().message()), HasSubstr("no memory, on purpose"));
+  EXPECT_EQ(results[0].status().code(), absl::StatusCode::kUnavailable) << results[0].status();
+  EXPECT_LT(took[0], absl::Seconds(2));
+}
+
 // A caller that carries the inputs itself (the step loop, with its agreement round) passes every
 // rank's InputMessage: the op then runs without its input round, to the same result; a set that
 // does not hold this rank's own message is refused (UNAVAILABLE: the group cannot go on) before any
