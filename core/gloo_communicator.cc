@@ -888,7 +888,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
         for (int q = 0; q < comm_.world_size_; ++q) {
           if (shm.owe_ack[q]) shm.Publish(SharedMemory::Consumed(q), number_ - 1);
           // Due from q in this exchange, whether or not it gets to Wait(): released at the next.
-          shm.owe_ack[q] = q != comm_.rank_ && recv_bytes_[q] > 0 && From(q) != nullptr;
+          shm.owe_ack[q] = From(q) != nullptr;
         }
         for (int q = 0; q < comm_.world_size_; ++q) {
           const uint64_t used = shm.slot_used[q][parity_];
@@ -981,7 +981,7 @@ class GlooCommunicator::Exchange : public PendingExchange {
         if (mail_) {
           SharedMemory& shm = *comm_.shm_;
           const int me = comm_.rank_;
-          if (recv_bytes_[q] > 0 && From(q) != nullptr) {
+          if (From(q) != nullptr) {
             shm.AwaitWord(q, SharedMemory::Posted(me, parity_), number_, /*exact=*/true,
                           comm_.sync_timeout_, "all-to-all");
             const int64_t announced = __atomic_load_n(

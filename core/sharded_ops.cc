@@ -284,12 +284,11 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   const int64_t recv_total = Sum(recv_counts);
   // Every rank takes part in every exchange, to its end: one that cannot (no memory for its
   // buffers, a kernel that failed while it computed a block) leaves the group.
-  auto leave = [this](const absl::Status& status) { return LeaveGroup(status); };
   absl::StatusOr<DeviceBuffer> allocated = kernels_.Allocate(recv_total * sizeof(float));
-  if (!allocated.ok()) return leave(allocated.status());
+  if (!allocated.ok()) return LeaveGroup(allocated.status());
   *storage = *std::move(allocated);
   allocated = kernels_.Allocate((Sum(send_counts) - send_counts[me]) * sizeof(float));
-  if (!allocated.ok()) return leave(allocated.status());
+  if (!allocated.ok()) return LeaveGroup(allocated.status());
   DeviceBuffer blocks = *std::move(allocated);
   ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
                    data_.StartAllToAllV(storage->data(), recv_counts, send_counts,
@@ -303,14 +302,14 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
     // memory (peers sharing memory).
     void* direct = kernels_.host_accessible() ? exchange->SendBuffer(dest, send_counts[dest]) : nullptr;
     float* block = direct != nullptr ? static_cast<float*>(direct) : blocks.floats() + offset[dest];
-    if (absl::Status produced = produce(dest, block); !produced.ok()) return leave(produced);
+    if (absl::Status produced = produce(dest, block); !produced.ok()) return LeaveGroup(produced);
     if (send_counts[dest] > 0) RETURN_IF_ERROR(exchange->Send(dest, block, send_counts[dest]));
   }
   // This rank's own block goes straight where it would be received (no copy).
   int64_t own = 0;
   for (int q = 0; q < me; ++q) own += recv_counts[q];
   if (absl::Status produced = produce(me, storage->floats() + own); !produced.ok()) {
-    return leave(produced);
+    return LeaveGroup(produced);
   }
   RETURN_IF_ERROR(exchange->Wait());
   const float* base = storage->floats();
