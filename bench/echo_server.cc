@@ -1,6 +1,6 @@
-// A trivial gRPC DataService that answers every call with a float tensor of the size the real
-// service would return (no lookup, no collectives): the ceiling for response bandwidth, and for
-// calls per second. --api=callback serves on gRPC's callback API (what a service usually
+// A trivial gRPC DataService that answers every call, and every request on a Stream, with a float
+// tensor of the size the real service would return (no lookup, no collectives): the ceiling for
+// response bandwidth, and for calls (or stream requests) per second. --api=callback serves on gRPC's callback API (what a service usually
 // writes); --api=async on one thread draining one completion queue, gRPC's cheapest way to serve
 // many small calls on a small machine (no hand-offs between its pollers).
 //
@@ -28,6 +28,8 @@ using shardserve::v1::DataService;
 using shardserve::v1::EmbeddingBagRequest;
 using shardserve::v1::EmbeddingRequest;
 using shardserve::v1::LinearRequest;
+using shardserve::v1::StreamRequest;
+using shardserve::v1::StreamResponse;
 using shardserve::v1::TensorResponse;
 
 void Fill(int64_t rows, int64_t dim, TensorResponse* response) {
@@ -47,6 +49,24 @@ void Answer(const EmbeddingBagRequest& r, TensorResponse* response) {
 void Answer(const LinearRequest& r, TensorResponse* response) {
   Fill(r.input().shape(0), absl::GetFlag(FLAGS_out), response);
 }
+void Answer(const StreamRequest& r, StreamResponse* response) {
+  TensorResponse answer;
+  switch (r.op_case()) {
+    case StreamRequest::kEmbedding:
+      Answer(r.embedding(), &answer);
+      break;
+    case StreamRequest::kEmbeddingBag:
+      Answer(r.embedding_bag(), &answer);
+      break;
+    case StreamRequest::kLinear:
+      Answer(r.linear(), &answer);
+      break;
+    default:
+      break;
+  }
+  response->set_id(r.id());
+  response->mutable_output()->Swap(answer.mutable_output());
+}
 
 class CallbackEcho final : public DataService::CallbackService {
  public:
@@ -63,8 +83,39 @@ class CallbackEcho final : public DataService::CallbackService {
                                    TensorResponse* response) override {
     return Reply(c, *r, response);
   }
+  grpc::ServerBidiReactor<StreamRequest, StreamResponse>* Stream(
+      grpc::CallbackServerContext*) override {
+    return new StreamEcho;
+  }
 
  private:
+  // Reads a request, writes its answer, reads the next: one in flight, as a waiting caller sends.
+  class StreamEcho final : public grpc::ServerBidiReactor<StreamRequest, StreamResponse> {
+   public:
+    StreamEcho() { StartRead(&request_); }
+    void OnReadDone(bool ok) override {
+      if (!ok) {
+        Finish(grpc::Status::OK);
+        return;
+      }
+      response_.Clear();
+      Answer(request_, &response_);
+      StartWrite(&response_);
+    }
+    void OnWriteDone(bool ok) override {
+      if (!ok) {
+        Finish(grpc::Status::CANCELLED);
+        return;
+      }
+      StartRead(&request_);
+    }
+    void OnDone() override { delete this; }
+
+   private:
+    StreamRequest request_;
+    StreamResponse response_;
+  };
+
   template <typename Request>
   static grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* c, const Request& r,
                                          TensorResponse* response) {
@@ -116,6 +167,65 @@ class AsyncCall final : public Tag {
   grpc::ServerAsyncResponseWriter<TensorResponse> writer_{&context_};
 };
 
+// One Stream on the async API, like AsyncCall: read a request, write its answer, read the next.
+class AsyncStream final : public Tag {
+ public:
+  AsyncStream(DataService::AsyncService& service, grpc::ServerCompletionQueue& cq)
+      : service_(service), cq_(cq) {
+    service_.RequestStream(&context_, &stream_, &cq_, &cq_, static_cast<Tag*>(this));
+  }
+
+  void Proceed(bool ok) override {
+    switch (state_) {
+      case State::kAccepting:
+        if (!ok) {
+          delete this;
+          return;
+        }
+        new AsyncStream(service_, cq_);
+        Read();
+        return;
+      case State::kReading:
+        if (!ok) {
+          state_ = State::kFinishing;
+          stream_.Finish(grpc::Status::OK, static_cast<Tag*>(this));
+          return;
+        }
+        response_.Clear();
+        Answer(request_, &response_);
+        state_ = State::kWriting;
+        stream_.Write(response_, static_cast<Tag*>(this));
+        return;
+      case State::kWriting:
+        if (!ok) {
+          state_ = State::kFinishing;
+          stream_.Finish(grpc::Status::CANCELLED, static_cast<Tag*>(this));
+          return;
+        }
+        Read();
+        return;
+      case State::kFinishing:
+        delete this;
+        return;
+    }
+  }
+
+ private:
+  enum class State { kAccepting, kReading, kWriting, kFinishing };
+  void Read() {
+    state_ = State::kReading;
+    stream_.Read(&request_, static_cast<Tag*>(this));
+  }
+
+  DataService::AsyncService& service_;
+  grpc::ServerCompletionQueue& cq_;
+  State state_ = State::kAccepting;
+  grpc::ServerContext context_;
+  grpc::ServerAsyncReaderWriter<StreamResponse, StreamRequest> stream_{&context_};
+  StreamRequest request_;
+  StreamResponse response_;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -153,6 +263,7 @@ int main(int argc, char** argv) {
                                        &DataService::AsyncService::RequestEmbeddingBag);
     new AsyncCall<LinearRequest>(async_echo, *cq, &DataService::AsyncService::RequestLinear);
   }
+  new AsyncStream(async_echo, *cq);  // each stream awaits its successor as it starts
   void* tag = nullptr;
   bool ok = false;
   while (cq->Next(&tag, &ok)) static_cast<Tag*>(tag)->Proceed(ok);  // runs until killed

@@ -6,7 +6,7 @@
 #      gRPC's callback API, and on one completion-queue thread); and the coordinator-forwarded path
 #   4. 64 concurrent callers with one bag each: step-loop coalescing vs one request per step (and
 #      vs one request per rank per step), with unary calls and with each caller on a stream; the
-#      trivial servers' unary rate is the ceiling (what gRPC alone carries here)
+#      trivial servers' rates are the ceiling (what gRPC alone carries here, unary and on streams)
 # Shapes: N = 100 000 rows, D = 128, fp32, W = 2 CPU workers, col-wise. ROUNDS interleaved rounds,
 # medians reported.   bench/run_e2e.sh [ROUNDS] [SECONDS]
 set -euo pipefail
@@ -87,6 +87,7 @@ for ((round = 1; round <= rounds; round++)); do
     --concurrency=4 --via_coordinator
   echo_load "coalesce_64x1" --op=embedding_bag --batch=1 --bag=20 --concurrency=64
   load "coalesce_64x1" "" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64
+  echo_load "coalesce_64x1_stream" --op=embedding_bag --batch=1 --bag=20 --concurrency=64 --stream
   load "coalesce_64x1_stream" "" 50151 --op=embedding_bag --batch=1 --bag=20 --concurrency=64 \
     --stream
   # The baseline clusters run only while measured (idle workers still cost a few % of CPU): one
