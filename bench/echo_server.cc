@@ -1,8 +1,9 @@
 // A trivial gRPC DataService that answers every call, and every request on a Stream, with a float
 // tensor of the size the real service would return (no lookup, no collectives): the ceiling for
-// response bandwidth, and for calls (or stream requests) per second. --api=callback serves on gRPC's callback API (what a service usually
-// writes); --api=async on one thread draining one completion queue, gRPC's cheapest way to serve
-// many small calls on a small machine (no hand-offs between its pollers).
+// response bandwidth, and for calls (or stream requests) per second. --api=callback serves on
+// gRPC's callback API (what a service usually writes); --api=async on one thread draining one
+// completion queue, gRPC's cheapest way to serve many small calls on a small machine (no
+// hand-offs between its pollers).
 //
 //   echo_server --port=50099 --dim=128 [--api=async]
 #include <cstdio>

@@ -22,7 +22,10 @@ work=$(mktemp -d)
 out=bench/results/cpu_split_$(date -u +%Y%m%dT%H%M%SZ).txt
 mkdir -p bench/results
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
 trap cleanup EXIT
 
 start() {  # server: sets $server_pid and $target (flags for the load generator)
@@ -64,12 +67,14 @@ for ((round = 1; round <= rounds; round++)); do
       /usr/bin/python3 - "$load" "$server_pid" 3 >"$work/cpu.txt" <<'PY'
 import os, sys, time
 load, server, secs = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+def stat(pid):  # the fields after the command name
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
 def tree(root):  # the process and its descendants
     kids = {}
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
-                kids.setdefault(int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]), []).append(int(p))
+                kids.setdefault(int(stat(p)[1]), []).append(int(p))
             except OSError:
                 pass
     out, todo = [], [root]
@@ -82,8 +87,8 @@ def ticks(pids):
     t = 0
     for p in pids:
         try:
-            f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            t += int(f[11]) + int(f[12])
+            f = stat(p)
+            t += int(f[11]) + int(f[12])  # utime + stime
         except OSError:
             pass
     return t
@@ -96,10 +101,11 @@ b0 = busy()
 time.sleep(secs)
 b = {k: ticks(v) for k, v in groups.items()}
 hz = os.sysconf("SC_CLK_TCK")
-print((busy() - b0) / hz / secs, (b["load"] - a["load"]) / hz / secs, (b["server"] - a["server"]) / hz / secs)
+print((busy() - b0) / hz / secs, *((b[k] - a[k]) / hz / secs for k in ("load", "server")))
 PY
       wait "$load" || true
-      /usr/bin/python3 - "$server" "$mode" "$work/r.json" "$(cat "$work/cpu.txt")" <<'PY' | tee -a "$out"
+      cpu=$(cat "$work/cpu.txt")
+      /usr/bin/python3 - "$server" "$mode" "$work/r.json" "$cpu" <<'PY' | tee -a "$out"
 import json, sys
 server, mode, report, cpu = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
 rate = json.load(open(report))["bags_per_s"]
