@@ -186,23 +186,15 @@ class AsyncStream final : public Tag {
         new AsyncStream(service_, cq_);
         Read();
         return;
-      case State::kReading:
-        if (!ok) {
-          state_ = State::kFinishing;
-          stream_.Finish(grpc::Status::OK, static_cast<Tag*>(this));
-          return;
-        }
+      case State::kReading:  // not ok: the client is done sending
+        if (!ok) return End(grpc::Status::OK);
         response_.Clear();
         Answer(request_, &response_);
         state_ = State::kWriting;
         stream_.Write(response_, static_cast<Tag*>(this));
         return;
       case State::kWriting:
-        if (!ok) {
-          state_ = State::kFinishing;
-          stream_.Finish(grpc::Status::CANCELLED, static_cast<Tag*>(this));
-          return;
-        }
+        if (!ok) return End(grpc::Status::CANCELLED);
         Read();
         return;
       case State::kFinishing:
@@ -216,6 +208,10 @@ class AsyncStream final : public Tag {
   void Read() {
     state_ = State::kReading;
     stream_.Read(&request_, static_cast<Tag*>(this));
+  }
+  void End(const grpc::Status& status) {
+    state_ = State::kFinishing;
+    stream_.Finish(status, static_cast<Tag*>(this));
   }
 
   DataService::AsyncService& service_;
