@@ -36,6 +36,7 @@
 #include "client/client.h"
 #include "client/local_cluster.h"
 #include "core/safetensors.h"
+#include "core/test_seed.h"
 #include "gmock/gmock.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/create_channel.h"
@@ -1048,6 +1049,317 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   EXPECT_EQ(tables->size(), 1u);
   *e.mutable_ids() = client::Int64Tensor({1}, {3});
   e.set_table("emb");
+  EXPECT_TRUE(c->Embedding(e).ok());
+}
+
+
+// Requests for the robustness test: valid ones for tables "emb" (10 x 4) and "lin" (6 x 4),
+// most of them then given a defect - a field of the wrong dtype, shape or length, an id or offset
+// out of range (negative, overflowing), a bad mode or table - so that each check, and each op
+// past the checks, is reached.
+class RandomRequests {
+ public:
+  explicit RandomRequests(uint64_t seed) : rng_(seed) {}
+
+  int Below(int n) { return static_cast<int>(rng_() % n); }
+  bool OneIn(int n) { return Below(n) == 0; }
+
+  v1::EmbeddingRequest Embedding() {
+    v1::EmbeddingRequest r;
+    r.set_table(TableName("emb"));
+    std::vector<int64_t> shape;
+    for (int d = Below(3); d >= 0; --d) shape.push_back(Below(4));
+    *r.mutable_ids() = Ids(shape, Count(shape));
+    if (!OneIn(3)) Corrupt(*r.mutable_ids());
+    return r;
+  }
+
+  v1::EmbeddingBagRequest EmbeddingBag() {
+    v1::EmbeddingBagRequest r;
+    r.set_table(TableName("emb"));
+    r.set_mode(static_cast<v1::PoolMode>(Below(3)));
+    std::vector<int64_t> shape;
+    if (OneIn(3)) {  // 2-D: bags x ids
+      shape = {Below(4), Below(4)};
+      *r.mutable_ids() = Ids(shape, Count(shape));
+    } else {  // 1-D with offsets: bag starts, sorted, the first 0
+      const int64_t n = Below(8);
+      shape = {n};
+      *r.mutable_ids() = Ids(shape, n);
+      std::vector<int64_t> offsets = {0};
+      for (int b = Below(4); b > 0; --b) offsets.push_back(Below(static_cast<int>(n) + 1));
+      std::sort(offsets.begin(), offsets.end());
+      r.set_include_last_offset(OneIn(2));
+      if (r.include_last_offset()) offsets.push_back(n);
+      *r.mutable_offsets() = client::Int64Tensor({static_cast<int64_t>(offsets.size())}, offsets);
+    }
+    if (r.mode() == v1::SUM && OneIn(2)) {
+      *r.mutable_per_sample_weights() = Floats(shape, Count(shape));
+    }
+    if (OneIn(3)) return r;
+    switch (Below(6)) {
+      case 0:
+        Corrupt(*r.mutable_ids());
+        break;
+      case 1:
+        Corrupt(*r.mutable_offsets());
+        break;
+      case 2:
+        Corrupt(*r.mutable_per_sample_weights());
+        break;
+      case 3:
+        r.set_mode(static_cast<v1::PoolMode>(OneIn(2) ? 9 : Below(3)));  // unknown, or weights
+        break;                                                            // without sum
+      case 4:
+        r.set_include_last_offset(!r.include_last_offset());
+        break;
+      default:
+        if (r.has_offsets()) {  // offsets with 2-D ids, or none with 1-D ids
+          r.clear_offsets();
+        } else {
+          *r.mutable_offsets() = client::Int64Tensor({1}, {0});
+        }
+        break;
+    }
+    return r;
+  }
+
+  v1::LinearRequest Linear() {
+    v1::LinearRequest r;
+    r.set_table(TableName("lin"));
+    const std::vector<int64_t> shape = {Below(4), 4};
+    *r.mutable_input() = Floats(shape, Count(shape));
+    if (!OneIn(3)) Corrupt(*r.mutable_input());
+    return r;
+  }
+
+  // The message's bytes, or those bytes with a few changed, cut short or lengthened.
+  std::string Bytes(const google::protobuf::MessageLite& message) {
+    std::string bytes = message.SerializeAsString();
+    switch (Below(6)) {
+      case 0:
+        for (int i = 1 + Below(4); i > 0 && !bytes.empty(); --i) {
+          bytes[Below(static_cast<int>(bytes.size()))] = static_cast<char>(rng_());
+        }
+        break;
+      case 1:
+        bytes.resize(Below(static_cast<int>(bytes.size()) + 1));
+        break;
+      case 2:
+        for (int i = 1 + Below(16); i > 0; --i) bytes.push_back(static_cast<char>(rng_()));
+        break;
+      default:
+        break;
+    }
+    return bytes;
+  }
+
+ private:
+  static int64_t Count(const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+  std::string TableName(const std::string& name) {
+    static const char* kOthers[] = {"emb", "lin", "", "nope"};
+    return OneIn(12) ? kOthers[Below(4)] : name;
+  }
+  v1::Tensor Ids(const std::vector<int64_t>& shape, int64_t n) {
+    std::vector<int64_t> ids(n);
+    for (int64_t& id : ids) id = Below(10);
+    return client::Int64Tensor(shape, ids);
+  }
+  v1::Tensor Floats(const std::vector<int64_t>& shape, int64_t n) {
+    static constexpr float kSpecial[] = {0.f, -0.f, NAN, INFINITY, -INFINITY, 1e30f, 1e-40f};
+    std::vector<float> values(n);
+    for (float& v : values) v = OneIn(6) ? kSpecial[Below(7)] : static_cast<float>(Below(200)) / 7;
+    return client::FloatTensor(shape, values);
+  }
+
+  // One defect: a value, the dtype, the shape or the data's length.
+  void Corrupt(v1::Tensor& t) {
+    static constexpr int64_t kValues[] = {-1, 10, 11, INT64_MIN, INT64_MAX, int64_t{1} << 40};
+    static constexpr int64_t kSizes[] = {-1, 0, 7, int64_t{1} << 40, INT64_MAX, INT64_MIN};
+    switch (Below(5)) {
+      case 0:  // 8 bytes of a value: an id out of range, or odd bits among floats
+        if (t.data().size() >= 8) {
+          const int64_t v = kValues[Below(6)];
+          std::memcpy(&(*t.mutable_data())[8 * Below(static_cast<int>(t.data().size() / 8))], &v,
+                      8);
+        }
+        break;
+      case 1:
+        t.set_dtype(static_cast<v1::DType>(Below(4)));  // 3 is no dtype
+        break;
+      case 2:  // a dimension of another size, or one more or fewer
+        if (t.shape_size() > 0 && !OneIn(3)) {
+          t.set_shape(Below(t.shape_size()), kSizes[Below(6)]);
+        } else if (OneIn(2) || t.shape_size() == 0) {
+          t.add_shape(1 + Below(3));
+        } else {
+          t.mutable_shape()->RemoveLast();
+        }
+        break;
+      case 3: {  // a few bytes fewer or more
+        const int64_t bytes = static_cast<int64_t>(t.data().size()) + Below(9) - 4;
+        t.mutable_data()->resize(std::max<int64_t>(bytes, 0));
+        break;
+      }
+      default:  // 4 or 8 bytes more
+        t.mutable_data()->append(4 * (1 + Below(2)), '\x7f');
+        break;
+    }
+  }
+
+  std::mt19937_64 rng_;
+};
+
+// What a bad request may get (DESIGN.md's table), besides OK.
+bool ExpectedForBadInput(int code) {
+  switch (static_cast<grpc::StatusCode>(code)) {
+    case grpc::StatusCode::OK:
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// An OK answer is a well-formed float tensor.
+void ExpectWellFormed(const v1::Tensor& t, const std::string& what) {
+  int64_t count = 1;
+  for (int64_t d : t.shape()) count *= d;
+  EXPECT_EQ(t.dtype(), v1::FLOAT32) << what;
+  EXPECT_EQ(static_cast<int64_t>(t.data().size()), count * 4) << what;
+}
+
+// Requests drawn at random (RandomRequests), some with their bytes changed, cut or added, sent raw
+// to each worker and to the coordinator, unary and on a stream: every one is answered before its
+// deadline with OK or an error of DESIGN.md's table, no server goes down, and the stored tables
+// are as before.
+TEST(Cluster, RandomRequestsGetAnswersOrClearErrorsAndChangeNothing) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table emb = MakeTable("emb", v1::EMBEDDING, 10, 4, 1, {1, 0}, dir);
+  Table lin = MakeTable("lin", v1::LINEAR, 6, 4, 0, {0, 1}, dir);
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  ASSERT_TRUE(c->CreateTable(lin.spec).ok());
+  for (const char* name : {"emb", "lin"}) {
+    ASSERT_TRUE(c->ExportTable(name, absl::StrCat(dir, "/", name, ".before")).ok());
+  }
+
+  RandomRequests random(core::TestSeed());
+  const std::vector<std::string> addresses = {
+      cluster->worker_address(0), cluster->worker_address(1), cluster->coordinator_address()};
+  std::map<int, int> codes;
+  for (const std::string& address : addresses) {
+    SCOPED_TRACE(address);
+    grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    for (int i = 0; i < 400; ++i) {
+      std::string method, bytes;
+      switch (random.Below(3)) {
+        case 0:
+          method = "Embedding";
+          bytes = random.Bytes(random.Embedding());
+          break;
+        case 1:
+          method = "EmbeddingBag";
+          bytes = random.Bytes(random.EmbeddingBag());
+          break;
+        default:
+          method = "Linear";
+          bytes = random.Bytes(random.Linear());
+          break;
+      }
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      grpc::Slice slice(bytes);
+      grpc::ByteBuffer request(&slice, 1), response;
+      absl::Notification done;
+      grpc::Status status;
+      stub.UnaryCall(&context, "/shardserve.v1.DataService/" + method, {}, &request, &response,
+                     [&](grpc::Status s) {
+                       status = std::move(s);
+                       done.Notify();
+                     });
+      done.WaitForNotification();
+      ++codes[status.error_code()];
+      ASSERT_TRUE(ExpectedForBadInput(status.error_code()))
+          << method << " call " << i << ": " << status.error_code() << " "
+          << status.error_message();
+      if (!status.ok()) continue;
+      std::vector<grpc::Slice> slices;
+      ASSERT_TRUE(response.Dump(&slices).ok());
+      std::string answer;
+      for (const grpc::Slice& s : slices) answer.append(s.begin(), s.end());
+      v1::TensorResponse parsed;
+      ASSERT_TRUE(parsed.ParseFromString(answer));
+      ExpectWellFormed(parsed.output(), method);
+    }
+
+    auto data = DataStub(address);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto stream = data->Stream(&context);
+    constexpr int kStreamed = 200;
+    for (int id = 0; id < kStreamed; ++id) {
+      v1::StreamRequest request;
+      request.set_id(id);
+      switch (random.Below(4)) {
+        case 0:
+          *request.mutable_embedding() = random.Embedding();
+          break;
+        case 1:
+          *request.mutable_embedding_bag() = random.EmbeddingBag();
+          break;
+        case 2:
+          *request.mutable_linear() = random.Linear();
+          break;
+        default:
+          break;  // no op set
+      }
+      ASSERT_TRUE(stream->Write(request));
+    }
+    stream->WritesDone();
+    v1::StreamResponse response;
+    int answered = 0;
+    while (stream->Read(&response)) {
+      ++answered;
+      ++codes[response.code()];
+      EXPECT_TRUE(ExpectedForBadInput(response.code()))
+          << "stream request " << response.id() << ": " << response.code() << " "
+          << response.message();
+      if (response.code() == 0) ExpectWellFormed(response.output(), "stream");
+    }
+    EXPECT_EQ(answered, kStreamed);
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  for (const auto& [code, n] : codes) std::printf("status %d: %d answers\n", code, n);
+  EXPECT_GT(codes[0], 0);  // the draws reach the ops, not only the checks
+  EXPECT_GT(codes[static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT)], 0);
+
+  for (const char* name : {"emb", "lin"}) {
+    const std::string before = absl::StrCat(dir, "/", name, ".before");
+    const std::string after = absl::StrCat(dir, "/", name, ".after");
+    ASSERT_TRUE(c->ExportTable(name, after).ok());
+    auto x = core::SafetensorsFile::Open(before), y = core::SafetensorsFile::Open(after);
+    ASSERT_TRUE(x.ok() && y.ok());
+    for (const char* tensor : {"weight", "bias"}) {
+      const auto* a = (*x)->Find(tensor);
+      const auto* b = (*y)->Find(tensor);
+      ASSERT_EQ(a == nullptr, b == nullptr) << name << " " << tensor;
+      if (a == nullptr) continue;
+      ASSERT_EQ(a->bytes, b->bytes);
+      EXPECT_EQ(std::memcmp(a->data, b->data, a->bytes), 0) << name << " " << tensor;
+    }
+  }
+  v1::EmbeddingRequest e;
+  e.set_table("emb");
+  *e.mutable_ids() = client::Int64Tensor({2}, {3, 9});
   EXPECT_TRUE(c->Embedding(e).ok());
 }
 
