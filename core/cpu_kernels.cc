@@ -5,11 +5,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <fstream>
 #include <string>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "core/host_memory.h"
 #include "ATen/Parallel.h"
 #include "ATen/core/Tensor.h"
 #include "ATen/ops/addmm.h"
@@ -47,33 +47,8 @@ absl::Status TorchGuard(const char* what, Body&& body) {
 
 void CpuKernels::InitThread() { at::set_num_threads(options_.intra_op_threads); }
 
-namespace {
-
-// Memory the kernel says can be allocated without swapping (MemAvailable), or -1 if unknown.
-int64_t AvailableBytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  std::string unit;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return -1;
-}
-
-}  // namespace
-
 absl::StatusOr<DeviceBuffer> CpuKernels::Allocate(int64_t bytes) {
-  // Large shards are checked against available memory: with overcommit the allocation itself
-  // would succeed and the process would be killed while filling it.
-  if (bytes > (int64_t{1} << 30)) {
-    const int64_t available = AvailableBytes();
-    if (available >= 0 && bytes > available) {
-      return absl::ResourceExhaustedError(absl::StrCat("cpu: cannot allocate ", bytes,
-                                                       " bytes: only ", available,
-                                                       " bytes of memory are available"));
-    }
-  }
+  if (absl::Status checked = CheckHostAllocation(bytes, "cpu"); !checked.ok()) return checked;
   const size_t rounded = ((static_cast<size_t>(bytes) + kAlignment - 1) / kAlignment) * kAlignment;
   void* data = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
   if (data == nullptr) {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -118,17 +119,24 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(absl::StrCat("checkpoint: cannot open \"", path, "\""));
   struct stat st;
-  if (fstat(fd, &st) != 0 || st.st_size < 8) {
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint \"", path, "\": not a regular file"));
+  }
+  if (st.st_size < 8) {
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat("checkpoint \"", path, "\": too short"));
   }
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->size_ = static_cast<size_t>(st.st_size);
   file->map_ = mmap(nullptr, file->size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int mmap_errno = errno;
   ::close(fd);
   if (file->map_ == MAP_FAILED) {
     file->map_ = nullptr;
-    return absl::InternalError(absl::StrCat("checkpoint \"", path, "\": mmap failed"));
+    return absl::InternalError(
+        absl::StrCat("checkpoint \"", path, "\": mmap failed: ", std::strerror(mmap_errno)));
   }
   const char* base = static_cast<const char*>(file->map_);
   uint64_t header_len = 0;

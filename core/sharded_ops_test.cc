@@ -870,6 +870,12 @@ TEST(TableConfig, RejectsBadConfigsAndNormalisesNegativePadding) {
   config.max_norm.reset();
   config.num_cols = 0;
   EXPECT_THAT(std::string(config.Validate().message()), HasSubstr("num_cols: 0 must be >= 1"));
+  config.num_cols = INT64_MAX;  // would overflow the chunk and byte arithmetic
+  EXPECT_THAT(std::string(config.Validate().message()),
+              HasSubstr("num_rows x num_cols: 10 x 9223372036854775807 exceeds 2^52 elements"));
+  config.num_rows = int64_t{1} << 40;
+  config.num_cols = int64_t{1} << 12;  // 2^52: accepted (and then refused by the allocator)
+  EXPECT_TRUE(config.Validate().ok());
 }
 
 }  // namespace

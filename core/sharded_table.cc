@@ -4,10 +4,12 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/host_memory.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "core/table_init.h"
@@ -45,8 +47,17 @@ absl::StatusOr<std::unique_ptr<ShardedTable>> ShardedTable::Create(const TableCo
   ShardLayout layout(config.spec, config.spec.dim() == 0 ? config.num_rows : config.num_cols);
   const int64_t other = config.spec.dim() == 0 ? config.num_cols : config.num_rows;
   const int64_t bytes = layout.SizeOfRank(rank) * other * static_cast<int64_t>(sizeof(float));
+  // Every rank holds a linear layer's whole bias in host memory, however small its shard.
+  const bool bias = config.kind == TableKind::kLinear && config.has_bias;
+  RETURN_IF_ERROR(CheckHostAllocation(bias ? config.num_rows * 4 : 0, "bias"));
   ASSIGN_OR_RETURN(DeviceBuffer storage, kernels.Allocate(bytes));
-  std::unique_ptr<ShardedTable> table(new ShardedTable(config, rank, kernels, std::move(storage)));
+  std::unique_ptr<ShardedTable> table;
+  try {
+    table.reset(new ShardedTable(config, rank, kernels, std::move(storage)));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("bias: cannot allocate ", config.num_rows * 4, " bytes"));
+  }
   RETURN_IF_ERROR(table->WriteShard([bytes](float* shard) { std::memset(shard, 0, bytes); }));
   return table;
 }
@@ -65,7 +76,7 @@ absl::Status ShardedTable::WriteShard(const std::function<void(float* shard)>& f
 
 absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* bias) {
   RETURN_IF_ERROR(WriteShard([&](float* shard) {
-    for (int64_t r = 0; r < shard_rows_; ++r) {
+    for (int64_t r = 0; shard_cols_ > 0 && r < shard_rows_; ++r) {
       const float* src = full_weight + (row_begin_ + r) * config_.num_cols + col_begin_;
       std::copy(src, src + shard_cols_, shard + r * shard_cols_);
     }

@@ -13,6 +13,13 @@ absl::Status TableConfig::Validate() {
   if (num_cols < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_cols: ", num_cols, " must be >= 1"));
   }
+  // Sizes in bytes and chunk sizes are int64 arithmetic: a weight past 2^52 elements (16 PiB of
+  // floats; no machine holds one) would overflow it, and must be refused before, not allocated.
+  constexpr int64_t kMaxElements = int64_t{1} << 52;
+  if (num_rows > kMaxElements / num_cols) {
+    return absl::InvalidArgumentError(absl::StrCat("num_rows x num_cols: ", num_rows, " x ",
+                                                   num_cols, " exceeds 2^52 elements"));
+  }
   if (padding_idx.has_value()) {
     if (kind != TableKind::kEmbedding) {
       return absl::InvalidArgumentError("padding_idx: only embedding tables have one");

@@ -22,6 +22,7 @@ double Uniform(uint64_t seed, uint64_t stream, uint64_t index) {
 
 void FillSeededWeight(const TableConfig& table, uint64_t seed, int64_t row_begin, int64_t rows,
                       int64_t col_begin, int64_t cols, float* out) {
+  if (cols == 0) return;  // an empty shard of a table with very many rows: nothing to visit
   const double bound = 1.0 / std::sqrt(static_cast<double>(table.num_cols));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row_begin + r;

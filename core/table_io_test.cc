@@ -113,6 +113,31 @@ TEST(Safetensors, RoundTripAndShardLoading) {
   }
 }
 
+// A table of 2^40 rows and one column, split by columns over 2 ranks: rank 1's shard is empty. It
+// loads at once (no loop over its rows) when it is an embedding table; as a linear layer, whose
+// bias every rank holds whole, it is refused with RESOURCE_EXHAUSTED (not a thrown bad_alloc).
+TEST(ShardedTable, EmptyShardsOfHugeTablesLoadAtOnceOrAreRefused) {
+  CpuKernels kernels;
+  TableConfig config;
+  config.name = "huge";
+  config.num_rows = int64_t{1} << 40;
+  config.num_cols = 1;
+  config.spec = ShardingSpec::Contiguous(1, 2);
+  ASSERT_TRUE(config.Validate().ok());
+  auto table = ShardedTable::Create(config, 1, kernels);
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ((*table)->shard().cols, 0);
+  EXPECT_TRUE((*table)->LoadSeeded(1).ok());
+  EXPECT_EQ(ShardedTable::Create(config, 0, kernels).status().code(),
+            absl::StatusCode::kResourceExhausted);  // the rank with the column
+  config.kind = TableKind::kLinear;
+  absl::StatusOr<std::unique_ptr<ShardedTable>> layer = ShardedTable::Create(config, 1, kernels);
+  EXPECT_EQ(layer.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(layer.status().message()), HasSubstr("bias: cannot allocate"));
+  config.has_bias = false;
+  EXPECT_TRUE(ShardedTable::Create(config, 1, kernels).ok());
+}
+
 TEST(Safetensors, RejectsMalformedFilesAndWrongShapes) {
   EXPECT_EQ(SafetensorsFile::Open(TempPath("nope.safetensors")).status().code(),
             absl::StatusCode::kNotFound);
@@ -125,6 +150,11 @@ TEST(Safetensors, RejectsMalformedFilesAndWrongShapes) {
   }
   EXPECT_THAT(std::string(SafetensorsFile::Open(bad).status().message()),
               HasSubstr("header length 1000 exceeds the file"));
+  for (const std::string& not_a_file : {TempPath(""), std::string("/dev/zero")}) {
+    absl::StatusOr<std::unique_ptr<SafetensorsFile>> opened = SafetensorsFile::Open(not_a_file);
+    EXPECT_EQ(opened.status().code(), absl::StatusCode::kInvalidArgument) << not_a_file;
+    EXPECT_THAT(std::string(opened.status().message()), HasSubstr("not a regular file"));
+  }
   std::vector<float> w(6);
   const std::string small = TempPath("small.safetensors");
   ASSERT_TRUE(WriteSafetensors(small, {{"weight", "F32", {2, 3}, w.data(), 24}}).ok());

@@ -12,13 +12,17 @@
 namespace shardserve::server {
 namespace {
 
+// A dtype's name, or its number where it is not one this build knows (proto3 keeps those).
+std::string DTypeName(v1::DType d) {
+  return v1::DType_IsValid(d) ? v1::DType_Name(d) : absl::StrCat(static_cast<int>(d), " (unknown)");
+}
+
 template <typename T>
 absl::Status Decode(const v1::Tensor& tensor, const std::string& field, v1::DType want,
                     std::vector<T>* values, std::vector<int64_t>* shape) {
   if (tensor.dtype() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", v1::DType_Name(tensor.dtype()),
-                                                   " where ", v1::DType_Name(want),
-                                                   " is required"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", DTypeName(tensor.dtype()),
+                                                   " where ", DTypeName(want), " is required"));
   }
   shape->assign(tensor.shape().begin(), tensor.shape().end());
   int64_t n = 1;
@@ -147,12 +151,16 @@ absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int 
     }
   }
   config.name = spec.name();
+  if (!v1::TableKind_IsValid(spec.kind())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("table.kind: ", spec.kind(), " is not one of EMBEDDING, LINEAR"));
+  }
   config.kind = spec.kind() == v1::LINEAR ? core::TableKind::kLinear : core::TableKind::kEmbedding;
   config.num_rows = spec.num_rows();
   config.num_cols = spec.num_cols();
   if (spec.dtype() != v1::FLOAT32 && spec.dtype() != v1::DTYPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(
-        absl::StrCat("table.dtype: ", v1::DType_Name(spec.dtype()), " is not supported; use FLOAT32"));
+        absl::StrCat("table.dtype: ", DTypeName(spec.dtype()), " is not supported; use FLOAT32"));
   }
   std::vector<std::string> placements(spec.sharding().placements().begin(),
                                       spec.sharding().placements().end());
@@ -194,6 +202,10 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
   auto r = std::make_unique<core::StepRequest>();
   r->op = core::StepRequest::Op::kEmbeddingBag;
   r->table = request.table();
+  if (!v1::PoolMode_IsValid(request.mode())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mode: ", request.mode(), " is not one of MEAN, SUM, MAX"));
+  }
   r->mode = ModeOf(request.mode());
   RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
   std::vector<int64_t> offsets, offsets_shape;

@@ -40,6 +40,9 @@ TEST(TensorCodec, DecodesAndChecksBytesAgainstShape) {
   v1::Tensor negative = Ids({-1}, {});
   EXPECT_THAT(std::string(DecodeInt64(negative, "ids", &values, &shape).message()),
               HasSubstr("ids.shape[0]: -1 must be >= 0"));
+  wrong_type.set_dtype(static_cast<v1::DType>(7));  // a value proto3 keeps but this build lacks
+  EXPECT_THAT(std::string(DecodeInt64(wrong_type, "ids", &values, &shape).message()),
+              HasSubstr("ids.dtype: 7 (unknown) where INT64 is required"));
 }
 
 TEST(TensorCodec, ValidatesTableSpecs) {
@@ -59,6 +62,14 @@ TEST(TensorCodec, ValidatesTableSpecs) {
   spec.set_name("a|b");
   EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()), HasSubstr("forbidden"));
   spec.set_name("t");
+  spec.set_kind(static_cast<v1::TableKind>(5));  // unknown kinds and dtypes are refused
+  EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()),
+              HasSubstr("table.kind: 5 is not one of EMBEDDING, LINEAR"));
+  spec.set_kind(v1::EMBEDDING);
+  spec.set_dtype(static_cast<v1::DType>(3));
+  EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()),
+              HasSubstr("table.dtype: 3 (unknown) is not supported"));
+  spec.set_dtype(v1::FLOAT32);
   spec.clear_seed();
   EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()), HasSubstr("table.init"));
 }
@@ -90,6 +101,9 @@ TEST(TensorCodec, BagRequestBecomesCanonicalStepRequest) {
   *request.mutable_per_sample_weights() = weights;
   EXPECT_THAT(std::string(MakeStepRequest(request, table, {}).status().message()),
               HasSubstr("per_sample_weights: only supported with mode sum"));
+  request.set_mode(static_cast<v1::PoolMode>(9));  // not taken for the default, MEAN
+  EXPECT_THAT(std::string(MakeStepRequest(request, table, {}).status().message()),
+              HasSubstr("mode: 9 is not one of MEAN, SUM, MAX"));
 }
 
 // What protobuf itself makes of a float tensor: the reference for the hand-written encoding.

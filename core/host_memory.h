@@ -1,0 +1,23 @@
+// Host memory checks for large allocations: with overcommit, a large allocation itself succeeds
+// and the process is killed later, while it fills the memory; so sizes are checked against what
+// the kernel says can be allocated first.
+#ifndef SHARDSERVE_CORE_HOST_MEMORY_H_
+#define SHARDSERVE_CORE_HOST_MEMORY_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace shardserve::core {
+
+// Memory the kernel says can be allocated without swapping (MemAvailable), or -1 if unknown.
+int64_t AvailableHostBytes();
+
+// RESOURCE_EXHAUSTED (naming `what`) when `bytes` of host memory cannot be had: more than 1 GiB
+// and more than is available. Smaller sizes are left to the allocator.
+absl::Status CheckHostAllocation(int64_t bytes, const std::string& what);
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_HOST_MEMORY_H_
