@@ -1363,5 +1363,136 @@ TEST(Cluster, RandomRequestsGetAnswersOrClearErrorsAndChangeNothing) {
   EXPECT_TRUE(c->Embedding(e).ok());
 }
 
+
+// Table specs drawn at random - names with forbidden characters, sizes negative, zero or
+// overflowing, unknown kinds, dtypes and sharding dims, placements that do not parse or name
+// missing ranks and devices, NaN and negative norms, padding indices out of range, checkpoints
+// that are missing or are devices - sent to the coordinator: each gets a clear answer, a created
+// table serves and drops, and the table that was there before serves on unchanged.
+TEST(Cluster, RandomTableSpecsGetClearAnswersAndLeaveTheClusterServing) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = ConnectOnce(*cluster, absl::Seconds(30));
+  const std::string dir = TempDir();
+  Table emb = MakeTable("emb", v1::EMBEDDING, 10, 4, 1, {1, 0}, dir);
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  const Table other = MakeTable("other", v1::EMBEDDING, 5, 3, 0, {0, 1}, dir);
+
+  std::mt19937_64 rng(core::TestSeed());
+  auto below = [&](int n) { return static_cast<int>(rng() % n); };
+  auto pick = [&](const auto& values) { return values[below(std::size(values))]; };
+  static const std::string kNames[] = {"", "a/b", "a|b", "tab\tle", "new\nline", "ünï", "emb"};
+  static constexpr int64_t kSizes[] = {-1, 0, 1, 2, 3, 7, int64_t{1} << 40, INT64_MAX, INT64_MIN};
+  static const std::string kPlacements[] = {
+      "rank:0/cpu", "rank:1/cpu", "rank:2/cpu", "rank:-1/cpu", "rank:0/cuda:0", "rank:0/tpu",
+      "", "rank:99999999999999999999/cpu", "rank:0/cpu/x", "rank:1/cpu ", "rank:/cpu", "cpu"};
+  static constexpr int64_t kIndices[] = {-1, 0, 2, -100, INT64_MAX, INT64_MIN};
+  static constexpr double kNorms[] = {NAN, -1, 0, 0.5, 2, 1e300, INFINITY, -INFINITY};
+  const std::string checkpoints[] = {"", "/nonexistent/x.safetensors", "/dev/zero",
+                                     "/dev/urandom", dir, other.spec.checkpoint()};
+  std::map<int, int> codes;
+  for (int i = 0; i < 150; ++i) {
+    // A valid spec ...
+    v1::TableSpec spec;
+    spec.set_name(absl::StrCat("t", i));
+    spec.set_kind(static_cast<v1::TableKind>(below(2)));
+    spec.set_num_rows(1 + below(6));
+    spec.set_num_cols(1 + below(6));
+    spec.mutable_sharding()->set_dim(below(2));
+    const int first = below(2);
+    spec.mutable_sharding()->add_placements(absl::StrCat("rank:", first, "/cpu"));
+    spec.mutable_sharding()->add_placements(absl::StrCat("rank:", 1 - first, "/cpu"));
+    if (spec.kind() == v1::EMBEDDING && below(3) == 0) {
+      spec.set_padding_idx(below(static_cast<int>(2 * spec.num_rows())) - spec.num_rows());
+    }
+    if (spec.kind() == v1::EMBEDDING && below(3) == 0) spec.set_max_norm(0.5 + below(4));
+    if (below(4) == 0) spec.set_norm_type(1 + below(3));
+    spec.set_no_bias(below(2) == 0);
+    spec.set_seed(rng());
+    if (below(8) == 0) spec.set_generation(rng());  // output only: ignored
+    // ... and, mostly, one defect.
+    switch (below(12)) {
+      case 0:
+        spec.set_name(pick(kNames));
+        break;
+      case 1:
+        spec.set_kind(static_cast<v1::TableKind>(5));
+        break;
+      case 2:
+        spec.set_num_rows(pick(kSizes));
+        break;
+      case 3:
+        spec.set_num_cols(pick(kSizes));
+        break;
+      case 4:
+        spec.set_dtype(static_cast<v1::DType>(below(4)));
+        break;
+      case 5:
+        spec.mutable_sharding()->set_dim(below(2) == 0 ? -1 : 2);
+        break;
+      case 6:
+        *spec.mutable_sharding()->mutable_placements(below(2)) = pick(kPlacements);
+        if (below(3) == 0) spec.mutable_sharding()->add_placements(pick(kPlacements));
+        break;
+      case 7:
+        spec.set_padding_idx(pick(kIndices));
+        break;
+      case 8:
+        spec.set_max_norm(pick(kNorms));
+        if (below(2) == 0) spec.set_norm_type(pick(kNorms));
+        break;
+      case 9:
+        spec.set_checkpoint(pick(checkpoints));
+        break;
+      default:
+        break;
+    }
+    SCOPED_TRACE(spec.ShortDebugString());
+    absl::StatusOr<v1::TableInfo> created = c->CreateTable(spec);
+    ++codes[static_cast<int>(created.status().code())];
+    switch (created.status().code()) {
+      case absl::StatusCode::kOk:
+      case absl::StatusCode::kInvalidArgument:
+      case absl::StatusCode::kNotFound:  // a checkpoint that is not there
+      case absl::StatusCode::kAlreadyExists:
+      case absl::StatusCode::kResourceExhausted:
+      case absl::StatusCode::kFailedPrecondition:
+        break;
+      default:
+        FAIL() << "spec " << i << ": " << created.status();
+    }
+    if (!created.ok()) {
+      EXPECT_FALSE(created.status().message().empty());
+      continue;
+    }
+    if (spec.name() == "emb") continue;  // cannot have been created: ALREADY_EXISTS
+    if (spec.kind() == v1::EMBEDDING) {
+      v1::EmbeddingRequest e;
+      e.set_table(spec.name());
+      *e.mutable_ids() = client::Int64Tensor({1}, {spec.num_rows() - 1});
+      EXPECT_TRUE(c->Embedding(e).ok()) << c->Embedding(e).status();
+    } else {
+      v1::LinearRequest l;
+      l.set_table(spec.name());
+      *l.mutable_input() =
+          client::FloatTensor({1, spec.num_cols()}, std::vector<float>(spec.num_cols(), 1.f));
+      EXPECT_TRUE(c->Linear(l).ok()) << c->Linear(l).status();
+    }
+    EXPECT_TRUE(c->DropTable(spec.name()).ok());
+  }
+  for (const auto& [code, n] : codes) std::printf("status %d: %d specs\n", code, n);
+  EXPECT_GT(codes[0], 0);
+  EXPECT_GT(codes[static_cast<int>(absl::StatusCode::kInvalidArgument)], 0);
+
+  auto tables = c->ListTables();
+  ASSERT_TRUE(tables.ok());
+  ASSERT_EQ(tables->size(), 1u);
+  v1::EmbeddingRequest e;
+  e.set_table("emb");
+  *e.mutable_ids() = client::Int64Tensor({3}, {0, 9, 4});
+  Answer a{c->Embedding(e), at::embedding(emb.weight, at::tensor({0, 9, 4}, at::kLong))};
+  EXPECT_TRUE(a.Right()) << a.got.status();
+}
+
 }  // namespace
 }  // namespace shardserve
