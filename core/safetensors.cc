@@ -5,11 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -205,8 +206,27 @@ const SafetensorsTensor* SafetensorsFile::Find(const std::string& name) const {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
+absl::Status CheckOutputPath(const std::string& path) {
+  if (path.empty() || path.front() != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("path \"", path, "\": must be absolute (a path on the writer's machine)"));
+  }
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("path \"", path, "\": exists and is not a regular file"));
+  }
+  const std::string dir = path.substr(0, std::max<size_t>(path.rfind('/'), 1));
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("path \"", path, "\": directory \"", dir, "\" does not exist"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<SafetensorsEntry>& entries) {
+  RETURN_IF_ERROR(CheckOutputPath(path));
   std::string header = "{";
   int64_t offset = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -218,20 +238,37 @@ absl::Status WriteSafetensors(const std::string& path,
   }
   header += "}";
   while ((8 + header.size()) % 8 != 0) header += ' ';  // align the data
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    const uint64_t len = header.size();
-    out.write(reinterpret_cast<const char*>(&len), 8);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    for (const SafetensorsEntry& e : entries) {
-      out.write(static_cast<const char*>(e.data), e.bytes);
-    }
-    out.flush();
-    if (!out) return absl::InternalError(absl::StrCat("export: cannot write \"", tmp, "\""));
+  const uint64_t len = header.size();
+  std::vector<std::pair<const char*, int64_t>> pieces = {
+      {reinterpret_cast<const char*>(&len), 8},
+      {header.data(), static_cast<int64_t>(header.size())}};
+  for (const SafetensorsEntry& e : entries) {
+    pieces.emplace_back(static_cast<const char*>(e.data), e.bytes);
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("export: cannot rename to \"", path, "\""));
+  // Written beside the target and renamed over it: readers never see a partial file, and a failed
+  // write leaves nothing behind.
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("path \"", path, "\": cannot create \"", tmp, "\": ", std::strerror(errno)));
+  }
+  int error = 0;
+  for (const auto& [data, bytes] : pieces) {
+    for (int64_t done = 0; error == 0 && done < bytes;) {
+      const ssize_t n = ::write(fd, data + done, static_cast<size_t>(bytes - done));
+      if (n < 0 && errno != EINTR) error = errno;
+      if (n > 0) done += n;
+    }
+  }
+  if (::close(fd) != 0 && error == 0) error = errno;
+  if (error == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) error = errno;
+  if (error != 0) {
+    ::unlink(tmp.c_str());
+    const std::string message =
+        absl::StrCat("path \"", path, "\": cannot write it: ", std::strerror(error));
+    return error == ENOSPC || error == EDQUOT ? absl::ResourceExhaustedError(message)
+                                              : absl::InternalError(message);
   }
   return absl::OkStatus();
 }

@@ -52,7 +52,12 @@ struct SafetensorsEntry {
   int64_t bytes = 0;
 };
 
-// Writes the tensors to `path` (atomically: a temporary file renamed into place).
+// INVALID_ARGUMENT unless `path` can name a safetensors file to write: absolute, in a directory
+// that exists, and not anything but a regular file already (a device, a directory, a link).
+absl::Status CheckOutputPath(const std::string& path);
+
+// Writes the tensors to `path` (atomically: a temporary file renamed into place; nothing is left
+// behind when it fails). `path` must pass CheckOutputPath.
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries);
 
 }  // namespace shardserve::core

@@ -1,3 +1,6 @@
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -136,6 +139,43 @@ TEST(ShardedTable, EmptyShardsOfHugeTablesLoadAtOnceOrAreRefused) {
   EXPECT_THAT(std::string(layer.status().message()), HasSubstr("bias: cannot allocate"));
   config.has_bias = false;
   EXPECT_TRUE(ShardedTable::Create(config, 1, kernels).ok());
+}
+
+// Exports write only regular files, at absolute paths, in directories that exist: a device or a
+// pipe named as the path is left alone (it used to be replaced by the renamed file).
+TEST(Safetensors, WritesOnlyRegularFilesAtAbsolutePaths) {
+  std::vector<float> w(6, 1.f);
+  const std::vector<SafetensorsEntry> entries = {{"weight", "F32", {2, 3}, w.data(), 24}};
+  const std::string fifo = TempPath("a.fifo"), dir = TempPath("a.dir"), link = TempPath("a.link");
+  ::unlink(fifo.c_str());  // from an earlier run outside Bazel
+  ::rmdir(dir.c_str());
+  ::unlink(link.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  ASSERT_EQ(::symlink(TempPath("a.target").c_str(), link.c_str()), 0);
+  const std::pair<std::string, std::string> refused[] = {
+      {"relative.safetensors", "must be absolute"},
+      {"", "must be absolute"},
+      {fifo, "exists and is not a regular file"},
+      {dir, "exists and is not a regular file"},
+      {link, "exists and is not a regular file"},
+      {TempPath("missing/x.safetensors"), "does not exist"}};
+  for (const auto& [path, why] : refused) {
+    const absl::Status status = WriteSafetensors(path, entries);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << path;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(why)) << path;
+  }
+  struct stat st;
+  ASSERT_EQ(::lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  ASSERT_EQ(::lstat(link.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode));
+  const std::string file = TempPath("ok.safetensors");
+  ASSERT_TRUE(WriteSafetensors(file, entries).ok());
+  ASSERT_TRUE(WriteSafetensors(file, entries).ok());  // over a regular file: replaced
+  auto opened = SafetensorsFile::Open(file);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ((*opened)->Find("weight")->bytes, 24);
 }
 
 TEST(Safetensors, RejectsMalformedFilesAndWrongShapes) {

@@ -10,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/host_memory.h"
 #include "core/safetensors.h"
 #include "core/sharding_spec.h"
 #include "core/status_macros.h"
@@ -167,9 +168,8 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
 
   grpc::Status ExportTable(grpc::ServerContext* context, const v1::ExportTableRequest* request,
                            v1::ExportTableResponse* response) override {
-    if (request->path().empty()) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "path: must not be empty");
-    }
+    // The path is on this machine: checked before any shard is read (and again when written).
+    if (absl::Status s = core::CheckOutputPath(request->path()); !s.ok()) return ToGrpcStatus(s);
     v1::TableSpec spec;
     std::vector<std::string> addresses;
     {
@@ -189,6 +189,9 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, c_.options_.world_size);
     if (!config.ok()) return ToGrpcStatus(config.status());
     const int64_t rows = config->num_rows, cols = config->num_cols;
+    if (absl::Status s = core::CheckHostAllocation(rows * cols * 4, "export"); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
     std::vector<float> full(rows * cols), bias;
     core::ShardLayout layout(config->spec, config->spec.dim() == 0 ? rows : cols);
     for (int rank = 0; rank < c_.options_.world_size; ++rank) {

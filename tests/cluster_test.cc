@@ -952,6 +952,11 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   const std::string before = dir + "/before.safetensors";
   ASSERT_TRUE(c->ExportTable("emb", before).ok());
+  // Export paths are on the coordinator's machine: absolute, and never anything but a file.
+  for (const std::string& path : {std::string("relative.safetensors"), dir}) {
+    absl::StatusOr<v1::ExportTableResponse> exported = c->ExportTable("emb", path);
+    EXPECT_EQ(exported.status().code(), absl::StatusCode::kInvalidArgument) << path;
+  }
 
   auto code_and_message = [](const absl::StatusOr<DenseTensor>& r) {
     return std::make_pair(r.status().code(), std::string(r.status().message()));
