@@ -12,6 +12,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
@@ -57,11 +58,15 @@ class HeaderParser {
   }
   absl::StatusOr<int64_t> Integer() {
     Space();
-    size_t start = pos_;
+    const size_t start = pos_;
     if (pos_ < text_.size() && text_[pos_] == '-') ++pos_;
     while (pos_ < text_.size() && std::isdigit(static_cast<unsigned char>(text_[pos_]))) ++pos_;
-    if (start == pos_) return Error("expected an integer");
-    return std::stoll(std::string(text_.substr(start, pos_ - start)));
+    int64_t value = 0;
+    if (!absl::SimpleAtoi(absl::string_view(text_.data() + start, pos_ - start), &value)) {
+      pos_ = start;
+      return Error("expected an integer of at most 64 bits");
+    }
+    return value;
   }
   absl::StatusOr<std::vector<int64_t>> Integers() {
     if (!Eat('[')) return Error("expected '['");
@@ -74,7 +79,10 @@ class HeaderParser {
     if (!Eat(']')) return Error("expected ']'");
     return out;
   }
-  absl::Status SkipValue() {
+  // Skips any JSON value, nested at most kMaxDepth deep (the stack stays small whatever the file).
+  absl::Status SkipValue(int depth = 0) {
+    static constexpr int kMaxDepth = 64;
+    if (depth > kMaxDepth) return Error("values nested too deep");
     Space();
     if (Peek('"')) return String().status();
     if (Eat('{')) {
@@ -82,14 +90,14 @@ class HeaderParser {
       do {
         RETURN_IF_ERROR(String().status());
         if (!Eat(':')) return Error("expected ':'");
-        RETURN_IF_ERROR(SkipValue());
+        RETURN_IF_ERROR(SkipValue(depth + 1));
       } while (Eat(','));
       return Eat('}') ? absl::OkStatus() : Error("expected '}'");
     }
     if (Eat('[')) {
       if (Eat(']')) return absl::OkStatus();
       do {
-        RETURN_IF_ERROR(SkipValue());
+        RETURN_IF_ERROR(SkipValue(depth + 1));
       } while (Eat(','));
       return Eat(']') ? absl::OkStatus() : Error("expected ']'");
     }
@@ -175,10 +183,15 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
         }
       } while (p.Eat(','));
       if (!p.Eat('}')) return p.Error("expected '}'");
+      // Elements that could not fit the data are refused as they are counted (no overflow).
       int64_t elements = 1;
-      for (int64_t d : tensor.shape) elements *= d;
+      bool fits = true;
+      for (int64_t d : tensor.shape) {
+        fits = fits && d >= 0 && (d == 0 || elements <= data_size / d);
+        if (fits) elements *= d;
+      }
       const int64_t size = DtypeSize(tensor.dtype);
-      if (offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] ||
+      if (!fits || offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] ||
           offsets[1] > data_size || size == 0 || (offsets[1] - offsets[0]) != elements * size) {
         return absl::InvalidArgumentError(absl::StrCat(
             "checkpoint \"", path, "\": tensor \"", name, "\" has dtype ", tensor.dtype, ", shape [",

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/cpu_kernels.h"
 #include "core/safetensors.h"
 #include "core/sharded_table.h"
@@ -176,6 +177,42 @@ TEST(Safetensors, WritesOnlyRegularFilesAtAbsolutePaths) {
   auto opened = SafetensorsFile::Open(file);
   ASSERT_TRUE(opened.ok()) << opened.status();
   EXPECT_EQ((*opened)->Find("weight")->bytes, 24);
+}
+
+// Headers a corrupt or hostile file may hold are refused with INVALID_ARGUMENT, not a crash:
+// integers past 64 bits (std::stoll threw), a lone '-', negative or overflowing dimensions, and
+// metadata nested deep enough to exhaust the stack.
+TEST(Safetensors, RefusesHostileHeaders) {
+  auto write = [](const std::string& name, const std::string& header, int64_t data_bytes) {
+    const std::string path = TempPath(name);
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    const uint64_t len = header.size();
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out << header << std::string(data_bytes, '\0');
+    return path;
+  };
+  const std::string nested = "{\"__metadata__\":" + std::string(100000, '[') +
+                             std::string(100000, ']') + "}";
+  const std::pair<std::string, std::string> hostile[] = {
+      {R"({"w":{"dtype":"F32","shape":[99999999999999999999],"data_offsets":[0,16]}})",
+       "integer of at most 64 bits"},
+      {R"({"w":{"dtype":"F32","shape":[-],"data_offsets":[0,16]}})", "integer of at most 64 bits"},
+      {R"({"w":{"dtype":"F32","shape":[-2,-2],"data_offsets":[0,16]}})", "do not fit"},
+      {R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,16]}})",
+       "do not fit"},
+      {R"({"w":{"dtype":"F32","shape":[3037000500,3037000500,2],"data_offsets":[0,16]}})",
+       "do not fit"},
+      {nested, "nested too deep"}};
+  int i = 0;
+  for (const auto& [header, why] : hostile) {
+    const std::string path = write(absl::StrCat("hostile", i++, ".safetensors"), header, 16);
+    absl::StatusOr<std::unique_ptr<SafetensorsFile>> opened = SafetensorsFile::Open(path);
+    EXPECT_EQ(opened.status().code(), absl::StatusCode::kInvalidArgument) << header.substr(0, 80);
+    EXPECT_THAT(std::string(opened.status().message()), HasSubstr(why)) << header.substr(0, 80);
+  }
+  const std::string fine = write(
+      "fine.safetensors", R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})", 16);
+  EXPECT_TRUE(SafetensorsFile::Open(fine).ok());
 }
 
 TEST(Safetensors, RejectsMalformedFilesAndWrongShapes) {
