@@ -46,6 +46,16 @@ absl::Status CheckIds(const TableConfig& table, absl::Span<const int64_t> ids) {
   return absl::OkStatus();
 }
 
+// RESOURCE_EXHAUSTED when `rows` rows of `width` floats exceed the limit on an answer.
+absl::Status CheckOutput(int64_t rows, int64_t width, const InputLimits& limits) {
+  if (rows > 0 && width > limits.max_output_elements / rows) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the answer would hold ", rows, " x ", width, " floats, over the limit of ",
+                     limits.max_output_elements, " per request"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckKind(const TableConfig& table, TableKind want, absl::string_view op) {
   if (table.kind != want) {
     return absl::InvalidArgumentError(
@@ -67,6 +77,7 @@ absl::Status ValidateEmbeddingInput(const TableConfig& table, const EmbeddingInp
                                                    " values do not match shape ",
                                                    ShapeString(input.shape), " (", n, ")"));
   }
+  RETURN_IF_ERROR(CheckOutput(n, table.num_cols, limits));
   return CheckIds(table, input.ids);
 }
 
@@ -106,6 +117,7 @@ absl::StatusOr<CanonicalBags> ValidateEmbeddingBagInput(const TableConfig& table
       return absl::InvalidArgumentError("include_last_offset: requires 1-D ids with offsets");
     }
     const int64_t num_bags = input.shape[0], bag = input.shape[1];
+    RETURN_IF_ERROR(CheckOutput(num_bags, table.num_cols, limits));  // before any offset is made
     bags.offsets.resize(num_bags + 1);
     for (int64_t b = 0; b <= num_bags; ++b) bags.offsets[b] = b * bag;
   } else {
@@ -147,6 +159,8 @@ absl::StatusOr<CanonicalBags> ValidateEmbeddingBagInput(const TableConfig& table
       return absl::InvalidArgumentError(
           absl::StrCat("offsets: empty, but there are ", n, " ids to put in bags"));
     }
+    const int64_t num_bags = static_cast<int64_t>(offsets.size()) - input.include_last_offset;
+    RETURN_IF_ERROR(CheckOutput(num_bags, table.num_cols, limits));
     bags.offsets.assign(offsets.begin(), offsets.end());
     if (!input.include_last_offset) bags.offsets.push_back(n);
   }
@@ -171,6 +185,7 @@ absl::StatusOr<int64_t> ValidateLinearInput(const TableConfig& table, const Line
                                                    " values do not match shape ",
                                                    ShapeString(input.shape), " (", n, ")"));
   }
+  RETURN_IF_ERROR(CheckOutput(n / table.num_cols, table.num_rows, limits));
   return n / table.num_cols;
 }
 

@@ -84,7 +84,10 @@ struct DenseResult {
 };
 
 struct InputLimits {
-  int64_t max_elements = int64_t{1} << 26;  // ids or input values per request
+  int64_t max_elements = int64_t{1} << 26;  // ids or input values (and each dim) per request
+  // Floats in one request's answer (512 MiB; a response must stay under gRPC's 1 GiB): a small
+  // request can ask for a large answer (many ids of a wide table, many empty bags).
+  int64_t max_output_elements = int64_t{1} << 27;
 };
 
 // Bags in canonical form: bag b is ids[offsets[b] .. offsets[b+1]), offsets has num_bags + 1

@@ -77,5 +77,36 @@ TEST(InputLimits, OversizedRequestIsResourceExhausted) {
   EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("limit of 50 elements"));
 }
 
+// A few bytes of request must not ask for a huge answer: ids of a wide table, many empty bags
+// (2-D ids of shape [bags, 0] carry no ids at all), many rows of a wide layer.
+TEST(InputLimits, RequestsForOversizedAnswersAreResourceExhausted) {
+  InputLimits limits;
+  limits.max_elements = 1000;
+  limits.max_output_elements = 100;  // Table() is 10 x 4: 25 rows at most
+  const std::vector<int64_t> ids(26, 1);
+  absl::Status status = ValidateEmbeddingInput(Table(), EmbeddingInput{ids, {26}}, limits);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(status.message()),
+              ::testing::HasSubstr("the answer would hold 26 x 4 floats, over the limit of 100"));
+  EXPECT_TRUE(
+      ValidateEmbeddingInput(Table(), EmbeddingInput{{ids.data(), 25}, {25}}, limits).ok());
+  EmbeddingBagInput empty_bags;
+  empty_bags.shape = {26, 0};
+  EXPECT_EQ(ValidateEmbeddingBagInput(Table(), empty_bags, limits).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  const std::vector<int64_t> offsets(26, 0);
+  EmbeddingBagInput one_d;
+  one_d.shape = {0};
+  one_d.offsets = absl::MakeConstSpan(offsets);
+  EXPECT_EQ(ValidateEmbeddingBagInput(Table(), one_d, limits).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  TableConfig layer = Table();  // 10 outputs
+  layer.kind = TableKind::kLinear;
+  const std::vector<float> x(11 * 4, 1.0f);
+  EXPECT_EQ(ValidateLinearInput(layer, LinearInput{x, {11, 4}}, limits).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(ValidateLinearInput(layer, LinearInput{{x.data(), 40}, {10, 4}}, limits).ok());
+}
+
 }  // namespace
 }  // namespace shardserve::core

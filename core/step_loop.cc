@@ -263,8 +263,10 @@ absl::Status SkipTablesNotHeldAlike(
 int64_t StepRequest::Rows() const {
   switch (op) {
     case Op::kEmbedding:
-    case Op::kEmbeddingBag:
       return std::max<int64_t>(static_cast<int64_t>(ids.size()), 1);
+    case Op::kEmbeddingBag:  // ids, or bags where there are more (empty bags are answered too)
+      return std::max<int64_t>(
+          {static_cast<int64_t>(ids.size()), static_cast<int64_t>(offsets.size()) - 1, 1});
     case Op::kLinear:
       return shape.empty() || shape.back() == 0
                  ? 1
