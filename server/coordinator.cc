@@ -195,8 +195,10 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     std::vector<float> full(rows * cols), bias;
     core::ShardLayout layout(config->spec, config->spec.dim() == 0 ? rows : cols);
     for (int rank = 0; rank < c_.options_.world_size; ++rank) {
-      auto stub = v1::internal::WorkerInternal::NewStub(
-          grpc::CreateChannel(addresses[rank], grpc::InsecureChannelCredentials()));
+      grpc::ChannelArguments args;  // chunks of 2 MiB, but the first carries a layer's whole bias
+      args.SetMaxReceiveMessageSize(1 << 30);
+      auto stub = v1::internal::WorkerInternal::NewStub(grpc::CreateCustomChannel(
+          addresses[rank], grpc::InsecureChannelCredentials(), args));
       grpc::ClientContext call;
       call.set_deadline(DeadlineOr(context, absl::Minutes(10)));
       v1::internal::ReadShardRequest read;
@@ -204,22 +206,36 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
       read.set_generation(spec.generation());
       auto reader = stub->ReadShard(&call, read);
       v1::internal::ReadShardChunk chunk;
-      const int64_t row0 = config->spec.dim() == 0 ? layout.OffsetOfRank(rank) : 0;
-      const int64_t col0 = config->spec.dim() == 1 ? layout.OffsetOfRank(rank) : 0;
+      // The shard's place in the full table; every chunk the rank sends must lie within it.
+      const bool by_rows = config->spec.dim() == 0;
+      const int64_t row0 = by_rows ? layout.OffsetOfRank(rank) : 0;
+      const int64_t col0 = by_rows ? 0 : layout.OffsetOfRank(rank);
+      const int64_t shard_rows = by_rows ? layout.SizeOfRank(rank) : rows;
+      const int64_t shard_cols = by_rows ? cols : layout.SizeOfRank(rank);
+      auto bad_chunk = [rank](const std::string& what) {
+        return grpc::Status(grpc::StatusCode::INTERNAL,
+                            absl::StrCat("export: rank ", rank, " sent a bad shard chunk: ", what));
+      };
       int64_t row = 0;
       while (reader->Read(&chunk)) {
         if (!chunk.bias().empty()) {
-          bias.resize(chunk.bias().size() / sizeof(float));
+          if (static_cast<int64_t>(chunk.bias().size()) != rows * 4 || !config->has_bias ||
+              config->kind != core::TableKind::kLinear) {
+            return bad_chunk(absl::StrCat(chunk.bias().size(), " bytes of bias"));
+          }
+          bias.resize(rows);
           std::memcpy(bias.data(), chunk.bias().data(), chunk.bias().size());
         }
-        const auto* data = reinterpret_cast<const float*>(chunk.data().data());
-        if (static_cast<int64_t>(chunk.data().size()) != chunk.rows() * chunk.cols() * 4 ||
-            row0 + row + chunk.rows() > rows || col0 + chunk.cols() > cols) {
-          return grpc::Status(grpc::StatusCode::INTERNAL, "export: shard chunk out of bounds");
+        if (chunk.rows() < 0 || chunk.rows() > shard_rows - row || chunk.cols() != shard_cols ||
+            static_cast<int64_t>(chunk.data().size()) != chunk.rows() * shard_cols * 4) {
+          return bad_chunk(absl::StrCat(chunk.rows(), " x ", chunk.cols(), " (",
+                                        chunk.data().size(), " bytes) after ", row, " of ",
+                                        shard_rows, " x ", shard_cols));
         }
+        const auto* data = reinterpret_cast<const float*>(chunk.data().data());
         for (int64_t r = 0; r < chunk.rows(); ++r) {
-          std::memcpy(&full[(row0 + row + r) * cols + col0], data + r * chunk.cols(),
-                      chunk.cols() * sizeof(float));
+          std::memcpy(&full[(row0 + row + r) * cols + col0], data + r * shard_cols,
+                      shard_cols * sizeof(float));
         }
         row += chunk.rows();
       }
@@ -228,6 +244,12 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
         return grpc::Status(status.error_code(), absl::StrCat("export: reading the shard of rank ",
                                                               rank, ": ", status.error_message()));
       }
+      if (row != shard_rows) {
+        return bad_chunk(absl::StrCat(row, " rows in all, of ", shard_rows));
+      }
+    }
+    if (config->kind == core::TableKind::kLinear && config->has_bias && bias.empty()) {
+      return grpc::Status(grpc::StatusCode::INTERNAL, "export: no rank sent the bias");
     }
     std::vector<core::SafetensorsEntry> entries = {
         {"weight", "F32", {rows, cols}, full.data(), rows * cols * 4}};
@@ -278,8 +300,11 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     m.serving.assign(request->serving_tables().begin(), request->serving_tables().end());
     m.load_errors.clear();
     for (const v1::internal::TableLoadError& e : request->load_errors()) {
-      const absl::Status status(static_cast<absl::StatusCode>(e.code()),
-                                absl::StrCat("rank ", request->rank(), ": ", e.message()));
+      // An error it is: a code that is none (OK, or out of range) would read as success.
+      const absl::StatusCode code = e.code() >= 1 && e.code() <= 16
+                                        ? static_cast<absl::StatusCode>(e.code())
+                                        : absl::StatusCode::kUnknown;
+      const absl::Status status(code, absl::StrCat("rank ", request->rank(), ": ", e.message()));
       m.load_errors[e.table()] = {e.generation(), status};
     }
     for (const v1::TableSpec& held : request->renorm_unsure()) {
@@ -531,9 +556,13 @@ Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(option
 }
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptions options) {
-  if (options.world_size < 1) {
+  if (options.world_size < 1 || options.world_size > 4096) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--world_size: ", options.world_size, " must be >= 1"));
+        absl::StrCat("--world_size: ", options.world_size, " must be in [1, 4096]"));
+  }
+  if (options.liveness_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--liveness_ms: ", absl::ToInt64Milliseconds(options.liveness_timeout), " must be >= 1"));
   }
   std::unique_ptr<Coordinator> c(new Coordinator(std::move(options)));
   {

@@ -144,6 +144,15 @@ absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite
 absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int world_size) {
   core::TableConfig config;
   if (spec.name().empty()) return absl::InvalidArgumentError("table.name: must not be empty");
+  // Every heartbeat carries every spec: names and paths stay short.
+  if (spec.name().size() > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("table.name: ", spec.name().size(), " bytes, over the limit of 256"));
+  }
+  if (spec.checkpoint().size() > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "table.checkpoint: ", spec.checkpoint().size(), " bytes, over the limit of 4096"));
+  }
   for (char c : spec.name()) {
     if (c == '\n' || c == '|' || c == '/' || static_cast<unsigned char>(c) < 0x20) {
       return absl::InvalidArgumentError(absl::StrCat("table.name: \"", spec.name(),

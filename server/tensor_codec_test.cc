@@ -61,6 +61,14 @@ TEST(TensorCodec, ValidatesTableSpecs) {
               HasSubstr("2 placements, but the cluster has 3 ranks"));
   spec.set_name("a|b");
   EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()), HasSubstr("forbidden"));
+  spec.set_name(std::string(257, 'n'));
+  EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()),
+              HasSubstr("table.name: 257 bytes, over the limit of 256"));
+  spec.set_name("t");
+  spec.set_checkpoint(std::string(4097, 'c'));
+  EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()),
+              HasSubstr("table.checkpoint: 4097 bytes, over the limit of 4096"));
+  spec.set_seed(1);
   spec.set_name("t");
   spec.set_kind(static_cast<v1::TableKind>(5));  // unknown kinds and dtypes are refused
   EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()),

@@ -519,8 +519,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
       };
   step.after_answers = [w] { w->data_service_->WakeForStepAnswers(); };
   w->loop_ = std::make_unique<core::StepLoop>(step, *w->kernels_);
-  w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(
-      grpc::CreateChannel(w->options_.coordinator, grpc::InsecureChannelCredentials()));
+  grpc::ChannelArguments coordinator_args;  // heartbeat replies list every table's spec
+  coordinator_args.SetMaxReceiveMessageSize(1 << 30);
+  w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(grpc::CreateCustomChannel(
+      w->options_.coordinator, grpc::InsecureChannelCredentials(), coordinator_args));
   w->data_service_ = std::make_unique<DataService>(*w);
   w->internal_service_ = std::make_unique<InternalService>(*w);
 

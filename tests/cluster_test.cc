@@ -466,10 +466,17 @@ TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
   const std::string dir = TempDir();
-  for (int dim : {0, 1}) {
-    Table t = MakeTable(absl::StrCat("lin", dim), v1::LINEAR, 7, 5, dim, {1, 2, 0}, dir);
+  // Row- and column-sharded layers, and one whose bias (4.8 MB, sent whole by each rank) is over
+  // gRPC's default 4 MiB message limit.
+  struct Shape {
+    int64_t out, in;
+    int dim;
+  };
+  for (const Shape& shape : {Shape{7, 5, 0}, Shape{7, 5, 1}, Shape{1200000, 1, 0}}) {
+    Table t = MakeTable(absl::StrCat("lin", shape.out, "_", shape.dim), v1::LINEAR, shape.out,
+                        shape.in, shape.dim, {1, 2, 0}, dir);
     ASSERT_TRUE(c->CreateTable(t.spec).ok());
-    const std::string out = absl::StrCat(dir, "/export", dim, ".safetensors");
+    const std::string out = absl::StrCat(dir, "/", t.spec.name(), ".exported");
     auto exported = c->ExportTable(t.spec.name(), out);
     ASSERT_TRUE(exported.ok()) << exported.status();
     auto file = core::SafetensorsFile::Open(out);
@@ -478,8 +485,10 @@ TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
     const core::SafetensorsTensor* b = (*file)->Find("bias");
     ASSERT_NE(w, nullptr);
     ASSERT_NE(b, nullptr);
-    EXPECT_EQ(std::memcmp(w->data, t.weight.data_ptr<float>(), 7 * 5 * 4), 0);
-    EXPECT_EQ(std::memcmp(b->data, t.bias.data_ptr<float>(), 7 * 4), 0);
+    ASSERT_EQ(w->bytes, shape.out * shape.in * 4);
+    ASSERT_EQ(b->bytes, shape.out * 4);
+    EXPECT_EQ(std::memcmp(w->data, t.weight.data_ptr<float>(), w->bytes), 0);
+    EXPECT_EQ(std::memcmp(b->data, t.bias.data_ptr<float>(), b->bytes), 0);
   }
 }
 
