@@ -31,6 +31,7 @@ class Parser {
     while (pos_ < text_.size() && std::isspace(static_cast<unsigned char>(text_[pos_]))) ++pos_;
   }
   absl::Status Value(size_t depth, JsonArray* out) {
+    if (depth > 64) return Error("arrays nested deeper than 64");  // the stack stays small
     Space();
     if (pos_ < text_.size() && text_[pos_] == '[') {
       ++pos_;

@@ -31,6 +31,8 @@ TEST(JsonArray, RejectsRaggedAndMalformedInput) {
               HasSubstr("expected a number"));
   EXPECT_THAT(std::string(ParseJsonArray("[1, 2] extra").status().message()),
               HasSubstr("trailing"));
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  EXPECT_THAT(std::string(ParseJsonArray(deep).status().message()), HasSubstr("nested deeper"));
 }
 
 TEST(JsonArray, FormatsByShape) {

@@ -67,7 +67,21 @@ int main(int argc, char** argv) {
   options.fail_allreduce = absl::GetFlag(FLAGS_fail_allreduce);
   options.step.collective_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_collective_timeout_ms));
   options.gloo.sync_timeout = options.step.collective_timeout;
-  options.gloo.shared_memory_block_bytes = absl::GetFlag(FLAGS_shared_memory_block_mb) << 20;
+  const int64_t block_mb = absl::GetFlag(FLAGS_shared_memory_block_mb);
+  if (block_mb < 0 || block_mb > 1024) {
+    std::fprintf(stderr, "--shared_memory_block_mb: %lld must be in [0, 1024]\n",
+                 static_cast<long long>(block_mb));
+    return 2;
+  }
+  options.gloo.shared_memory_block_bytes = block_mb << 20;
+  for (const auto& [flag, ms] : {std::make_pair("--heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)),
+                                 std::make_pair("--collective_timeout_ms",
+                                                absl::GetFlag(FLAGS_collective_timeout_ms))}) {
+    if (ms < 1) {
+      std::fprintf(stderr, "%s: %d must be >= 1\n", flag, ms);
+      return 2;
+    }
+  }
   // Joining a group gives up soon: the coordinator then moves everyone to a fresh epoch.
   options.gloo.connect_timeout = absl::Seconds(5);
   if (options.step.row_budget < 1) {
