@@ -331,8 +331,24 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
 
   grpc::Status RendezvousSet(grpc::ServerContext*, const v1::internal::RendezvousSetRequest* request,
                              v1::internal::RendezvousSetResponse*) override {
+    // Only the forming group's keys, of the sizes Gloo's rendezvous writes: the store is pruned
+    // at each new epoch, and must not grow (or be written into) between.
     absl::MutexLock lock(&c_.mu_);
-    c_.rendezvous_[request->key()] = request->value();
+    const std::string& key = request->key();
+    if (!absl::StartsWith(key, absl::StrCat("group/epoch-", c_.epoch_, "/"))) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("rendezvous key \"", key.substr(0, 256),
+                                       "\" is not under the current group's epoch ", c_.epoch_));
+    }
+    const size_t max_keys = 64 * static_cast<size_t>(c_.options_.world_size) + 1024;
+    if (key.size() > 512 || request->value().size() > (1 << 20) ||
+        (c_.rendezvous_.size() >= max_keys && !c_.rendezvous_.count(key))) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("rendezvous: a key of ", key.size(), " bytes (at most 512), ",
+                                       "a value of ", request->value().size(),
+                                       " bytes (at most 1 MiB), or more than ", max_keys, " keys"));
+    }
+    c_.rendezvous_[key] = request->value();
     return grpc::Status::OK;
   }
 
@@ -771,7 +787,7 @@ void Coordinator::Reconcile() {
   epoch_started_ = absl::Now();
   epoch_incarnations_.clear();
   for (const Member& m : members_) epoch_incarnations_.push_back(m.incarnation);
-  const std::string prefix = absl::StrCat("group/epoch-", epoch_);
+  const std::string prefix = absl::StrCat("group/epoch-", epoch_, "/");
   for (auto it = rendezvous_.begin(); it != rendezvous_.end();) {
     it = absl::StartsWith(it->first, prefix) ? std::next(it) : rendezvous_.erase(it);
   }

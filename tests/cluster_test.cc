@@ -43,6 +43,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "proto/health.grpc.pb.h"
+#include "proto/internal.grpc.pb.h"
 
 namespace shardserve {
 namespace {
@@ -1012,6 +1013,20 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
     done.WaitForNotification();
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << address;
     EXPECT_THAT(status.error_message(), HasSubstr("not a valid shardserve.v1.EmbeddingRequest"));
+  }
+
+  // The rendezvous store (on the coordinator's port) takes only the forming group's keys.
+  {
+    auto internal = v1::internal::CoordinatorInternal::NewStub(
+        grpc::CreateChannel(cluster->coordinator_address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    v1::internal::RendezvousSetRequest set;
+    set.set_key("group/epoch-1/async/rank_0");  // a long gone epoch
+    set.set_value("x");
+    v1::internal::RendezvousSetResponse done;
+    const grpc::Status status = internal->RendezvousSet(&context, set, &done);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(), HasSubstr("is not under the current group's epoch"));
   }
 
   v1::LinearRequest l;
