@@ -15,6 +15,20 @@
 #include "core/table_init.h"
 
 namespace shardserve::core {
+namespace {
+
+// `count` floats of host memory, or RESOURCE_EXHAUSTED (naming `what`) where there is not that much.
+absl::StatusOr<std::vector<float>> HostFloats(int64_t count, const std::string& what) {
+  RETURN_IF_ERROR(CheckHostAllocation(count * static_cast<int64_t>(sizeof(float)), what));
+  try {
+    return std::vector<float>(static_cast<size_t>(count));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ": cannot allocate ", count * sizeof(float), " bytes"));
+  }
+}
+
+}  // namespace
 
 ShardedTable::ShardedTable(const TableConfig& config, int rank, LocalKernels& kernels,
                            DeviceBuffer storage)
@@ -32,9 +46,6 @@ ShardedTable::ShardedTable(const TableConfig& config, int rank, LocalKernels& ke
     shard_rows_ = config_.num_rows;
     shard_cols_ = layout_.SizeOfRank(rank);
   }
-  if (config_.kind == TableKind::kLinear && config_.has_bias) {
-    bias_.assign(config_.num_rows, 0.0f);
-  }
 }
 
 absl::StatusOr<std::unique_ptr<ShardedTable>> ShardedTable::Create(const TableConfig& config,
@@ -48,16 +59,13 @@ absl::StatusOr<std::unique_ptr<ShardedTable>> ShardedTable::Create(const TableCo
   const int64_t other = config.spec.dim() == 0 ? config.num_cols : config.num_rows;
   const int64_t bytes = layout.SizeOfRank(rank) * other * static_cast<int64_t>(sizeof(float));
   // Every rank holds a linear layer's whole bias in host memory, however small its shard.
-  const bool bias = config.kind == TableKind::kLinear && config.has_bias;
-  RETURN_IF_ERROR(CheckHostAllocation(bias ? config.num_rows * 4 : 0, "bias"));
-  ASSIGN_OR_RETURN(DeviceBuffer storage, kernels.Allocate(bytes));
-  std::unique_ptr<ShardedTable> table;
-  try {
-    table.reset(new ShardedTable(config, rank, kernels, std::move(storage)));
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("bias: cannot allocate ", config.num_rows * 4, " bytes"));
+  std::vector<float> bias;
+  if (config.kind == TableKind::kLinear && config.has_bias) {
+    ASSIGN_OR_RETURN(bias, HostFloats(config.num_rows, "bias"));
   }
+  ASSIGN_OR_RETURN(DeviceBuffer storage, kernels.Allocate(bytes));
+  std::unique_ptr<ShardedTable> table(new ShardedTable(config, rank, kernels, std::move(storage)));
+  table->bias_ = std::move(bias);
   RETURN_IF_ERROR(table->WriteShard([bytes](float* shard) { std::memset(shard, 0, bytes); }));
   return table;
 }
@@ -68,7 +76,8 @@ absl::Status ShardedTable::WriteShard(const std::function<void(float* shard)>& f
     fill(storage_.floats());
     return absl::OkStatus();
   }
-  std::vector<float> staging(static_cast<size_t>(shard_rows_ * shard_cols_));
+  ASSIGN_OR_RETURN(std::vector<float> staging,
+                   HostFloats(shard_rows_ * shard_cols_, "the shard's host staging"));
   fill(staging.data());
   return kernels_.CopyFromHost(staging.data(), storage_.data(),
                                static_cast<int64_t>(staging.size() * sizeof(float)));
@@ -140,7 +149,8 @@ absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
 }
 
 absl::StatusOr<std::vector<float>> ShardedTable::ReadShard() const {
-  std::vector<float> host(static_cast<size_t>(shard_rows_ * shard_cols_));
+  ASSIGN_OR_RETURN(std::vector<float> host,
+                   HostFloats(shard_rows_ * shard_cols_, "a copy of the shard"));
   RETURN_IF_ERROR(kernels_.CopyToHost(storage_.data(), host.data(),
                                       static_cast<int64_t>(host.size() * sizeof(float))));
   return host;

@@ -37,7 +37,8 @@ class ShardedTable {
   // Copies the chunk out of a safetensors checkpoint holding "weight" (F32, num_rows x num_cols)
   // and, for a linear layer with a bias, "bias" (F32, num_rows). INVALID_ARGUMENT on a mismatch.
   absl::Status LoadCheckpoint(const std::string& path);
-  // The shard as a host row-major (shard_rows x shard_cols) matrix.
+  // The shard as a host row-major (shard_rows x shard_cols) matrix; RESOURCE_EXHAUSTED when host
+  // memory cannot hold a copy of it.
   absl::StatusOr<std::vector<float>> ReadShard() const;
 
   const TableConfig& config() const { return config_; }
