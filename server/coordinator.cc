@@ -335,11 +335,7 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     // at each new epoch, and must not grow (or be written into) between.
     absl::MutexLock lock(&c_.mu_);
     const std::string& key = request->key();
-    if (!absl::StartsWith(key, absl::StrCat("group/epoch-", c_.epoch_, "/"))) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          absl::StrCat("rendezvous key \"", key.substr(0, 256),
-                                       "\" is not under the current group's epoch ", c_.epoch_));
-    }
+    if (grpc::Status refused = c_.OutsideEpoch(key); !refused.ok()) return refused;
     const size_t max_keys = 64 * static_cast<size_t>(c_.options_.world_size) + 1024;
     if (key.size() > 512 || request->value().size() > (1 << 20) ||
         (c_.rendezvous_.size() >= max_keys && !c_.rendezvous_.count(key))) {
@@ -356,12 +352,23 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
                              v1::internal::RendezvousGetResponse* response) override {
     absl::MutexLock lock(&c_.mu_);
     const std::string& key = request->key();
+    if (grpc::Status refused = c_.OutsideEpoch(key); !refused.ok()) return refused;
+    // Each waiter holds a thread and is re-checked whenever the lock is released: a group needs a
+    // few per rank, so a flood of them is refused.
+    const int max_waiters = 16 * c_.options_.world_size + 64;
+    if (c_.rendezvous_waiters_ >= max_waiters && !c_.rendezvous_.count(key)) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("rendezvous: ", max_waiters, " calls wait already"));
+    }
     auto present = [this, &key]() ABSL_SHARED_LOCKS_REQUIRED(c_.mu_) {
       return c_.stop_ || c_.rendezvous_.count(key) > 0;
     };
-    if (!c_.mu_.AwaitWithTimeout(absl::Condition(&present),
-                                 absl::Milliseconds(std::min<int64_t>(request->timeout_ms(), 600000))) ||
-        !c_.rendezvous_.count(key)) {
+    ++c_.rendezvous_waiters_;
+    const bool arrived = c_.mu_.AwaitWithTimeout(
+        absl::Condition(&present),
+        absl::Milliseconds(std::min<int64_t>(request->timeout_ms(), 600000)));
+    --c_.rendezvous_waiters_;
+    if (!arrived || !c_.rendezvous_.count(key)) {
       return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                           absl::StrCat("rendezvous key \"", key, "\" not set in time"));
     }
@@ -793,6 +800,13 @@ void Coordinator::Reconcile() {
   }
   std::fprintf(stderr, "coordinator: group epoch %llu with %d ranks\n",
                static_cast<unsigned long long>(epoch_), options_.world_size);
+}
+
+grpc::Status Coordinator::OutsideEpoch(const std::string& key) const {
+  if (absl::StartsWith(key, absl::StrCat("group/epoch-", epoch_, "/"))) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      absl::StrCat("rendezvous key \"", key.substr(0, 256),
+                                   "\" is not under the current group's epoch ", epoch_));
 }
 
 v1::TableInfo Coordinator::InfoOf(const v1::TableSpec& spec) const {

@@ -87,6 +87,8 @@ class Coordinator {
   // Ready, and every worker has acknowledged that it accepts calls for it.
   bool TableServing(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::TableInfo InfoOf(const v1::TableSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION unless `key` belongs to the rendezvous of the group now forming.
+  grpc::Status OutsideEpoch(const std::string& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A channel to some live worker's data service (round robin).
   absl::StatusOr<std::shared_ptr<grpc::Channel>> PickWorker();
   void Tick();
@@ -113,6 +115,7 @@ class Coordinator {
   absl::Time epoch_started_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> epoch_incarnations_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> rendezvous_ ABSL_GUARDED_BY(mu_);
+  int rendezvous_waiters_ ABSL_GUARDED_BY(mu_) = 0;  // RendezvousGet calls waiting for a key
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   size_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
 };

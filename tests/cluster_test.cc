@@ -1027,6 +1027,13 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
     const grpc::Status status = internal->RendezvousSet(&context, set, &done);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
     EXPECT_THAT(status.error_message(), HasSubstr("is not under the current group's epoch"));
+    grpc::ClientContext get_context;  // refused at once, not after its wait
+    v1::internal::RendezvousGetRequest get;
+    get.set_key(set.key());
+    get.set_timeout_ms(600000);
+    v1::internal::RendezvousGetResponse got;
+    EXPECT_EQ(internal->RendezvousGet(&get_context, get, &got).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
   }
 
   v1::LinearRequest l;
