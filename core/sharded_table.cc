@@ -17,7 +17,8 @@
 namespace shardserve::core {
 namespace {
 
-// `count` floats of host memory, or RESOURCE_EXHAUSTED (naming `what`) where there is not that much.
+// `count` floats of host memory, or RESOURCE_EXHAUSTED (naming `what`) where there is not that
+// much.
 absl::StatusOr<std::vector<float>> HostFloats(int64_t count, const std::string& what) {
   RETURN_IF_ERROR(CheckHostAllocation(count * static_cast<int64_t>(sizeof(float)), what));
   try {

@@ -339,10 +339,11 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     const size_t max_keys = 64 * static_cast<size_t>(c_.options_.world_size) + 1024;
     if (key.size() > 512 || request->value().size() > (1 << 20) ||
         (c_.rendezvous_.size() >= max_keys && !c_.rendezvous_.count(key))) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("rendezvous: a key of ", key.size(), " bytes (at most 512), ",
-                                       "a value of ", request->value().size(),
-                                       " bytes (at most 1 MiB), or more than ", max_keys, " keys"));
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("rendezvous: a key of ", key.size(), " bytes (at most 512), a value of ",
+                       request->value().size(), " bytes (at most 1 MiB), or more than ", max_keys,
+                       " keys"));
     }
     c_.rendezvous_[key] = request->value();
     return grpc::Status::OK;

@@ -3,6 +3,7 @@
 //   worker --coordinator=127.0.0.1:50051 --rank=0 [--listen=127.0.0.1:0] [--device=cpu]
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include <unistd.h>
 
@@ -74,9 +75,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.gloo.shared_memory_block_bytes = block_mb << 20;
-  for (const auto& [flag, ms] : {std::make_pair("--heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)),
-                                 std::make_pair("--collective_timeout_ms",
-                                                absl::GetFlag(FLAGS_collective_timeout_ms))}) {
+  const std::pair<const char*, int> intervals[] = {
+      {"--heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)},
+      {"--collective_timeout_ms", absl::GetFlag(FLAGS_collective_timeout_ms)}};
+  for (const auto& [flag, ms] : intervals) {
     if (ms < 1) {
       std::fprintf(stderr, "%s: %d must be >= 1\n", flag, ms);
       return 2;

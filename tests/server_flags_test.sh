@@ -24,7 +24,8 @@ expect "--shared_memory_block_mb: -1 must be in [0, 1024]" --coordinator=127.0.0
 expect "--heartbeat_ms: 0 must be >= 1" --coordinator=127.0.0.1:1 --heartbeat_ms=0
 expect "--collective_timeout_ms: -5 must be >= 1" --coordinator=127.0.0.1:1 \
   --collective_timeout_ms=-5
-expect_from "$coordinator" "--world_size: 0 must be in [1, 4096]" --listen=127.0.0.1:0 --world_size=0
+expect_from "$coordinator" "--world_size: 0 must be in [1, 4096]" --listen=127.0.0.1:0 \
+  --world_size=0
 expect_from "$coordinator" "--world_size: 100000 must be in [1, 4096]" --listen=127.0.0.1:0 \
   --world_size=100000
 expect_from "$coordinator" "--liveness_ms: 0 must be >= 1" --listen=127.0.0.1:0 --liveness_ms=0
