@@ -1,11 +1,14 @@
 #include "core/host_memory.h"
 
 #include <fstream>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 
 namespace shardserve::core {
+namespace {
 
+// MemAvailable, or -1 if unknown.
 int64_t AvailableHostBytes() {
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
@@ -17,7 +20,9 @@ int64_t AvailableHostBytes() {
   return -1;
 }
 
-absl::Status CheckHostAllocation(int64_t bytes, const std::string& what) {
+}  // namespace
+
+absl::Status CheckHostAllocation(int64_t bytes, absl::string_view what) {
   if (bytes <= (int64_t{1} << 30)) return absl::OkStatus();
   const int64_t available = AvailableHostBytes();
   if (available >= 0 && bytes > available) {

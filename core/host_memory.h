@@ -5,18 +5,16 @@
 #define SHARDSERVE_CORE_HOST_MEMORY_H_
 
 #include <cstdint>
-#include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace shardserve::core {
 
-// Memory the kernel says can be allocated without swapping (MemAvailable), or -1 if unknown.
-int64_t AvailableHostBytes();
-
 // RESOURCE_EXHAUSTED (naming `what`) when `bytes` of host memory cannot be had: more than 1 GiB
-// and more than is available. Smaller sizes are left to the allocator.
-absl::Status CheckHostAllocation(int64_t bytes, const std::string& what);
+// and more than the kernel says can be allocated without swapping (MemAvailable). Smaller sizes
+// are left to the allocator (nothing is read for them: kernels check every allocation).
+absl::Status CheckHostAllocation(int64_t bytes, absl::string_view what);
 
 }  // namespace shardserve::core
 

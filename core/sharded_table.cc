@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "core/host_memory.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
@@ -19,7 +20,7 @@ namespace {
 
 // `count` floats of host memory, or RESOURCE_EXHAUSTED (naming `what`) where there is not that
 // much.
-absl::StatusOr<std::vector<float>> HostFloats(int64_t count, const std::string& what) {
+absl::StatusOr<std::vector<float>> HostFloats(int64_t count, absl::string_view what) {
   RETURN_IF_ERROR(CheckHostAllocation(count * static_cast<int64_t>(sizeof(float)), what));
   try {
     return std::vector<float>(static_cast<size_t>(count));
