@@ -17,6 +17,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "proto/shardserve.grpc.pb.h"
+#include "server/grpc_settings.h"
 
 ABSL_FLAG(int, port, 50099, "port on 127.0.0.1");
 ABSL_FLAG(int64_t, dim, 128, "floats per id (embedding) or per bag");
@@ -238,7 +239,7 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   builder.AddListeningPort("127.0.0.1:" + std::to_string(absl::GetFlag(FLAGS_port)),
                            grpc::InsecureServerCredentials());
-  builder.SetMaxSendMessageSize(1 << 30);
+  shardserve::server::ApplyServerSettings(builder);
   std::unique_ptr<grpc::ServerCompletionQueue> cq;
   if (api == "callback") {
     builder.RegisterService(&callback_echo);

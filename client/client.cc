@@ -10,6 +10,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "server/grpc_settings.h"
 #include "server/grpc_status.h"
 
 namespace shardserve::client {
@@ -18,10 +19,7 @@ namespace {
 using server::FromGrpcStatus;
 
 std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(1 << 30);
-  args.SetMaxSendMessageSize(1 << 30);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return server::CreateChannel(address);
 }
 
 }  // namespace

@@ -16,7 +16,7 @@ class Parser {
   explicit Parser(absl::string_view text) : text_(text) {}
 
   absl::Status Parse(JsonArray* out) {
-    RETURN_IF_ERROR(Value(0, out));
+    SHARDSERVE_RETURN_IF_ERROR(Value(0, out));
     Space();
     if (pos_ != text_.size()) return Error("trailing characters");
     out->shape.assign(dims_.begin(), dims_.begin() + std::max<int64_t>(leaf_depth_, 0));
@@ -41,7 +41,7 @@ class Parser {
         ++pos_;
       } else {
         while (true) {
-          RETURN_IF_ERROR(Value(depth + 1, out));
+          SHARDSERVE_RETURN_IF_ERROR(Value(depth + 1, out));
           ++count;
           Space();
           if (pos_ < text_.size() && text_[pos_] == ',') {
@@ -70,7 +70,8 @@ class Parser {
       }
       return absl::OkStatus();
     }
-    if (leaf_depth_ >= 0 && static_cast<int64_t>(depth) != leaf_depth_) return Error("ragged nesting");
+    if (leaf_depth_ >= 0 && static_cast<int64_t>(depth) != leaf_depth_)
+      return Error("ragged nesting");
     leaf_depth_ = static_cast<int64_t>(depth);
     const char* start = text_.data() + pos_;
     char* end = nullptr;

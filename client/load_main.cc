@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/load_stats.h"
+#include "server/grpc_settings.h"
 #include "core/process_setup.h"
 #include "grpcpp/create_channel.h"
 
@@ -40,8 +41,10 @@ ABSL_FLAG(bool, via_coordinator, false, "send data calls to the coordinator (it 
 ABSL_FLAG(std::string, table, "", "embedding table (embedding, embedding_bag)");
 ABSL_FLAG(std::string, linear_table, "", "linear layer (linear)");
 ABSL_FLAG(std::string, op, "embedding_bag", "embedding | embedding_bag | linear | mix");
-ABSL_FLAG(std::string, mix, "embedding_bag=0.8,embedding=0.1,linear=0.1", "op weights for --op=mix");
-ABSL_FLAG(int64_t, batch, 512, "bags (embedding_bag), id rows (embedding) or input rows (linear) per call");
+ABSL_FLAG(std::string, mix, "embedding_bag=0.8,embedding=0.1,linear=0.1",
+          "op weights for --op=mix");
+ABSL_FLAG(int64_t, batch, 512,
+          "bags (embedding_bag), id rows (embedding) or input rows (linear) per call");
 ABSL_FLAG(int64_t, bag, 20, "ids per bag / per embedding row");
 ABSL_FLAG(std::string, mode, "sum", "bag mode: sum | mean | max");
 ABSL_FLAG(std::string, dist, "uniform", "ids: uniform | zipf");
@@ -81,7 +84,8 @@ class IdSource {
     if (!zipf_) return std::uniform_int_distribution<int64_t>(0, n_ - 1)(rng_);
     const double u = std::uniform_real_distribution<double>(0, 1)(rng_);
     const int64_t rank = std::lower_bound(cdf_.begin(), cdf_.end(), u) - cdf_.begin();
-    return static_cast<int64_t>((static_cast<unsigned __int128>(std::min(rank, n_ - 1)) * 2654435761u) % n_);
+    return static_cast<int64_t>(
+        (static_cast<unsigned __int128>(std::min(rank, n_ - 1)) * 2654435761u) % n_);
   }
 
  private:
@@ -220,7 +224,8 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
     for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_mix), ',')) {
       std::vector<std::string> kv = absl::StrSplit(part, '=');
       double weight = 0;
-      if (kv.size() != 2 || !names.count(kv[0]) || !absl::SimpleAtod(kv[1], &weight) || weight < 0) {
+      if (kv.size() != 2 || !names.count(kv[0]) || !absl::SimpleAtod(kv[1], &weight) ||
+          weight < 0) {
         return absl::InvalidArgumentError(absl::StrCat("--mix: bad entry \"", part, "\""));
       }
       weights[names.at(kv[0])] = weight;
@@ -259,7 +264,9 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
         } else {
           r.mutable_embedding_bag()->set_table(absl::GetFlag(FLAGS_table));
           *r.mutable_embedding_bag()->mutable_ids() = Int64Tensor({batch, bag}, id);
-          r.mutable_embedding_bag()->set_mode(mode == "mean" ? v1::MEAN : mode == "max" ? v1::MAX : v1::SUM);
+          r.mutable_embedding_bag()->set_mode(mode == "mean"  ? v1::POOL_MODE_MEAN
+                                              : mode == "max" ? v1::POOL_MODE_MAX
+                                                              : v1::POOL_MODE_SUM);
         }
       }
       w.pool[o].push_back(std::move(r));
@@ -276,16 +283,18 @@ int Main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_target).empty()) {
     addresses.push_back(absl::GetFlag(FLAGS_target));
   } else {
-    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_coordinator));
+    absl::StatusOr<std::unique_ptr<Client>> client =
+        Client::Connect(absl::GetFlag(FLAGS_coordinator));
     if (!client.ok()) return 1;
-    for (const std::string& name : {absl::GetFlag(FLAGS_table), absl::GetFlag(FLAGS_linear_table)}) {
+    for (const std::string& name :
+         {absl::GetFlag(FLAGS_table), absl::GetFlag(FLAGS_linear_table)}) {
       if (name.empty()) continue;
       absl::StatusOr<v1::TableInfo> info = (*client)->DescribeTable(name);
       if (!info.ok()) {
         std::fprintf(stderr, "shardserve-load: %s\n", info.status().ToString().c_str());
         return 1;
       }
-      if (info->spec().kind() == v1::LINEAR) {
+      if (info->spec().kind() == v1::TABLE_KIND_LINEAR) {
         in_features = info->spec().num_cols();
       } else {
         rows = info->spec().num_rows();
@@ -305,10 +314,10 @@ int Main(int argc, char** argv) {
   }
   std::vector<std::shared_ptr<v1::DataService::Stub>> stubs;
   for (const std::string& a : addresses) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(1 << 30);
+    grpc::ChannelArguments args = server::ChannelArguments();
     args.SetInt("grpc.use_local_subchannel_pool", 1);
-    stubs.push_back(v1::DataService::NewStub(grpc::CreateCustomChannel(a, grpc::InsecureChannelCredentials(), args)));
+    stubs.push_back(v1::DataService::NewStub(
+        grpc::CreateCustomChannel(a, grpc::InsecureChannelCredentials(), args)));
   }
   const absl::Time start = absl::Now();
   const absl::Time measure_from = start + absl::Seconds(absl::GetFlag(FLAGS_warmup_s));
@@ -319,9 +328,11 @@ int Main(int argc, char** argv) {
   std::thread progress([&] {
     absl::Time next = start + absl::Seconds(1);
     while (!done) {
-      absl::SleepFor(std::max(absl::ZeroDuration(), std::min(next - absl::Now(), absl::Milliseconds(100))));
+      absl::SleepFor(
+          std::max(absl::ZeroDuration(), std::min(next - absl::Now(), absl::Milliseconds(100))));
       if (absl::Now() >= next) {
-        if (absl::GetFlag(FLAGS_progress)) std::fprintf(stderr, "%s\n", stats.ProgressLine(absl::Now()).c_str());
+        if (absl::GetFlag(FLAGS_progress))
+          std::fprintf(stderr, "%s\n", stats.ProgressLine(absl::Now()).c_str());
         next += absl::Seconds(1);
       }
     }
@@ -345,7 +356,8 @@ int Main(int argc, char** argv) {
       v1::DataService::Stub& stub = *stubs[i % stubs.size()];
       ++i;
       if (outstanding.load() > 20000) {  // the client itself cannot keep up: count, never hide
-        stats.Record(intended, absl::Now(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED), 0);
+        stats.Record(intended, absl::Now(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED),
+                     0);
         continue;
       }
       ++outstanding;
@@ -406,7 +418,8 @@ int Main(int argc, char** argv) {
             stub.async()->Embedding(&chain->context, &r.embedding(), &chain->response, callback);
             break;
           case v1::StreamRequest::kEmbeddingBag:
-            stub.async()->EmbeddingBag(&chain->context, &r.embedding_bag(), &chain->response, callback);
+            stub.async()->EmbeddingBag(&chain->context, &r.embedding_bag(), &chain->response,
+                                       callback);
             break;
           default:
             stub.async()->Linear(&chain->context, &r.linear(), &chain->response, callback);
@@ -432,11 +445,12 @@ int Main(int argc, char** argv) {
                                                                             : "items";
   const Percentiles p = stats.Overall();
   const double seconds = absl::ToDoubleSeconds(end - measure_from);
-  std::printf("%s %s: %.0f calls/s, %.0f %s/s over %.1f s; latency p50 %.0f us, p90 %.0f us, "
-              "p99 %.0f us, p99.9 %.0f us, max %.0f us\n",
-              absl::GetFlag(FLAGS_op).c_str(), qps > 0 ? "open loop" : "closed loop",
-              stats.calls() / seconds, stats.items() / seconds, item_name.c_str(), seconds, p.p50_us,
-              p.p90_us, p.p99_us, p.p999_us, p.max_us);
+  std::printf(
+      "%s %s: %.0f calls/s, %.0f %s/s over %.1f s; latency p50 %.0f us, p90 %.0f us, "
+      "p99 %.0f us, p99.9 %.0f us, max %.0f us\n",
+      absl::GetFlag(FLAGS_op).c_str(), qps > 0 ? "open loop" : "closed loop",
+      stats.calls() / seconds, stats.items() / seconds, item_name.c_str(), seconds, p.p50_us,
+      p.p90_us, p.p99_us, p.p999_us, p.max_us);
   const auto histogram = stats.Histogram();
   int64_t most = 1;
   for (const auto& [le, n] : histogram) most = std::max(most, n);
@@ -444,9 +458,11 @@ int Main(int argc, char** argv) {
     std::printf("  <= %9.0f us %9lld %s\n", le, static_cast<long long>(n),
                 std::string(static_cast<size_t>(40.0 * n / most), '#').c_str());
   }
-  for (const auto& [code, n] : stats.Errors()) std::printf("  errors with status %d: %lld\n", code, static_cast<long long>(n));
+  for (const auto& [code, n] : stats.Errors())
+    std::printf("  errors with status %d: %lld\n", code, static_cast<long long>(n));
   const std::string config = absl::StrFormat(
-      "\"impl\": \"shardserve\", \"op\": \"%s\", \"loop\": \"%s\", \"concurrency\": %d, \"qps\": %.1f, "
+      "\"impl\": \"shardserve\", \"op\": \"%s\", \"loop\": \"%s\", \"concurrency\": %d, \"qps\": "
+      "%.1f, "
       "\"stream\": %s, \"batch\": %d, \"bag\": %d, \"dist\": \"%s\", \"targets\": %d",
       absl::GetFlag(FLAGS_op), qps > 0 ? "open" : "closed", absl::GetFlag(FLAGS_concurrency), qps,
       absl::GetFlag(FLAGS_stream) ? "true" : "false", absl::GetFlag(FLAGS_batch),
@@ -455,7 +471,8 @@ int Main(int argc, char** argv) {
     std::ofstream(path) << ReportJson(config, stats, end - measure_from, item_name);
   }
   if (const std::string path = absl::GetFlag(FLAGS_svg); !path.empty()) {
-    std::ofstream(path) << TimelineSvg(stats, absl::StrCat("shardserve-load ", absl::GetFlag(FLAGS_op)), item_name);
+    std::ofstream(path) << TimelineSvg(
+        stats, absl::StrCat("shardserve-load ", absl::GetFlag(FLAGS_op)), item_name);
   }
   return stats.Errors().empty() ? 0 : 3;
 }

@@ -9,7 +9,8 @@
 //                           [--norm_type=2] [--no_bias]
 //   shardserve tables | describe T | drop T | export T PATH
 //   shardserve embedding --table=T --ids='[[1,2],[3,4]]'          (or --ids_file=F)
-//   shardserve bag --table=T --ids='[1,2,3]' --offsets='[0,2]' [--weights=...] [--mode=sum|mean|max]
+//   shardserve bag --table=T --ids='[1,2,3]' --offsets='[0,2]' [--weights=...]
+//   [--mode=sum|mean|max]
 //                  [--include_last_offset]
 //   shardserve linear --table=T --input='[[0.1, ...]]'             (or --input_file=F)
 // Data calls go straight to a worker unless --via_coordinator; results print as JSON (or go to
@@ -31,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "client/client.h"
 #include "client/json_tensor.h"
 #include "client/local_cluster.h"
@@ -59,8 +61,10 @@ ABSL_FLAG(std::string, name, "", "table name");
 ABSL_FLAG(std::string, kind, "embedding", "embedding | linear");
 ABSL_FLAG(int64_t, rows, 0, "num_embeddings, or out_features");
 ABSL_FLAG(int64_t, cols, 0, "embedding_dim, or in_features");
-ABSL_FLAG(int, sharding_dim, 1, "sharded dim of the weight (embedding 1 = col-wise; linear 0 = col-wise)");
-ABSL_FLAG(std::string, placements, "", "comma-separated rank:R/cpu or rank:R/cuda:N in chunk order");
+ABSL_FLAG(int, sharding_dim, 1,
+          "sharded dim of the weight (embedding 1 = col-wise; linear 0 = col-wise)");
+ABSL_FLAG(std::string, placements, "",
+          "comma-separated rank:R/cpu or rank:R/cuda:N in chunk order");
 ABSL_FLAG(int, world, 0, "with no --placements: rank:0..world-1 in order");
 ABSL_FLAG(uint64_t, seed, 0, "seeded init");
 ABSL_FLAG(std::string, checkpoint, "", "safetensors file to load instead of a seed");
@@ -107,7 +111,8 @@ absl::StatusOr<JsonArray> ArrayFlag(const std::string& inline_value, const std::
   }
   if (text.empty()) return absl::InvalidArgumentError(absl::StrCat("--", name, " is required"));
   absl::StatusOr<JsonArray> array = ParseJsonArray(text);
-  if (!array.ok()) return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", array.status().message()));
+  if (!array.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", array.status().message()));
   return array;
 }
 
@@ -139,10 +144,16 @@ int PrintResult(const absl::StatusOr<DenseTensor>& result) {
   return 0;
 }
 
+// SERVING for TABLE_STATE_SERVING.
+std::string StateName(v1::TableState state) {
+  return std::string(absl::StripPrefix(v1::TableState_Name(state), "TABLE_STATE_"));
+}
+
 void PrintInfo(const v1::TableInfo& info) {
   const v1::TableSpec& s = info.spec();
   std::printf("%-20s %-9s %-11s [%lld x %lld]  sharding dim %d  %s\n", s.name().c_str(),
-              s.kind() == v1::LINEAR ? "linear" : "embedding", info.state().c_str(),
+              s.kind() == v1::TABLE_KIND_LINEAR ? "linear" : "embedding",
+              StateName(info.state()).c_str(),
               static_cast<long long>(s.num_rows()), static_cast<long long>(s.num_cols()),
               s.sharding().dim(), absl::StrJoin(s.sharding().placements(), ",").c_str());
   for (const v1::ShardInfo& shard : info.shards()) {
@@ -159,7 +170,7 @@ absl::StatusOr<v1::TableSpec> SpecFromFlags() {
   if (kind != "embedding" && kind != "linear") {
     return absl::InvalidArgumentError("--kind must be embedding or linear");
   }
-  spec.set_kind(kind == "linear" ? v1::LINEAR : v1::EMBEDDING);
+  spec.set_kind(kind == "linear" ? v1::TABLE_KIND_LINEAR : v1::TABLE_KIND_EMBEDDING);
   spec.set_num_rows(absl::GetFlag(FLAGS_rows));
   spec.set_num_cols(absl::GetFlag(FLAGS_cols));
   spec.set_dtype(v1::FLOAT32);
@@ -186,7 +197,8 @@ absl::StatusOr<v1::TableSpec> SpecFromFlags() {
   }
   if (const std::string p = absl::GetFlag(FLAGS_padding_idx); !p.empty()) {
     int64_t v;
-    if (!absl::SimpleAtoi(p, &v)) return absl::InvalidArgumentError("--padding_idx: not an integer");
+    if (!absl::SimpleAtoi(p, &v))
+      return absl::InvalidArgumentError("--padding_idx: not an integer");
     spec.set_padding_idx(v);
   }
   if (const std::string m = absl::GetFlag(FLAGS_max_norm); !m.empty()) {
@@ -242,13 +254,14 @@ int RunDemo(const std::string& coordinator, const std::string& work_dir, int wor
   absl::StatusOr<std::unique_ptr<Client>> direct = MakeClient(coordinator);
   ClientOptions forwarded_options;
   forwarded_options.direct = false;
-  absl::StatusOr<std::unique_ptr<Client>> forwarded = Client::Connect(coordinator, forwarded_options);
+  absl::StatusOr<std::unique_ptr<Client>> forwarded =
+      Client::Connect(coordinator, forwarded_options);
   if (!direct.ok() || !forwarded.ok()) return Fail(direct.status());
   Client& client = **direct;
 
   v1::TableSpec emb;
   emb.set_name("demo_embeddings");
-  emb.set_kind(v1::EMBEDDING);
+  emb.set_kind(v1::TABLE_KIND_EMBEDDING);
   emb.set_num_rows(10000);
   emb.set_num_cols(64);
   emb.set_padding_idx(0);
@@ -259,7 +272,7 @@ int RunDemo(const std::string& coordinator, const std::string& work_dir, int wor
   }
   v1::TableSpec lin;
   lin.set_name("demo_linear");
-  lin.set_kind(v1::LINEAR);
+  lin.set_kind(v1::TABLE_KIND_LINEAR);
   lin.set_num_rows(32);
   lin.set_num_cols(128);
   lin.set_seed(11);
@@ -274,8 +287,10 @@ int RunDemo(const std::string& coordinator, const std::string& work_dir, int wor
     std::printf("created ");
     PrintInfo(*info);
   }
-  absl::StatusOr<Reference> e = ReadExport(client, "demo_embeddings", work_dir + "/demo_embeddings.safetensors");
-  absl::StatusOr<Reference> l = ReadExport(client, "demo_linear", work_dir + "/demo_linear.safetensors");
+  absl::StatusOr<Reference> e =
+      ReadExport(client, "demo_embeddings", work_dir + "/demo_embeddings.safetensors");
+  absl::StatusOr<Reference> l =
+      ReadExport(client, "demo_linear", work_dir + "/demo_linear.safetensors");
   if (!e.ok()) return Fail(e.status());
   if (!l.ok()) return Fail(l.status());
   int failures = 0;
@@ -291,7 +306,8 @@ int RunDemo(const std::string& coordinator, const std::string& work_dir, int wor
   };
   const std::vector<int64_t> ids = {1, 42, 9999, 0, 7, 7};
   std::vector<float> rows;
-  for (int64_t id : ids) rows.insert(rows.end(), e->weight.begin() + id * 64, e->weight.begin() + id * 64 + 64);
+  for (int64_t id : ids)
+    rows.insert(rows.end(), e->weight.begin() + id * 64, e->weight.begin() + id * 64 + 64);
   v1::EmbeddingRequest er;
   er.set_table("demo_embeddings");
   *er.mutable_ids() = Int64Tensor({2, 3}, ids);
@@ -302,14 +318,14 @@ int RunDemo(const std::string& coordinator, const std::string& work_dir, int wor
   br.set_table("demo_embeddings");
   *br.mutable_ids() = Int64Tensor({5}, {1, 42, 9999, 0, 7});
   *br.mutable_offsets() = Int64Tensor({3}, {0, 2, 5});
-  br.set_mode(v1::MEAN);
+  br.set_mode(v1::POOL_MODE_MEAN);
   std::vector<float> mean(3 * 64, 0.0f);
   for (int k = 0; k < 64; ++k) {
     mean[k] = (e->weight[1 * 64 + k] + e->weight[42 * 64 + k]) / 2;
     mean[64 + k] = (e->weight[9999 * 64 + k] + e->weight[7 * 64 + k]) / 2;
   }
   check("EmbeddingBag mean (offsets, padding, empty bag)", client.EmbeddingBag(br), mean);
-  br.set_mode(v1::SUM);
+  br.set_mode(v1::POOL_MODE_SUM);
   *br.mutable_per_sample_weights() = FloatTensor({5}, {0.5f, 2, 1, 1, -1});
   std::vector<float> sum(3 * 64, 0.0f);
   for (int k = 0; k < 64; ++k) {
@@ -331,8 +347,9 @@ int RunDemo(const std::string& coordinator, const std::string& work_dir, int wor
     }
   }
   check("Linear [3,128] -> [3,32] (row-wise)", client.Linear(lr), y);
-  std::printf("%s: %d-worker cluster answered through the public API; results %s the unsharded ops\n",
-              failures == 0 ? "OK" : "FAILED", world, failures == 0 ? "match" : "do NOT match");
+  std::printf(
+      "%s: %d-worker cluster answered through the public API; results %s the unsharded ops\n",
+      failures == 0 ? "OK" : "FAILED", world, failures == 0 ? "match" : "do NOT match");
   return failures == 0 ? 0 : 1;
 }
 
@@ -356,7 +373,8 @@ int Up(const std::string& argv0) {
   if (!cluster.ok()) return Fail(cluster.status());
   std::printf("coordinator on %s; %d %s workers:", (*cluster)->coordinator_address().c_str(),
               options.workers, absl::GetFlag(FLAGS_device).c_str());
-  for (int r = 0; r < options.workers; ++r) std::printf(" %s", (*cluster)->worker_address(r).c_str());
+  for (int r = 0; r < options.workers; ++r)
+    std::printf(" %s", (*cluster)->worker_address(r).c_str());
   std::printf("\n");
   std::fflush(stdout);
   if (!absl::GetFlag(FLAGS_no_demo)) {
@@ -381,7 +399,7 @@ int Main(int argc, char** argv) {
   server::BlockShutdownSignals();  // `up` waits for them (its children start unblocked)
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) {
-    std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage());
+    std::fprintf(stderr, "%s\n", std::string(absl::ProgramUsageMessage()).c_str());
     return 2;
   }
   const std::string command = args[1];
@@ -417,12 +435,14 @@ int Main(int argc, char** argv) {
   if (command == "export") {
     absl::StatusOr<v1::ExportTableResponse> r = c.ExportTable(arg(2), arg(3));
     if (!r.ok()) return Fail(r.status());
-    std::printf("wrote %s (%lld bytes of tensors)\n", r->path().c_str(), static_cast<long long>(r->bytes()));
+    std::printf("wrote %s (%lld bytes of tensors)\n", r->path().c_str(),
+                static_cast<long long>(r->bytes()));
     return 0;
   }
   const std::string table = absl::GetFlag(FLAGS_table);
   if (command == "embedding") {
-    absl::StatusOr<JsonArray> ids = ArrayFlag(absl::GetFlag(FLAGS_ids), absl::GetFlag(FLAGS_ids_file), "ids");
+    absl::StatusOr<JsonArray> ids =
+        ArrayFlag(absl::GetFlag(FLAGS_ids), absl::GetFlag(FLAGS_ids_file), "ids");
     if (!ids.ok()) return Fail(ids.status());
     v1::EmbeddingRequest request;
     request.set_table(table);
@@ -432,7 +452,8 @@ int Main(int argc, char** argv) {
     return PrintResult(c.Embedding(request));
   }
   if (command == "bag") {
-    absl::StatusOr<JsonArray> ids = ArrayFlag(absl::GetFlag(FLAGS_ids), absl::GetFlag(FLAGS_ids_file), "ids");
+    absl::StatusOr<JsonArray> ids =
+        ArrayFlag(absl::GetFlag(FLAGS_ids), absl::GetFlag(FLAGS_ids_file), "ids");
     if (!ids.ok()) return Fail(ids.status());
     v1::EmbeddingBagRequest request;
     request.set_table(table);
@@ -455,7 +476,9 @@ int Main(int argc, char** argv) {
     if (mode != "sum" && mode != "mean" && mode != "max") {
       return Fail(absl::InvalidArgumentError("--mode must be sum, mean or max"));
     }
-    request.set_mode(mode == "sum" ? v1::SUM : mode == "max" ? v1::MAX : v1::MEAN);
+    request.set_mode(mode == "sum"   ? v1::POOL_MODE_SUM
+                     : mode == "max" ? v1::POOL_MODE_MAX
+                                     : v1::POOL_MODE_MEAN);
     request.set_include_last_offset(absl::GetFlag(FLAGS_include_last_offset));
     return PrintResult(c.EmbeddingBag(request));
   }
@@ -468,7 +491,8 @@ int Main(int argc, char** argv) {
     *request.mutable_input() = FloatsTensor(*input);
     return PrintResult(c.Linear(request));
   }
-  std::fprintf(stderr, "unknown command \"%s\"\n%s\n", command.c_str(), absl::ProgramUsageMessage());
+  std::fprintf(stderr, "unknown command \"%s\"\n%s\n", command.c_str(),
+               std::string(absl::ProgramUsageMessage()).c_str());
   return 2;
 }
 

@@ -66,17 +66,19 @@ struct CudaKernels::Lanes {
   }
 
   absl::Status Init(int count) {
-    RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "lanes"));
+    SHARDSERVE_RETURN_IF_ERROR(
+        Check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "lanes"));
     lanes.resize(count);
     for (Lane& lane : lanes) {
-      RETURN_IF_ERROR(
+      SHARDSERVE_RETURN_IF_ERROR(
           Check(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking), "lane"));
       for (cudaEvent_t* event : {&lane.chunk_done[0], &lane.chunk_done[1], &lane.done}) {
-        RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "lane"));
+        SHARDSERVE_RETURN_IF_ERROR(
+            Check(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "lane"));
       }
-      RETURN_IF_ERROR(Check(cudaHostAlloc(reinterpret_cast<void**>(&lane.pinned), 2 * kCopyChunk,
-                                          cudaHostAllocDefault),
-                            "pinned memory"));
+      SHARDSERVE_RETURN_IF_ERROR(Check(cudaHostAlloc(reinterpret_cast<void**>(&lane.pinned),
+                                                     2 * kCopyChunk, cudaHostAllocDefault),
+                                       "pinned memory"));
     }
     return absl::OkStatus();
   }
@@ -90,25 +92,27 @@ absl::Status CudaKernels::Lanes::Lane::Copy(char* dst, const char* src, int64_t 
   if (to_device) {
     for (int64_t k = 0; k < chunks; ++k) {
       // The chunk's last DMA (two chunks ago, or a previous call) has left it.
-      RETURN_IF_ERROR(Check(cudaEventSynchronize(chunk_done[k % 2]), "copy to device"));
+      SHARDSERVE_RETURN_IF_ERROR(Check(cudaEventSynchronize(chunk_done[k % 2]), "copy to device"));
       std::memcpy(slot(k), src + k * kCopyChunk, size(k));
-      RETURN_IF_ERROR(Check(cudaMemcpyAsync(dst + k * kCopyChunk, slot(k), size(k),
-                                            cudaMemcpyHostToDevice, stream),
-                            "copy to device"));
-      RETURN_IF_ERROR(Check(cudaEventRecord(chunk_done[k % 2], stream), "copy to device"));
+      SHARDSERVE_RETURN_IF_ERROR(Check(
+          cudaMemcpyAsync(dst + k * kCopyChunk, slot(k), size(k), cudaMemcpyHostToDevice, stream),
+          "copy to device"));
+      SHARDSERVE_RETURN_IF_ERROR(
+          Check(cudaEventRecord(chunk_done[k % 2], stream), "copy to device"));
     }
     return absl::OkStatus();
   }
   auto fetch = [&](int64_t k) -> absl::Status {
-    RETURN_IF_ERROR(Check(cudaMemcpyAsync(slot(k), src + k * kCopyChunk, size(k),
-                                          cudaMemcpyDeviceToHost, stream),
-                          "copy to host"));
+    SHARDSERVE_RETURN_IF_ERROR(Check(
+        cudaMemcpyAsync(slot(k), src + k * kCopyChunk, size(k), cudaMemcpyDeviceToHost, stream),
+        "copy to host"));
     return Check(cudaEventRecord(chunk_done[k % 2], stream), "copy to host");
   };
-  RETURN_IF_ERROR(fetch(0));
+  SHARDSERVE_RETURN_IF_ERROR(fetch(0));
   for (int64_t k = 0; k < chunks; ++k) {
-    if (k + 1 < chunks) RETURN_IF_ERROR(fetch(k + 1));  // its chunk was emptied last round
-    RETURN_IF_ERROR(Check(cudaEventSynchronize(chunk_done[k % 2]), "copy to host"));
+    if (k + 1 < chunks)
+      SHARDSERVE_RETURN_IF_ERROR(fetch(k + 1));  // its chunk was emptied last round
+    SHARDSERVE_RETURN_IF_ERROR(Check(cudaEventSynchronize(chunk_done[k % 2]), "copy to host"));
     std::memcpy(dst + k * kCopyChunk, slot(k), size(k));
   }
   return absl::OkStatus();
@@ -152,13 +156,14 @@ absl::StatusOr<std::unique_ptr<CudaKernels>> CudaKernels::Create(int device_inde
                                                count, " GPUs visible)"));
   }
   std::unique_ptr<CudaKernels> kernels(new CudaKernels(device_index, std::max(0, copy_lanes)));
-  RETURN_IF_ERROR(Check(cudaSetDevice(device_index), "set device"));
+  SHARDSERVE_RETURN_IF_ERROR(Check(cudaSetDevice(device_index), "set device"));
   cudaStream_t stream;
-  RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
+  SHARDSERVE_RETURN_IF_ERROR(
+      Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
   kernels->stream_ = stream;
   cublasHandle_t handle;
-  RETURN_IF_ERROR(Check(cublasCreate(&handle), "create"));
-  RETURN_IF_ERROR(Check(cublasSetStream(handle, stream), "set stream"));
+  SHARDSERVE_RETURN_IF_ERROR(Check(cublasCreate(&handle), "create"));
+  SHARDSERVE_RETURN_IF_ERROR(Check(cublasSetStream(handle, stream), "set stream"));
   kernels->cublas_ = handle;
   return kernels;
 }
@@ -194,10 +199,11 @@ absl::StatusOr<DeviceBuffer> CudaKernels::Allocate(int64_t bytes) {
 }
 
 // Copies run on the kernels' stream and are waited for: cudaMemcpy on the legacy stream may return
-// before a pageable upload has landed, and the kernels' non-blocking stream is not ordered after it.
+// before a pageable upload has landed, and the kernels' non-blocking stream is not ordered after
+// it.
 absl::Status CudaKernels::CopyFromHost(const void* host, void* device, int64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(ToDevice(host, device, bytes));
+  SHARDSERVE_RETURN_IF_ERROR(ToDevice(host, device, bytes));
   return Sync("copy to device");
 }
 
@@ -207,7 +213,7 @@ absl::Status CudaKernels::CopyToHost(const void* device, void* host, int64_t byt
 }
 
 absl::Status CudaKernels::ToDevice(const void* host, void* device, int64_t bytes) {
-  ASSIGN_OR_RETURN(const bool done, LaneCopy(device, host, bytes, /*to_device=*/true));
+  SHARDSERVE_ASSIGN_OR_RETURN(const bool done, LaneCopy(device, host, bytes, /*to_device=*/true));
   if (done) return absl::OkStatus();
   return Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice,
                                static_cast<cudaStream_t>(stream_)),
@@ -215,11 +221,11 @@ absl::Status CudaKernels::ToDevice(const void* host, void* device, int64_t bytes
 }
 
 absl::Status CudaKernels::ToHost(const void* device, void* host, int64_t bytes) {
-  ASSIGN_OR_RETURN(const bool done, LaneCopy(host, device, bytes, /*to_device=*/false));
+  SHARDSERVE_ASSIGN_OR_RETURN(const bool done, LaneCopy(host, device, bytes, /*to_device=*/false));
   if (done) return absl::OkStatus();
-  RETURN_IF_ERROR(Check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost,
-                                        static_cast<cudaStream_t>(stream_)),
-                        "copy to host"));
+  SHARDSERVE_RETURN_IF_ERROR(Check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost,
+                                                   static_cast<cudaStream_t>(stream_)),
+                                   "copy to host"));
   return Sync("copy to host");
 }
 
@@ -243,7 +249,7 @@ absl::StatusOr<bool> CudaKernels::LaneCopy(void* dst, const void* src, int64_t b
   const int count = static_cast<int>(std::min<int64_t>(copy_lanes_, bytes / kCopyChunk));
   // The lanes start after the work queued on the kernels' stream, which may produce what they
   // read or still read what they overwrite.
-  RETURN_IF_ERROR(Check(cudaEventRecord(lanes_->ready, stream), "copy"));
+  SHARDSERVE_RETURN_IF_ERROR(Check(cudaEventRecord(lanes_->ready, stream), "copy"));
   std::vector<absl::Status> results(count);
   auto run = [&](int i) {
     const Lanes::Lane& lane = lanes_->lanes[i];
@@ -277,7 +283,7 @@ absl::StatusOr<bool> CudaKernels::LaneCopy(void* dst, const void* src, int64_t b
     status.Update(Check(cudaEventRecord(lane.done, lane.stream), "copy"));
     status.Update(Check(cudaStreamWaitEvent(stream, lane.done), "copy"));
   }
-  RETURN_IF_ERROR(status);
+  SHARDSERVE_RETURN_IF_ERROR(status);
   return true;
 }
 
@@ -287,10 +293,10 @@ absl::StatusOr<void*> CudaKernels::Upload(int slot, const void* host, int64_t by
     if (staging_->buffers[slot] != nullptr) cudaFree(staging_->buffers[slot]);
     staging_->buffers[slot] = nullptr;
     staging_->sizes[slot] = 0;
-    RETURN_IF_ERROR(Check(cudaMalloc(&staging_->buffers[slot], bytes * 2), "staging"));
+    SHARDSERVE_RETURN_IF_ERROR(Check(cudaMalloc(&staging_->buffers[slot], bytes * 2), "staging"));
     staging_->sizes[slot] = bytes * 2;
   }
-  RETURN_IF_ERROR(ToDevice(host, staging_->buffers[slot], bytes));
+  SHARDSERVE_RETURN_IF_ERROR(ToDevice(host, staging_->buffers[slot], bytes));
   return staging_->buffers[slot];
 }
 
@@ -304,10 +310,11 @@ absl::Status CudaKernels::GatherRows(const MatrixView& shard, const int64_t* ids
     return absl::UnimplementedError("cuda gather rows: strided output is not supported");
   }
   if (n == 0 || shard.cols == 0) return absl::OkStatus();
-  ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
-  RETURN_IF_ERROR(Check(cuda::LaunchGatherRows(shard.data, shard.cols,
-                                                static_cast<const int64_t*>(d_ids), n, out, stream_),
-                        "gather rows"));
+  SHARDSERVE_ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
+  SHARDSERVE_RETURN_IF_ERROR(
+      Check(cuda::LaunchGatherRows(shard.data, shard.cols, static_cast<const int64_t*>(d_ids), n,
+                                   out, stream_),
+            "gather rows"));
   return Sync("gather rows");
 }
 
@@ -315,40 +322,41 @@ absl::Status CudaKernels::PoolBags(const MatrixView& shard, const BagsView& bags
                                    float empty_max, float* out) {
   if (bags.num_bags == 0 || shard.cols == 0) return absl::OkStatus();
   const int64_t num_ids = bags.offsets[bags.num_bags];
-  ASSIGN_OR_RETURN(void* d_ids, Upload(0, bags.ids, num_ids * sizeof(int64_t)));
-  ASSIGN_OR_RETURN(void* d_offsets, Upload(1, bags.offsets, (bags.num_bags + 1) * sizeof(int64_t)));
-  ASSIGN_OR_RETURN(void* d_weights, Upload(2, bags.weights, num_ids * sizeof(float)));
-  RETURN_IF_ERROR(Check(
-      cuda::LaunchPoolBags(shard.data, shard.cols, static_cast<const int64_t*>(d_ids),
-                           static_cast<const int64_t*>(d_offsets),
-                           static_cast<const float*>(d_weights), bags.num_bags,
-                           static_cast<int>(mode), empty_max, out, stream_),
-      "pool bags"));
+  SHARDSERVE_ASSIGN_OR_RETURN(void* d_ids, Upload(0, bags.ids, num_ids * sizeof(int64_t)));
+  SHARDSERVE_ASSIGN_OR_RETURN(void* d_offsets,
+                              Upload(1, bags.offsets, (bags.num_bags + 1) * sizeof(int64_t)));
+  SHARDSERVE_ASSIGN_OR_RETURN(void* d_weights, Upload(2, bags.weights, num_ids * sizeof(float)));
+  SHARDSERVE_RETURN_IF_ERROR(
+      Check(cuda::LaunchPoolBags(shard.data, shard.cols, static_cast<const int64_t*>(d_ids),
+                                 static_cast<const int64_t*>(d_offsets),
+                                 static_cast<const float*>(d_weights), bags.num_bags,
+                                 static_cast<int>(mode), empty_max, out, stream_),
+            "pool bags"));
   return Sync("pool bags");
 }
 
 absl::Status CudaKernels::RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n,
                                        double p, double* norms_pow) {
   if (n == 0) return absl::OkStatus();
-  ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
-  ASSIGN_OR_RETURN(DeviceBuffer sums, Allocate(n * sizeof(double)));
-  RETURN_IF_ERROR(Check(cuda::LaunchRowPowerSums(shard.data, shard.cols,
-                                                  static_cast<const int64_t*>(d_ids), n, p,
-                                                  static_cast<double*>(sums.data()), stream_),
-                        "row power sums"));
-  RETURN_IF_ERROR(Sync("row power sums"));
+  SHARDSERVE_ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
+  SHARDSERVE_ASSIGN_OR_RETURN(DeviceBuffer sums, Allocate(n * sizeof(double)));
+  SHARDSERVE_RETURN_IF_ERROR(
+      Check(cuda::LaunchRowPowerSums(shard.data, shard.cols, static_cast<const int64_t*>(d_ids), n,
+                                     p, static_cast<double*>(sums.data()), stream_),
+            "row power sums"));
+  SHARDSERVE_RETURN_IF_ERROR(Sync("row power sums"));
   return CopyToHost(sums.data(), norms_pow, n * sizeof(double));
 }
 
 absl::Status CudaKernels::ScaleRows(const MatrixView& shard, const int64_t* ids, int64_t n,
                                     const float* scales) {
   if (n == 0 || shard.cols == 0) return absl::OkStatus();
-  ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
-  ASSIGN_OR_RETURN(void* d_scales, Upload(1, scales, n * sizeof(float)));
-  RETURN_IF_ERROR(Check(cuda::LaunchScaleRows(shard.data, shard.cols,
-                                               static_cast<const int64_t*>(d_ids),
-                                               static_cast<const float*>(d_scales), n, stream_),
-                        "scale rows"));
+  SHARDSERVE_ASSIGN_OR_RETURN(void* d_ids, Upload(0, ids, n * sizeof(int64_t)));
+  SHARDSERVE_ASSIGN_OR_RETURN(void* d_scales, Upload(1, scales, n * sizeof(float)));
+  SHARDSERVE_RETURN_IF_ERROR(
+      Check(cuda::LaunchScaleRows(shard.data, shard.cols, static_cast<const int64_t*>(d_ids),
+                                  static_cast<const float*>(d_scales), n, stream_),
+            "scale rows"));
   return Sync("scale rows");
 }
 
@@ -357,7 +365,7 @@ absl::Status CudaKernels::Linear(const float* x, int64_t rows, int64_t x_stride,
   if (rows == 0 || weight.rows == 0) return absl::OkStatus();
   const void* d_x = nullptr;
   if (weight.cols > 0) {
-    ASSIGN_OR_RETURN(d_x, Upload(0, x, rows * x_stride * sizeof(float)));
+    SHARDSERVE_ASSIGN_OR_RETURN(d_x, Upload(0, x, rows * x_stride * sizeof(float)));
   }
   return LinearOnDevice(static_cast<const float*>(d_x), rows, x_stride, col_begin, weight, bias,
                         out);
@@ -367,22 +375,22 @@ absl::Status CudaKernels::LinearOnDevice(const float* x, int64_t rows, int64_t x
                                          int64_t col_begin, const MatrixView& weight,
                                          const float* bias, float* out) {
   if (rows == 0 || weight.rows == 0) return absl::OkStatus();
-  ASSIGN_OR_RETURN(void* d_bias, Upload(1, bias, weight.rows * sizeof(float)));
-  RETURN_IF_ERROR(Check(cuda::LaunchBroadcastRows(static_cast<const float*>(d_bias), rows,
-                                                   weight.rows, out, stream_),
-                        "linear bias"));
+  SHARDSERVE_ASSIGN_OR_RETURN(void* d_bias, Upload(1, bias, weight.rows * sizeof(float)));
+  SHARDSERVE_RETURN_IF_ERROR(Check(
+      cuda::LaunchBroadcastRows(static_cast<const float*>(d_bias), rows, weight.rows, out, stream_),
+      "linear bias"));
   if (weight.cols > 0) {
     // Row-major out (rows x o) is column-major (o x rows) = W (o x k) * X^T (k x rows): W's
     // row-major storage read as column-major is W^T (k x o, ld k), transposed back by OP_T; X's
     // storage is X^T (x_stride x rows), offset to the shard's input columns.
     const float alpha = 1.0f, beta = 1.0f;
-    RETURN_IF_ERROR(Check(
-        cublasSgemm(static_cast<cublasHandle_t>(cublas_), CUBLAS_OP_T, CUBLAS_OP_N,
-                    static_cast<int>(weight.rows), static_cast<int>(rows),
-                    static_cast<int>(weight.cols), &alpha, weight.data,
-                    static_cast<int>(weight.cols), x + col_begin, static_cast<int>(x_stride),
-                    &beta, out, static_cast<int>(weight.rows)),
-        "sgemm"));
+    SHARDSERVE_RETURN_IF_ERROR(
+        Check(cublasSgemm(static_cast<cublasHandle_t>(cublas_), CUBLAS_OP_T, CUBLAS_OP_N,
+                          static_cast<int>(weight.rows), static_cast<int>(rows),
+                          static_cast<int>(weight.cols), &alpha, weight.data,
+                          static_cast<int>(weight.cols), x + col_begin, static_cast<int>(x_stride),
+                          &beta, out, static_cast<int>(weight.rows)),
+              "sgemm"));
   }
   return Sync("linear");
 }
@@ -391,11 +399,11 @@ absl::Status CudaKernels::PlaceColumns(const float* block, int64_t rows, int64_t
                                        int64_t out_cols, int64_t col_begin) {
   if (rows == 0 || cols == 0) return absl::OkStatus();
   // A strided device copy: `rows` rows of cols floats, source pitch cols, destination out_cols.
-  RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(out + col_begin, out_cols * sizeof(float), block,
-                                          cols * sizeof(float), cols * sizeof(float), rows,
-                                          cudaMemcpyDeviceToDevice,
-                                          static_cast<cudaStream_t>(stream_)),
-                        "place columns"));
+  SHARDSERVE_RETURN_IF_ERROR(
+      Check(cudaMemcpy2DAsync(out + col_begin, out_cols * sizeof(float), block,
+                              cols * sizeof(float), cols * sizeof(float), rows,
+                              cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)),
+            "place columns"));
   return Sync("place columns");
 }
 

@@ -367,7 +367,8 @@ struct GlooCommunicator::SharedMemory {
   }
   // Where `peer` puts its block for this rank, if that block goes through shared memory.
   const char* SlotFrom(int peer, int64_t bytes, int parity) const {
-    if (peer_outbox[peer] == nullptr || bytes <= 0 || bytes > peer_block_bytes[peer]) return nullptr;
+    if (peer_outbox[peer] == nullptr || bytes <= 0 || bytes > peer_block_bytes[peer])
+      return nullptr;
     return peer_outbox[peer] + kHeader + 2 * kMessageBytes +
            SlotIndex(rank, peer, parity) * peer_block_bytes[peer];
   }
@@ -399,9 +400,9 @@ struct GlooCommunicator::SharedMemory {
 // nonce its owner published, and learns which peers map this rank's. Every rank publishes its keys
 // whatever happens (peers wait for them); a peer that cannot be mapped only means "use the
 // sockets"; a failing store fails the group. Null when no peer shares memory with this rank.
-absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator::ConnectSharedMemory(
-    RendezvousStore& store, const std::string& prefix, int rank, int world_size,
-    int64_t block_bytes, absl::Duration timeout) {
+absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>>
+GlooCommunicator::ConnectSharedMemory(RendezvousStore& store, const std::string& prefix, int rank,
+                                      int world_size, int64_t block_bytes, absl::Duration timeout) {
   auto shm = std::make_unique<SharedMemory>(rank, world_size);
   const uint64_t nonce = std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32) ^
                          static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
@@ -411,7 +412,8 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
     shm->outbox_size = SharedMemory::OutboxBytes(world_size, block_bytes);
     shm->fd = ::memfd_create("shardserve-exchange", MFD_CLOEXEC);
     if (shm->fd >= 0 && ::ftruncate(shm->fd, static_cast<off_t>(shm->outbox_size)) == 0) {
-      void* base = ::mmap(nullptr, shm->outbox_size, PROT_READ | PROT_WRITE, MAP_SHARED, shm->fd, 0);
+      void* base =
+          ::mmap(nullptr, shm->outbox_size, PROT_READ | PROT_WRITE, MAP_SHARED, shm->fd, 0);
       if (base != MAP_FAILED) {
         shm->outbox = static_cast<char*>(base);
         std::memcpy(shm->outbox, &nonce, sizeof(nonce));
@@ -420,11 +422,11 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
     }
   }
   const std::string key = prefix + "/shm/";
-  RETURN_IF_ERROR(store.Set(absl::StrCat(key, rank), mine));
+  SHARDSERVE_RETURN_IF_ERROR(store.Set(absl::StrCat(key, rank), mine));
   std::string mapped(world_size, '0');
   for (int q = 0; q < world_size; ++q) {
     if (q == rank) continue;
-    ASSIGN_OR_RETURN(const std::string theirs, store.Get(absl::StrCat(key, q), timeout));
+    SHARDSERVE_ASSIGN_OR_RETURN(const std::string theirs, store.Get(absl::StrCat(key, q), timeout));
     std::vector<std::string> f = absl::StrSplit(theirs, ' ');
     int64_t pid = 0, fd = 0, peer_block = 0;
     uint64_t peer_nonce = 0;
@@ -471,14 +473,14 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
   // said, nobody opens it again. Every rank reads every rank's answer, so all agree on whether the
   // group parks on doorbells, and on whether it has mail.
   const std::string ok_key = prefix + "/shm-mapped/";
-  RETURN_IF_ERROR(store.Set(absl::StrCat(ok_key, rank), mapped));
+  SHARDSERVE_RETURN_IF_ERROR(store.Set(absl::StrCat(ok_key, rank), mapped));
   bool any = false;
   bool doorbells = true;
   bool mail = world_size <= SharedMemory::kMaxMailWorld;
   for (int q = 0; q < world_size; ++q) {
     std::string theirs = mapped;
     if (q != rank) {
-      ASSIGN_OR_RETURN(theirs, store.Get(absl::StrCat(ok_key, q), timeout));
+      SHARDSERVE_ASSIGN_OR_RETURN(theirs, store.Get(absl::StrCat(ok_key, q), timeout));
     }
     for (int p = 0; p < world_size; ++p) {
       if (p == q) continue;
@@ -488,7 +490,8 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator::SharedMemory>> GlooCommunicator
     }
     if (q == rank) continue;
     shm->peer_reads_mine[q] = shm->outbox != nullptr &&
-                              theirs.size() == static_cast<size_t>(world_size) && theirs[rank] != '0';
+                              theirs.size() == static_cast<size_t>(world_size) &&
+                              theirs[rank] != '0';
     any = any || shm->peer_reads_mine[q] || shm->peer_outbox[q] != nullptr;
   }
   if (!any) {
@@ -874,7 +877,8 @@ class GlooCommunicator::Exchange : public PendingExchange {
         timeout_(timeout),
         large_recv_(recv_bytes_.size()),
         large_send_(recv_bytes_.size()) {
-    for (size_t q = 1; q < recv_bytes_.size(); ++q) offsets_[q] = offsets_[q - 1] + recv_bytes_[q - 1];
+    for (size_t q = 1; q < recv_bytes_.size(); ++q)
+      offsets_[q] = offsets_[q - 1] + recv_bytes_[q - 1];
   }
 
   absl::Status Post() {
@@ -994,7 +998,9 @@ class GlooCommunicator::Exchange : public PendingExchange {
           }
         } else if (acks_due_[q] && From(q) == nullptr) {  // sent alone by q as this exchange began
           int64_t done = 0;
-          comm_.sync_context_->getPair(q)->createRecvBuffer(slot_ + 1, &done, kLengthBytes)->waitRecv();
+          comm_.sync_context_->getPair(q)
+              ->createRecvBuffer(slot_ + 1, &done, kLengthBytes)
+              ->waitRecv();
         }
         if (recv_bytes_[q] == 0) continue;
         if (From(q) != nullptr) {

@@ -71,11 +71,12 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   ncclUniqueId id;
   if (rank == 0) {
     if (ncclGetUniqueId(&id) != ncclSuccess) return absl::UnavailableError("nccl: no unique id");
-    RETURN_IF_ERROR(store.Set(key, absl::string_view(id.internal, sizeof(id.internal))));
+    SHARDSERVE_RETURN_IF_ERROR(store.Set(key, absl::string_view(id.internal, sizeof(id.internal))));
   } else {
     absl::StatusOr<std::string> value = store.Get(key, timeout);
     if (!value.ok()) {
-      return absl::UnavailableError(absl::StrCat("nccl: rank ", rank, ": ", value.status().message()));
+      return absl::UnavailableError(
+          absl::StrCat("nccl: rank ", rank, ": ", value.status().message()));
     }
     if (value->size() != sizeof(id.internal)) return absl::InternalError("nccl: bad unique id");
     std::memcpy(id.internal, value->data(), sizeof(id.internal));
@@ -140,7 +141,8 @@ absl::Status NcclCommunicator::Finish(const char* what, absl::Duration timeout) 
     ncclResult_t state = ncclSuccess;
     ncclCommGetAsyncError(C(comm_), &state);
     const cudaError_t done = cudaStreamQuery(S(stream_));
-    if (done == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: do not leave it latched
+    if (done == cudaErrorNotReady)
+      (void)cudaGetLastError();  // not an error: do not leave it latched
     if (state != ncclSuccess && state != ncclInProgress) {
       return Fail(absl::StrCat(what, " failed: ", ncclGetErrorString(state)));
     }
@@ -271,8 +273,8 @@ absl::Status NcclCommunicator::ReduceScatter(const void* in, absl::Span<const in
     }
     scratch_bytes_ = bytes;
   }
-  RETURN_IF_ERROR(AllToAllV(in, counts, scratch_, std::vector<int64_t>(world_size_, mine), type,
-                            timeout));
+  SHARDSERVE_RETURN_IF_ERROR(
+      AllToAllV(in, counts, scratch_, std::vector<int64_t>(world_size_, mine), type, timeout));
   if (mine == 0) return absl::OkStatus();
   cudaError_t error =
       cudaMemcpyAsync(out, scratch_, mine * elem, cudaMemcpyDeviceToDevice, S(stream_));

@@ -70,26 +70,27 @@ absl::Status CheckKind(const TableConfig& table, TableKind want, absl::string_vi
 
 absl::Status ValidateEmbeddingInput(const TableConfig& table, const EmbeddingInput& input,
                                     const InputLimits& limits) {
-  RETURN_IF_ERROR(CheckKind(table, TableKind::kEmbedding, "Embedding"));
-  ASSIGN_OR_RETURN(int64_t n, Elements("ids", input.shape, limits));
+  SHARDSERVE_RETURN_IF_ERROR(CheckKind(table, TableKind::kEmbedding, "Embedding"));
+  SHARDSERVE_ASSIGN_OR_RETURN(int64_t n, Elements("ids", input.shape, limits));
   if (static_cast<int64_t>(input.ids.size()) != n) {
     return absl::InvalidArgumentError(absl::StrCat("ids: ", input.ids.size(),
                                                    " values do not match shape ",
                                                    ShapeString(input.shape), " (", n, ")"));
   }
-  RETURN_IF_ERROR(CheckOutput(n, table.num_cols, limits));
+  SHARDSERVE_RETURN_IF_ERROR(CheckOutput(n, table.num_cols, limits));
   return CheckIds(table, input.ids);
 }
 
 absl::StatusOr<CanonicalBags> ValidateEmbeddingBagInput(const TableConfig& table,
                                                         const EmbeddingBagInput& input,
                                                         const InputLimits& limits) {
-  RETURN_IF_ERROR(CheckKind(table, TableKind::kEmbedding, "EmbeddingBag"));
+  SHARDSERVE_RETURN_IF_ERROR(CheckKind(table, TableKind::kEmbedding, "EmbeddingBag"));
   if (input.shape.size() != 1 && input.shape.size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ids.shape: ", ShapeString(input.shape), " must be 1-D (with offsets) or 2-D (bags x ids)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ids.shape: ", ShapeString(input.shape),
+                     " must be 1-D (with offsets) or 2-D (bags x ids)"));
   }
-  ASSIGN_OR_RETURN(int64_t n, Elements("ids", input.shape, limits));
+  SHARDSERVE_ASSIGN_OR_RETURN(int64_t n, Elements("ids", input.shape, limits));
   if (static_cast<int64_t>(input.ids.size()) != n) {
     return absl::InvalidArgumentError(absl::StrCat("ids: ", input.ids.size(),
                                                    " values do not match shape ",
@@ -110,14 +111,15 @@ absl::StatusOr<CanonicalBags> ValidateEmbeddingBagInput(const TableConfig& table
   CanonicalBags bags;
   if (input.shape.size() == 2) {
     if (input.offsets.has_value()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("offsets: only allowed with 1-D ids, got ids.shape ", ShapeString(input.shape)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "offsets: only allowed with 1-D ids, got ids.shape ", ShapeString(input.shape)));
     }
     if (input.include_last_offset) {
       return absl::InvalidArgumentError("include_last_offset: requires 1-D ids with offsets");
     }
     const int64_t num_bags = input.shape[0], bag = input.shape[1];
-    RETURN_IF_ERROR(CheckOutput(num_bags, table.num_cols, limits));  // before any offset is made
+    SHARDSERVE_RETURN_IF_ERROR(
+        CheckOutput(num_bags, table.num_cols, limits));  // before any offset is made
     bags.offsets.resize(num_bags + 1);
     for (int64_t b = 0; b <= num_bags; ++b) bags.offsets[b] = b * bag;
   } else {
@@ -160,17 +162,17 @@ absl::StatusOr<CanonicalBags> ValidateEmbeddingBagInput(const TableConfig& table
           absl::StrCat("offsets: empty, but there are ", n, " ids to put in bags"));
     }
     const int64_t num_bags = static_cast<int64_t>(offsets.size()) - input.include_last_offset;
-    RETURN_IF_ERROR(CheckOutput(num_bags, table.num_cols, limits));
+    SHARDSERVE_RETURN_IF_ERROR(CheckOutput(num_bags, table.num_cols, limits));
     bags.offsets.assign(offsets.begin(), offsets.end());
     if (!input.include_last_offset) bags.offsets.push_back(n);
   }
-  RETURN_IF_ERROR(CheckIds(table, input.ids));
+  SHARDSERVE_RETURN_IF_ERROR(CheckIds(table, input.ids));
   return bags;
 }
 
 absl::StatusOr<int64_t> ValidateLinearInput(const TableConfig& table, const LinearInput& input,
                                             const InputLimits& limits) {
-  RETURN_IF_ERROR(CheckKind(table, TableKind::kLinear, "Linear"));
+  SHARDSERVE_RETURN_IF_ERROR(CheckKind(table, TableKind::kLinear, "Linear"));
   if (input.shape.empty()) {
     return absl::InvalidArgumentError("input.shape: must have at least 1 dim (*, in_features)");
   }
@@ -179,13 +181,13 @@ absl::StatusOr<int64_t> ValidateLinearInput(const TableConfig& table, const Line
         "input.shape[", input.shape.size() - 1, "]: ", input.shape.back(),
         " does not match in_features ", table.num_cols, " of layer \"", table.name, "\""));
   }
-  ASSIGN_OR_RETURN(int64_t n, Elements("input", input.shape, limits));
+  SHARDSERVE_ASSIGN_OR_RETURN(int64_t n, Elements("input", input.shape, limits));
   if (static_cast<int64_t>(input.values.size()) != n) {
     return absl::InvalidArgumentError(absl::StrCat("input: ", input.values.size(),
                                                    " values do not match shape ",
                                                    ShapeString(input.shape), " (", n, ")"));
   }
-  RETURN_IF_ERROR(CheckOutput(n / table.num_cols, table.num_rows, limits));
+  SHARDSERVE_RETURN_IF_ERROR(CheckOutput(n / table.num_cols, table.num_rows, limits));
   return n / table.num_cols;
 }
 

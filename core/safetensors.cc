@@ -73,7 +73,7 @@ class HeaderParser {
     std::vector<int64_t> out;
     if (Eat(']')) return out;
     do {
-      ASSIGN_OR_RETURN(int64_t v, Integer());
+      SHARDSERVE_ASSIGN_OR_RETURN(int64_t v, Integer());
       out.push_back(v);
     } while (Eat(','));
     if (!Eat(']')) return Error("expected ']'");
@@ -88,20 +88,22 @@ class HeaderParser {
     if (Eat('{')) {
       if (Eat('}')) return absl::OkStatus();
       do {
-        RETURN_IF_ERROR(String().status());
+        SHARDSERVE_RETURN_IF_ERROR(String().status());
         if (!Eat(':')) return Error("expected ':'");
-        RETURN_IF_ERROR(SkipValue(depth + 1));
+        SHARDSERVE_RETURN_IF_ERROR(SkipValue(depth + 1));
       } while (Eat(','));
       return Eat('}') ? absl::OkStatus() : Error("expected '}'");
     }
     if (Eat('[')) {
       if (Eat(']')) return absl::OkStatus();
       do {
-        RETURN_IF_ERROR(SkipValue(depth + 1));
+        SHARDSERVE_RETURN_IF_ERROR(SkipValue(depth + 1));
       } while (Eat(','));
       return Eat(']') ? absl::OkStatus() : Error("expected ']'");
     }
-    while (pos_ < text_.size() && std::string_view(",}] \n\t").find(text_[pos_]) == std::string_view::npos) ++pos_;
+    while (pos_ < text_.size() &&
+           std::string_view(",}] \n\t").find(text_[pos_]) == std::string_view::npos)
+      ++pos_;
     return absl::OkStatus();
   }
 
@@ -160,26 +162,26 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   if (!p.Eat('{')) return p.Error("expected '{'");
   if (!p.Eat('}')) {
     do {
-      ASSIGN_OR_RETURN(std::string name, p.String());
+      SHARDSERVE_ASSIGN_OR_RETURN(std::string name, p.String());
       if (!p.Eat(':')) return p.Error("expected ':'");
       if (name == "__metadata__") {
-        RETURN_IF_ERROR(p.SkipValue());
+        SHARDSERVE_RETURN_IF_ERROR(p.SkipValue());
         continue;
       }
       if (!p.Eat('{')) return p.Error("expected a tensor object");
       SafetensorsTensor tensor;
       std::vector<int64_t> offsets;
       do {
-        ASSIGN_OR_RETURN(std::string field, p.String());
+        SHARDSERVE_ASSIGN_OR_RETURN(std::string field, p.String());
         if (!p.Eat(':')) return p.Error("expected ':'");
         if (field == "dtype") {
-          ASSIGN_OR_RETURN(tensor.dtype, p.String());
+          SHARDSERVE_ASSIGN_OR_RETURN(tensor.dtype, p.String());
         } else if (field == "shape") {
-          ASSIGN_OR_RETURN(tensor.shape, p.Integers());
+          SHARDSERVE_ASSIGN_OR_RETURN(tensor.shape, p.Integers());
         } else if (field == "data_offsets") {
-          ASSIGN_OR_RETURN(offsets, p.Integers());
+          SHARDSERVE_ASSIGN_OR_RETURN(offsets, p.Integers());
         } else {
-          RETURN_IF_ERROR(p.SkipValue());
+          SHARDSERVE_RETURN_IF_ERROR(p.SkipValue());
         }
       } while (p.Eat(','));
       if (!p.Eat('}')) return p.Error("expected '}'");
@@ -194,9 +196,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       if (!fits || offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] ||
           offsets[1] > data_size || size == 0 || (offsets[1] - offsets[0]) != elements * size) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "checkpoint \"", path, "\": tensor \"", name, "\" has dtype ", tensor.dtype, ", shape [",
-            absl::StrJoin(tensor.shape, ","), "] and data_offsets [", absl::StrJoin(offsets, ","),
-            "], which do not fit ", data_size, " data bytes"));
+            "checkpoint \"", path, "\": tensor \"", name, "\" has dtype ", tensor.dtype,
+            ", shape [", absl::StrJoin(tensor.shape, ","), "] and data_offsets [",
+            absl::StrJoin(offsets, ","), "], which do not fit ", data_size, " data bytes"));
       }
       tensor.data = data + offsets[0];
       tensor.bytes = offsets[1] - offsets[0];
@@ -239,7 +241,7 @@ absl::Status CheckOutputPath(const std::string& path) {
 
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<SafetensorsEntry>& entries) {
-  RETURN_IF_ERROR(CheckOutputPath(path));
+  SHARDSERVE_RETURN_IF_ERROR(CheckOutputPath(path));
   std::string header = "{";
   int64_t offset = 0;
   for (size_t i = 0; i < entries.size(); ++i) {

@@ -20,7 +20,9 @@ namespace {
 constexpr int64_t kHeaderWords = 4;  // valid, ids or rows, bags (-1: not bagged), flags
 constexpr int64_t kHasWeights = 1;
 
-int64_t Sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
+int64_t Sum(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
 
 std::vector<int64_t> Scaled(const std::vector<int64_t>& v, int64_t factor) {
   std::vector<int64_t> out(v.size());
@@ -180,7 +182,8 @@ absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherInputs(
     }
     views = *gathered;
   } else {
-    ASSIGN_OR_RETURN(views, control_.AllGatherMessages(mine, options_.collective_timeout));
+    SHARDSERVE_ASSIGN_OR_RETURN(views,
+                                control_.AllGatherMessages(mine, options_.collective_timeout));
   }
   Gathered g;
   g.sources.resize(views.size());
@@ -246,10 +249,11 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const Gathered&
   const int64_t n = static_cast<int64_t>(local.size());
   std::vector<double> power_sums(n);
   const double p = config.norm_type;
-  RETURN_IF_ERROR(kernels_.RowPowerSums(table.shard(), local.data(), n, p, power_sums.data()));
+  SHARDSERVE_RETURN_IF_ERROR(
+      kernels_.RowPowerSums(table.shard(), local.data(), n, p, power_sums.data()));
   if (column_split) {  // each rank holds some columns of every row: sum the partial powers
-    RETURN_IF_ERROR(control_.AllReduce(power_sums.data(), n, ReduceOp::kSum,
-                                       options_.collective_timeout));
+    SHARDSERVE_RETURN_IF_ERROR(
+        control_.AllReduce(power_sums.data(), n, ReduceOp::kSum, options_.collective_timeout));
   }
   std::vector<int64_t> rows;
   std::vector<float> scales;
@@ -290,20 +294,23 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   allocated = kernels_.Allocate((Sum(send_counts) - send_counts[me]) * sizeof(float));
   if (!allocated.ok()) return LeaveGroup(allocated.status());
   DeviceBuffer blocks = *std::move(allocated);
-  ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
-                   data_.StartAllToAllV(storage->data(), recv_counts, send_counts,
-                                        DataType::kFloat32,
-                                        options_.collective_timeout));
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      std::unique_ptr<PendingExchange> exchange,
+      data_.StartAllToAllV(storage->data(), recv_counts, send_counts, DataType::kFloat32,
+                           options_.collective_timeout));
   std::vector<int64_t> offset(world, 0);  // peers' blocks only
-  for (int q = 1; q < world; ++q) offset[q] = offset[q - 1] + (q - 1 == me ? 0 : send_counts[q - 1]);
+  for (int q = 1; q < world; ++q)
+    offset[q] = offset[q - 1] + (q - 1 == me ? 0 : send_counts[q - 1]);
   for (int k = 1; k < world; ++k) {
     const int dest = (me + k) % world;
     // Host kernels compute a block straight where the peer reads it, when the transport has such
     // memory (peers sharing memory).
-    void* direct = kernels_.host_accessible() ? exchange->SendBuffer(dest, send_counts[dest]) : nullptr;
+    void* direct =
+        kernels_.host_accessible() ? exchange->SendBuffer(dest, send_counts[dest]) : nullptr;
     float* block = direct != nullptr ? static_cast<float*>(direct) : blocks.floats() + offset[dest];
     if (absl::Status produced = produce(dest, block); !produced.ok()) return LeaveGroup(produced);
-    if (send_counts[dest] > 0) RETURN_IF_ERROR(exchange->Send(dest, block, send_counts[dest]));
+    if (send_counts[dest] > 0)
+      SHARDSERVE_RETURN_IF_ERROR(exchange->Send(dest, block, send_counts[dest]));
   }
   // This rank's own block goes straight where it would be received (no copy).
   int64_t own = 0;
@@ -311,11 +318,11 @@ absl::Status ShardedOps::Exchange(const std::vector<int64_t>& send_counts,
   if (absl::Status produced = produce(me, storage->floats() + own); !produced.ok()) {
     return LeaveGroup(produced);
   }
-  RETURN_IF_ERROR(exchange->Wait());
+  SHARDSERVE_RETURN_IF_ERROR(exchange->Wait());
   const float* base = storage->floats();
   if (!kernels_.host_accessible() && staging != nullptr) {
     staging->resize(recv_total);
-    RETURN_IF_ERROR(
+    SHARDSERVE_RETURN_IF_ERROR(
         kernels_.CopyToHost(storage->data(), staging->data(), recv_total * sizeof(float)));
     base = staging->data();
   }
@@ -332,12 +339,13 @@ absl::StatusOr<FloatBuffer> ShardedOps::AssembleColumns(const ShardLayout& layou
                                                         const std::vector<const float*>& blocks) {
   FloatBuffer out(rows * layout.n());  // every element is written below
   if (kernels_.host_accessible()) {
-    RETURN_IF_ERROR(PlaceColumns(layout, rows, blocks, /*skip=*/-1, out.data()));
+    SHARDSERVE_RETURN_IF_ERROR(PlaceColumns(layout, rows, blocks, /*skip=*/-1, out.data()));
     return out;
   }
-  ASSIGN_OR_RETURN(DeviceBuffer placed, kernels_.Allocate(out.size() * sizeof(float)));
-  RETURN_IF_ERROR(PlaceColumns(layout, rows, blocks, /*skip=*/-1, placed.floats()));
-  RETURN_IF_ERROR(kernels_.CopyToHost(placed.data(), out.data(), out.size() * sizeof(float)));
+  SHARDSERVE_ASSIGN_OR_RETURN(DeviceBuffer placed, kernels_.Allocate(out.size() * sizeof(float)));
+  SHARDSERVE_RETURN_IF_ERROR(PlaceColumns(layout, rows, blocks, /*skip=*/-1, placed.floats()));
+  SHARDSERVE_RETURN_IF_ERROR(
+      kernels_.CopyToHost(placed.data(), out.data(), out.size() * sizeof(float)));
   return out;
 }
 
@@ -346,8 +354,8 @@ absl::Status ShardedOps::PlaceColumns(const ShardLayout& layout, int64_t rows,
                                       float* out) {
   for (int q = 0; q < layout.world_size(); ++q) {
     if (q == skip) continue;
-    RETURN_IF_ERROR(kernels_.PlaceColumns(blocks[q], rows, layout.SizeOfRank(q), out, layout.n(),
-                                          layout.OffsetOfRank(q)));
+    SHARDSERVE_RETURN_IF_ERROR(kernels_.PlaceColumns(blocks[q], rows, layout.SizeOfRank(q), out,
+                                                     layout.n(), layout.OffsetOfRank(q)));
   }
   return absl::OkStatus();
 }
@@ -358,8 +366,8 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
   const TableConfig& config = table.config();
   const absl::Status validation = ValidateEmbeddingInput(config, input, options_.limits);
   const bool valid = validation.ok();
-  ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kIds, input.ids, nullptr, nullptr,
-                                            PoolMode::kSum, {}, gathered));
+  SHARDSERVE_ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kIds, input.ids, nullptr,
+                                                       nullptr, PoolMode::kSum, {}, gathered));
   if (absl::Status renormed = RenormLookedUpRows(table, g); !renormed.ok()) {
     return LeaveGroup(renormed);
   }
@@ -384,7 +392,7 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
       send[me] = recv[me] = 0;
       result.values.resize(mine.num_ids * dim);
     }
-    RETURN_IF_ERROR(Exchange(
+    SHARDSERVE_RETURN_IF_ERROR(Exchange(
         send, recv,
         [&](int dest, float* block) {
           const Gathered::Source& s = g.sources[dest];
@@ -396,9 +404,10 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
         },
         /*staging=*/nullptr, &received, &storage));
     if (direct) {
-      RETURN_IF_ERROR(PlaceColumns(layout, mine.num_ids, received, me, result.values.data()));
+      SHARDSERVE_RETURN_IF_ERROR(
+          PlaceColumns(layout, mine.num_ids, received, me, result.values.data()));
     } else {
-      ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, mine.num_ids, received));
+      SHARDSERVE_ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, mine.num_ids, received));
     }
   } else {
     // Row chunks: each rank sends every source exactly the rows it owns of that source's ids.
@@ -412,7 +421,7 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
       }
       send[s] = static_cast<int64_t>(local_rows[s].size());
     }
-    RETURN_IF_ERROR(Exchange(
+    SHARDSERVE_RETURN_IF_ERROR(Exchange(
         Scaled(send, dim), Scaled(recv, dim),
         [&](int dest, float* block) {
           return kernels_.GatherRows(shard, local_rows[dest].data(), send[dest], block, dim);
@@ -440,9 +449,9 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
   const bool valid = bags.ok();
   const float* weights =
       valid && input.per_sample_weights.has_value() ? input.per_sample_weights->data() : nullptr;
-  ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kBags, input.ids,
-                                            valid ? &bags->offsets : nullptr, weights,
-                                            input.mode, {}, gathered));
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      Gathered g, GatherInputs(valid, InputKind::kBags, input.ids, valid ? &bags->offsets : nullptr,
+                               weights, input.mode, {}, gathered));
   if (absl::Status renormed = RenormLookedUpRows(table, g); !renormed.ok()) {
     return LeaveGroup(renormed);
   }
@@ -477,9 +486,9 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
                                         src.weights ? kept.weights.data() : nullptr, src.num_bags},
                                src.mode, 0.0f, block);
     };
-    RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), shard.cols), recv, pool, /*staging=*/nullptr,
-                             &received, &storage));
-    ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, mine.num_bags, received));
+    SHARDSERVE_RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), shard.cols), recv, pool,
+                                        /*staging=*/nullptr, &received, &storage));
+    SHARDSERVE_ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, mine.num_bags, received));
   } else {
     // Row chunks: pool each source's bags over the ids this rank owns (sum for sum/mean, max with
     // -inf for bags with none), send each source its partials, and reduce what comes back.
@@ -500,8 +509,8 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
                                mode, kNegInf, block);
     };
     const int64_t size = mine.num_bags * dim;
-    RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), dim), std::vector<int64_t>(world, size), pool,
-                             &staging, &received, &storage));
+    SHARDSERVE_RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), dim), std::vector<int64_t>(world, size),
+                                        pool, &staging, &received, &storage));
     const bool max_mode = mine.mode == PoolMode::kMax;
     result.values =
         ReduceBlocks(received, size, max_mode ? ReduceOp::kMax : ReduceOp::kSum);
@@ -534,8 +543,9 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
   const int world = data_.world_size();
   const int me = data_.rank();
   const int64_t in = config.num_cols, out_features = config.num_rows;
-  ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kRows, {}, nullptr, nullptr,
-                                            PoolMode::kSum, input.values, gathered));
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      Gathered g, GatherInputs(valid, InputKind::kRows, {}, nullptr, nullptr, PoolMode::kSum,
+                               input.values, gathered));
   std::vector<int64_t> rows_of = g.NumIds();  // values per source -> rows
   for (int64_t& r : rows_of) r /= in;
   const int64_t my_rows = rows_of[me];
@@ -551,19 +561,19 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
     const ShardLayout& layout = table.layout();
     std::vector<int64_t> recv(world);
     for (int q = 0; q < world; ++q) recv[q] = my_rows * layout.SizeOfRank(q);
-    RETURN_IF_ERROR(Exchange(
+    SHARDSERVE_RETURN_IF_ERROR(Exchange(
         Scaled(rows_of, shard.rows), recv,
         [&](int s, float* block) {
           return kernels_.Linear(g.sources[s].rows, rows_of[s], in, 0, shard,
                                  bias ? bias + table.row_begin() : nullptr, block);
         },
         /*staging=*/nullptr, &received, &storage));
-    ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, my_rows, received));
+    SHARDSERVE_ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, my_rows, received));
   } else {
     // Input features are split: partial products over this rank's inputs, summed across ranks,
     // and the bias added once, after the sum.
     const int64_t size = my_rows * out_features;
-    RETURN_IF_ERROR(Exchange(
+    SHARDSERVE_RETURN_IF_ERROR(Exchange(
         Scaled(rows_of, out_features), std::vector<int64_t>(world, size),
         [&](int s, float* block) {
           return kernels_.Linear(g.sources[s].rows, rows_of[s], in, table.col_begin(), shard,

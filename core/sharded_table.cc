@@ -21,7 +21,8 @@ namespace {
 // `count` floats of host memory, or RESOURCE_EXHAUSTED (naming `what`) where there is not that
 // much.
 absl::StatusOr<std::vector<float>> HostFloats(int64_t count, absl::string_view what) {
-  RETURN_IF_ERROR(CheckHostAllocation(count * static_cast<int64_t>(sizeof(float)), what));
+  SHARDSERVE_RETURN_IF_ERROR(
+      CheckHostAllocation(count * static_cast<int64_t>(sizeof(float)), what));
   try {
     return std::vector<float>(static_cast<size_t>(count));
   } catch (const std::bad_alloc&) {
@@ -63,12 +64,13 @@ absl::StatusOr<std::unique_ptr<ShardedTable>> ShardedTable::Create(const TableCo
   // Every rank holds a linear layer's whole bias in host memory, however small its shard.
   std::vector<float> bias;
   if (config.kind == TableKind::kLinear && config.has_bias) {
-    ASSIGN_OR_RETURN(bias, HostFloats(config.num_rows, "bias"));
+    SHARDSERVE_ASSIGN_OR_RETURN(bias, HostFloats(config.num_rows, "bias"));
   }
-  ASSIGN_OR_RETURN(DeviceBuffer storage, kernels.Allocate(bytes));
+  SHARDSERVE_ASSIGN_OR_RETURN(DeviceBuffer storage, kernels.Allocate(bytes));
   std::unique_ptr<ShardedTable> table(new ShardedTable(config, rank, kernels, std::move(storage)));
   table->bias_ = std::move(bias);
-  RETURN_IF_ERROR(table->WriteShard([bytes](float* shard) { std::memset(shard, 0, bytes); }));
+  SHARDSERVE_RETURN_IF_ERROR(
+      table->WriteShard([bytes](float* shard) { std::memset(shard, 0, bytes); }));
   return table;
 }
 
@@ -78,15 +80,15 @@ absl::Status ShardedTable::WriteShard(const std::function<void(float* shard)>& f
     fill(storage_.floats());
     return absl::OkStatus();
   }
-  ASSIGN_OR_RETURN(std::vector<float> staging,
-                   HostFloats(shard_rows_ * shard_cols_, "the shard's host staging"));
+  SHARDSERVE_ASSIGN_OR_RETURN(std::vector<float> staging,
+                              HostFloats(shard_rows_ * shard_cols_, "the shard's host staging"));
   fill(staging.data());
   return kernels_.CopyFromHost(staging.data(), storage_.data(),
                                static_cast<int64_t>(staging.size() * sizeof(float)));
 }
 
 absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* bias) {
-  RETURN_IF_ERROR(WriteShard([&](float* shard) {
+  SHARDSERVE_RETURN_IF_ERROR(WriteShard([&](float* shard) {
     for (int64_t r = 0; shard_cols_ > 0 && r < shard_rows_; ++r) {
       const float* src = full_weight + (row_begin_ + r) * config_.num_cols + col_begin_;
       std::copy(src, src + shard_cols_, shard + r * shard_cols_);
@@ -103,7 +105,7 @@ absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* b
 }
 
 absl::Status ShardedTable::LoadSeeded(uint64_t seed) {
-  RETURN_IF_ERROR(WriteShard([&](float* shard) {
+  SHARDSERVE_RETURN_IF_ERROR(WriteShard([&](float* shard) {
     FillSeededWeight(config_, seed, row_begin_, shard_rows_, col_begin_, shard_cols_, shard);
   }));
   if (!bias_.empty()) FillSeededBias(config_, seed, bias_.data());
@@ -111,7 +113,7 @@ absl::Status ShardedTable::LoadSeeded(uint64_t seed) {
 }
 
 absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
-  ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
+  SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
   const SafetensorsTensor* weight = file->Find("weight");
   const std::vector<int64_t> want = {config_.num_rows, config_.num_cols};
   if (weight == nullptr || weight->dtype != "F32" || weight->shape != want) {
@@ -127,7 +129,7 @@ absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
   const int64_t row_bytes = config_.num_cols * static_cast<int64_t>(sizeof(float));
   const char* base = weight->data + row_begin_ * row_bytes;
   const int64_t chunk_rows = std::max<int64_t>(1, (int64_t{16} << 20) / row_bytes);
-  RETURN_IF_ERROR(WriteShard([&](float* shard) {
+  SHARDSERVE_RETURN_IF_ERROR(WriteShard([&](float* shard) {
     for (int64_t r0 = 0; r0 < shard_rows_; r0 += chunk_rows) {
       const int64_t n = std::min(chunk_rows, shard_rows_ - r0);
       for (int64_t r = r0; r < r0 + n; ++r) {
@@ -151,10 +153,10 @@ absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
 }
 
 absl::StatusOr<std::vector<float>> ShardedTable::ReadShard() const {
-  ASSIGN_OR_RETURN(std::vector<float> host,
-                   HostFloats(shard_rows_ * shard_cols_, "a copy of the shard"));
-  RETURN_IF_ERROR(kernels_.CopyToHost(storage_.data(), host.data(),
-                                      static_cast<int64_t>(host.size() * sizeof(float))));
+  SHARDSERVE_ASSIGN_OR_RETURN(std::vector<float> host,
+                              HostFloats(shard_rows_ * shard_cols_, "a copy of the shard"));
+  SHARDSERVE_RETURN_IF_ERROR(kernels_.CopyToHost(
+      storage_.data(), host.data(), static_cast<int64_t>(host.size() * sizeof(float))));
   return host;
 }
 

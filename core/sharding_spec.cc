@@ -110,7 +110,7 @@ absl::StatusOr<ShardingSpec> ShardingSpec::Create(int dim,
   std::vector<Placement> parsed;
   parsed.reserve(placements.size());
   for (const std::string& text : placements) {
-    ASSIGN_OR_RETURN(Placement p, Placement::Parse(text));
+    SHARDSERVE_ASSIGN_OR_RETURN(Placement p, Placement::Parse(text));
     parsed.push_back(p);
   }
   return Create(dim, std::move(parsed));

@@ -13,7 +13,7 @@ absl::Status FailIf(bool fail) {
 }
 
 absl::Status Chain(bool fail, int* reached) {
-  RETURN_IF_ERROR(FailIf(fail));
+  SHARDSERVE_RETURN_IF_ERROR(FailIf(fail));
   *reached = 1;
   return absl::OkStatus();
 }
@@ -24,8 +24,8 @@ absl::StatusOr<std::unique_ptr<int>> MakeInt(bool fail) {
 }
 
 absl::StatusOr<int> Unwrap(bool fail) {
-  ASSIGN_OR_RETURN(std::unique_ptr<int> value, MakeInt(fail));  // move-only value
-  ASSIGN_OR_RETURN(auto again, MakeInt(fail));                  // two uses in one scope
+  SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<int> value, MakeInt(fail));  // move-only value
+  SHARDSERVE_ASSIGN_OR_RETURN(auto again, MakeInt(fail));                  // two uses in one scope
   return *value + *again;
 }
 

@@ -137,10 +137,10 @@ constexpr int64_t kStepProtocol = 3;
 absl::Status SayHello(Communicator& comm, bool one_request_per_step, absl::Duration timeout) {
   const int64_t mode = one_request_per_step ? 1 : 0;
   const int64_t hello[] = {kHelloMagic, kStepProtocol, mode};
-  ASSIGN_OR_RETURN(std::vector<absl::Span<const char>> views,
-                   comm.AllGatherMessages(
-                       absl::MakeConstSpan(reinterpret_cast<const char*>(hello), sizeof(hello)),
-                       timeout));
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      std::vector<absl::Span<const char>> views,
+      comm.AllGatherMessages(
+          absl::MakeConstSpan(reinterpret_cast<const char*>(hello), sizeof(hello)), timeout));
   for (size_t q = 0; q < views.size(); ++q) {
     int64_t theirs[3] = {0, 0, 0};
     if (views[q].size() == sizeof(theirs)) std::memcpy(theirs, views[q].data(), sizeof(theirs));
@@ -211,24 +211,24 @@ absl::Status SkipTablesNotHeldAlike(
     std::map<std::string, KeyWork>& mine) {
   std::vector<int64_t> held;
   for (const auto& [name, table] : tables) AppendEntry(held, name, {IdentityOf(table->config())});
-  ASSIGN_OR_RETURN(std::vector<absl::Span<const char>> views,
-                   comm.AllGatherMessages(
-                       absl::MakeConstSpan(reinterpret_cast<const char*>(held.data()),
-                                           held.size() * sizeof(int64_t)),
-                       timeout));
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      std::vector<absl::Span<const char>> views,
+      comm.AllGatherMessages(absl::MakeConstSpan(reinterpret_cast<const char*>(held.data()),
+                                                 held.size() * sizeof(int64_t)),
+                             timeout));
   std::vector<std::map<std::string, int64_t>> identities(views.size());  // per rank, by name
   std::vector<int64_t> words;
   for (size_t q = 0; q < views.size(); ++q) {
-    RETURN_IF_ERROR(CopyWords(views[q], words));
+    SHARDSERVE_RETURN_IF_ERROR(CopyWords(views[q], words));
     std::map<std::string, absl::Span<const char>> entries;
-    RETURN_IF_ERROR(ParseEntries(words, entries));
+    SHARDSERVE_RETURN_IF_ERROR(ParseEntries(words, entries));
     for (const auto& [name, identity] : entries) {
       if (identity.size() != sizeof(int64_t)) return absl::InternalError("step: bad table list");
       std::memcpy(&identities[q][name], identity.data(), sizeof(int64_t));
     }
   }
   for (auto it = work.begin(); it != work.end();) {
-    ASSIGN_OR_RETURN(Key key, ParseKey(it->first));
+    SHARDSERVE_ASSIGN_OR_RETURN(Key key, ParseKey(it->first));
     std::optional<int64_t> first;  // rank 0's identity of the table, if it holds it
     bool alike = true;
     for (const auto& of_rank : identities) {
@@ -294,7 +294,7 @@ absl::Status PrepareRequest(const TableConfig& table, const InputLimits& limits,
       if (request.has_weights) in.per_sample_weights = absl::MakeConstSpan(request.weights);
       in.mode = request.mode;
       in.include_last_offset = include_last_offset;
-      ASSIGN_OR_RETURN(CanonicalBags bags, ValidateEmbeddingBagInput(table, in, limits));
+      SHARDSERVE_ASSIGN_OR_RETURN(CanonicalBags bags, ValidateEmbeddingBagInput(table, in, limits));
       request.offsets = std::move(bags.offsets);
       return absl::OkStatus();
     }
@@ -667,7 +667,7 @@ void StepLoop::Run() {
         ShardedOps ops(*comm, data != nullptr ? *data : *comm, kernels_,
                        OpOptions{options_.collective_timeout, options_.limits});
         for (auto& [text, inputs] : work) {
-          ASSIGN_OR_RETURN(Key key, ParseKey(text));
+          SHARDSERVE_ASSIGN_OR_RETURN(Key key, ParseKey(text));
           auto it = mine.find(text);
           auto held = tables->tables.find(key.table);
           std::shared_ptr<ShardedTable> table =

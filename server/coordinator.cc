@@ -22,6 +22,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "server/grpc_settings.h"
 #include "server/grpc_status.h"
 #include "server/tensor_codec.h"
 
@@ -36,8 +37,8 @@ std::chrono::system_clock::time_point DeadlineOr(const grpc::ServerContextBase* 
 }
 
 absl::Status CheckCheckpoint(const v1::TableSpec& spec) {
-  ASSIGN_OR_RETURN(std::unique_ptr<core::SafetensorsFile> file,
-                   core::SafetensorsFile::Open(spec.checkpoint()));
+  SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::SafetensorsFile> file,
+                              core::SafetensorsFile::Open(spec.checkpoint()));
   const core::SafetensorsTensor* weight = file->Find("weight");
   if (weight == nullptr || weight->dtype != "F32" ||
       weight->shape != std::vector<int64_t>{spec.num_rows(), spec.num_cols()}) {
@@ -45,7 +46,7 @@ absl::Status CheckCheckpoint(const v1::TableSpec& spec) {
                                                    "\" needs tensor \"weight\" F32 [",
                                                    spec.num_rows(), ",", spec.num_cols(), "]"));
   }
-  if (spec.kind() == v1::LINEAR && !spec.no_bias()) {
+  if (spec.kind() == v1::TABLE_KIND_LINEAR && !spec.no_bias()) {
     const core::SafetensorsTensor* bias = file->Find("bias");
     if (bias == nullptr || bias->dtype != "F32" ||
         bias->shape != std::vector<int64_t>{spec.num_rows()}) {
@@ -195,10 +196,8 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     std::vector<float> full(rows * cols), bias;
     core::ShardLayout layout(config->spec, config->spec.dim() == 0 ? rows : cols);
     for (int rank = 0; rank < c_.options_.world_size; ++rank) {
-      grpc::ChannelArguments args;  // chunks of 2 MiB, but the first carries a layer's whole bias
-      args.SetMaxReceiveMessageSize(1 << 30);
-      auto stub = v1::internal::WorkerInternal::NewStub(grpc::CreateCustomChannel(
-          addresses[rank], grpc::InsecureChannelCredentials(), args));
+      // Chunks of 2 MiB, but the first carries a layer's whole bias.
+      auto stub = v1::internal::WorkerInternal::NewStub(CreateChannel(addresses[rank]));
       grpc::ClientContext call;
       call.set_deadline(DeadlineOr(context, absl::Minutes(10)));
       v1::internal::ReadShardRequest read;
@@ -329,7 +328,8 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     return grpc::Status::OK;
   }
 
-  grpc::Status RendezvousSet(grpc::ServerContext*, const v1::internal::RendezvousSetRequest* request,
+  grpc::Status RendezvousSet(grpc::ServerContext*,
+                             const v1::internal::RendezvousSetRequest* request,
                              v1::internal::RendezvousSetResponse*) override {
     // Only the forming group's keys, of the sizes Gloo's rendezvous writes: the store is pruned
     // at each new epoch, and must not grow (or be written into) between.
@@ -349,7 +349,8 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     return grpc::Status::OK;
   }
 
-  grpc::Status RendezvousGet(grpc::ServerContext*, const v1::internal::RendezvousGetRequest* request,
+  grpc::Status RendezvousGet(grpc::ServerContext*,
+                             const v1::internal::RendezvousGetRequest* request,
                              v1::internal::RendezvousGetResponse* response) override {
     absl::MutexLock lock(&c_.mu_);
     const std::string& key = request->key();
@@ -593,7 +594,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptio
     absl::MutexLock lock(&c->mu_);
     c->members_.resize(c->options_.world_size);
   }
-  RETURN_IF_ERROR(c->LoadRegistry());
+  SHARDSERVE_RETURN_IF_ERROR(c->LoadRegistry());
   c->admin_ = std::make_unique<AdminService>(*c);
   c->internal_ = std::make_unique<InternalService>(*c);
   c->forwarding_ = std::make_unique<ForwardingService>(*c);
@@ -601,8 +602,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptio
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(c->options_.listen, grpc::InsecureServerCredentials(), &c->port_);
-  builder.SetMaxReceiveMessageSize(1 << 30);
-  builder.SetMaxSendMessageSize(1 << 30);
+  ApplyServerSettings(builder);
   builder.RegisterService(c->admin_.get());
   builder.RegisterService(c->internal_.get());
   builder.RegisterService(c->forwarding_.get());
@@ -644,7 +644,9 @@ absl::Status Coordinator::LoadRegistry() {
   }
   absl::MutexLock lock(&mu_);
   last_generation_ = std::max<uint64_t>(last_generation_, registry.last_generation());
-  for (const v1::TableSpec& spec : registry.tables()) {
+  for (v1::TableSpec spec : registry.tables()) {
+    // Registries written before TableKind had a zero value of its own stored EMBEDDING as 0.
+    if (spec.kind() == v1::TABLE_KIND_UNSPECIFIED) spec.set_kind(v1::TABLE_KIND_EMBEDDING);
     tables_[spec.name()] = spec;
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
   }
@@ -753,7 +755,8 @@ void Coordinator::Reconcile() {
     if (m.incarnation != epoch_incarnations_[r]) renew = true;     // a worker restarted
     // The group failed. Wait one liveness period first: if a peer died, it is then seen as dead
     // and the group re-forms only once it is back, instead of stalling on a dead rank.
-    if (m.broken && m.epoch == epoch_ && absl::Now() - m.broken_since >= options_.liveness_timeout) {
+    if (m.broken && m.epoch == epoch_ &&
+        absl::Now() - m.broken_since >= options_.liveness_timeout) {
       renew = true;
     }
     if (m.epoch != epoch_ && absl::Now() - epoch_started_ > options_.join_grace) renew = true;
@@ -817,9 +820,14 @@ v1::TableInfo Coordinator::InfoOf(const v1::TableSpec& spec) const {
   for (const Member& m : members_) {
     if (!Holds(m, spec)) loaded_everywhere = false;
   }
-  info.set_state(TableServing(spec.name()) ? "SERVING"
-                 : loaded_everywhere       ? "UNAVAILABLE"
-                                           : "LOADING");
+  if (const absl::Status* error = LoadError(spec.name(), spec.generation())) {
+    info.set_state(v1::TABLE_STATE_FAILED);
+    info.set_error(std::string(error->message()));
+  } else {
+    info.set_state(TableServing(spec.name()) ? v1::TABLE_STATE_SERVING
+                   : loaded_everywhere       ? v1::TABLE_STATE_UNAVAILABLE
+                                             : v1::TABLE_STATE_LOADING);
+  }
   absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, options_.world_size);
   if (!config.ok()) return info;
   core::ShardLayout layout(config->spec,
@@ -842,12 +850,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Coordinator::PickWorker() {
   }
   const Member& m = members_[next_worker_++ % members_.size()];
   auto& channel = channels_[m.address];
-  if (channel == nullptr) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(1 << 30);
-    args.SetMaxSendMessageSize(1 << 30);
-    channel = grpc::CreateCustomChannel(m.address, grpc::InsecureChannelCredentials(), args);
-  }
+  if (channel == nullptr) channel = CreateChannel(m.address);
   return channel;
 }
 
@@ -862,7 +865,8 @@ void Coordinator::Tick() {
     std::map<std::string, bool> now;
     now[""] = GroupServing();
     now["shardserve.v1.DataService"] = now[""];
-    for (const auto& [name, spec] : tables_) now["shardserve.v1.table/" + name] = TableServing(name);
+    for (const auto& [name, spec] : tables_)
+      now["shardserve.v1.table/" + name] = TableServing(name);
     for (const auto& [name, serving] : last) {
       if (!now.count(name)) now[name] = false;
     }

@@ -29,11 +29,12 @@ absl::Status Decode(const v1::Tensor& tensor, const std::string& field, v1::DTyp
   for (int i = 0; i < tensor.shape_size(); ++i) {
     const int64_t d = tensor.shape(i);
     if (d < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", i, "]: ", d, " must be >= 0"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".shape[", i, "]: ", d, " must be >= 0"));
     }
     if (d != 0 && n > (int64_t{1} << 40) / d) {
-      return absl::ResourceExhaustedError(absl::StrCat(field, ".shape [",
-                                                       absl::StrJoin(*shape, ", "), "] is too large"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(field, ".shape [", absl::StrJoin(*shape, ", "), "] is too large"));
     }
     n *= d;
   }
@@ -49,9 +50,9 @@ absl::Status Decode(const v1::Tensor& tensor, const std::string& field, v1::DTyp
 
 core::PoolMode ModeOf(v1::PoolMode mode) {
   switch (mode) {
-    case v1::SUM:
+    case v1::POOL_MODE_SUM:
       return core::PoolMode::kSum;
-    case v1::MAX:
+    case v1::POOL_MODE_MAX:
       return core::PoolMode::kMax;
     default:
       return core::PoolMode::kMean;
@@ -59,7 +60,9 @@ core::PoolMode ModeOf(v1::PoolMode mode) {
 }
 
 // Protobuf's length-delimited field key (wire type 2) and base-128 varints.
-void AppendLengthKey(int field, std::string* out) { out->push_back(static_cast<char>(field << 3 | 2)); }
+void AppendLengthKey(int field, std::string* out) {
+  out->push_back(static_cast<char>(field << 3 | 2));
+}
 void AppendVarint(uint64_t value, std::string* out) {
   for (; value >= 0x80; value >>= 7) out->push_back(static_cast<char>(value | 0x80));
   out->push_back(static_cast<char>(value));
@@ -160,11 +163,14 @@ absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int 
     }
   }
   config.name = spec.name();
-  if (!v1::TableKind_IsValid(spec.kind())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("table.kind: ", spec.kind(), " is not one of EMBEDDING, LINEAR"));
+  if (!v1::TableKind_IsValid(spec.kind()) || spec.kind() == v1::TABLE_KIND_UNSPECIFIED) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "table.kind: ", spec.kind(),
+        spec.kind() == v1::TABLE_KIND_UNSPECIFIED ? " (not set)" : "",
+        " is not one of TABLE_KIND_EMBEDDING, TABLE_KIND_LINEAR"));
   }
-  config.kind = spec.kind() == v1::LINEAR ? core::TableKind::kLinear : core::TableKind::kEmbedding;
+  config.kind =
+      spec.kind() == v1::TABLE_KIND_LINEAR ? core::TableKind::kLinear : core::TableKind::kEmbedding;
   config.num_rows = spec.num_rows();
   config.num_cols = spec.num_cols();
   if (spec.dtype() != v1::FLOAT32 && spec.dtype() != v1::DTYPE_UNSPECIFIED) {
@@ -178,7 +184,8 @@ absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int 
         absl::StrCat("table.sharding.placements: ", placements.size(),
                      " placements, but the cluster has ", world_size, " ranks"));
   }
-  ASSIGN_OR_RETURN(config.spec, core::ShardingSpec::Create(spec.sharding().dim(), placements));
+  SHARDSERVE_ASSIGN_OR_RETURN(config.spec,
+                              core::ShardingSpec::Create(spec.sharding().dim(), placements));
   if (spec.has_padding_idx()) config.padding_idx = spec.padding_idx();
   if (spec.has_max_norm()) config.max_norm = spec.max_norm();
   if (spec.has_norm_type()) config.norm_type = spec.norm_type();
@@ -187,7 +194,7 @@ absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int 
                                    ? absl::StrCat("checkpoint ", spec.checkpoint())
                                    : absl::StrCat("seed ", spec.seed()),
                                ", generation ", spec.generation());
-  RETURN_IF_ERROR(config.Validate());
+  SHARDSERVE_RETURN_IF_ERROR(config.Validate());
   if (spec.init_case() == v1::TableSpec::INIT_NOT_SET) {
     return absl::InvalidArgumentError("table.init: set seed or checkpoint");
   }
@@ -200,8 +207,8 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
   auto r = std::make_unique<core::StepRequest>();
   r->op = core::StepRequest::Op::kEmbedding;
   r->table = request.table();
-  RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
-  RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
+  SHARDSERVE_RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
+  SHARDSERVE_RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
   return r;
 }
 
@@ -213,14 +220,15 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
   r->table = request.table();
   if (!v1::PoolMode_IsValid(request.mode())) {
     return absl::InvalidArgumentError(
-        absl::StrCat("mode: ", request.mode(), " is not one of MEAN, SUM, MAX"));
+        absl::StrCat("mode: ", request.mode(),
+                     " is not one of POOL_MODE_MEAN (or unset), POOL_MODE_SUM, POOL_MODE_MAX"));
   }
   r->mode = ModeOf(request.mode());
-  RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
+  SHARDSERVE_RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
   std::vector<int64_t> offsets, offsets_shape;
   const bool has_offsets = request.has_offsets();
   if (has_offsets) {
-    RETURN_IF_ERROR(DecodeInt64(request.offsets(), "offsets", &offsets, &offsets_shape));
+    SHARDSERVE_RETURN_IF_ERROR(DecodeInt64(request.offsets(), "offsets", &offsets, &offsets_shape));
     if (offsets_shape.size() != 1) {
       return absl::InvalidArgumentError(
           absl::StrCat("offsets.shape: must be 1-D, has ", offsets_shape.size(), " dims"));
@@ -228,8 +236,8 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
   }
   if (request.has_per_sample_weights()) {
     std::vector<int64_t> weights_shape;
-    RETURN_IF_ERROR(DecodeFloat(request.per_sample_weights(), "per_sample_weights", &r->weights,
-                                &weights_shape));
+    SHARDSERVE_RETURN_IF_ERROR(DecodeFloat(request.per_sample_weights(), "per_sample_weights",
+                                           &r->weights, &weights_shape));
     if (weights_shape != r->shape) {
       return absl::InvalidArgumentError(absl::StrCat(
           "per_sample_weights.shape: [", absl::StrJoin(weights_shape, ", "),
@@ -237,7 +245,7 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
     }
     r->has_weights = true;
   }
-  RETURN_IF_ERROR(
+  SHARDSERVE_RETURN_IF_ERROR(
       core::PrepareRequest(table, limits, *r, offsets, has_offsets, request.include_last_offset()));
   return r;
 }
@@ -248,8 +256,8 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
   auto r = std::make_unique<core::StepRequest>();
   r->op = core::StepRequest::Op::kLinear;
   r->table = request.table();
-  RETURN_IF_ERROR(DecodeFloat(request.input(), "input", &r->values, &r->shape));
-  RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
+  SHARDSERVE_RETURN_IF_ERROR(DecodeFloat(request.input(), "input", &r->values, &r->shape));
+  SHARDSERVE_RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
   return r;
 }
 

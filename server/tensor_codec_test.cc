@@ -32,7 +32,8 @@ TEST(TensorCodec, DecodesAndChecksBytesAgainstShape) {
   v1::Tensor short_data = Ids({2, 3}, {1, 2, 3, 4});
   absl::Status status = DecodeInt64(short_data, "ids", &values, &shape);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(status.message()), HasSubstr("ids.data: 32 bytes, but shape [2, 3] x 8 bytes = 48"));
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("ids.data: 32 bytes, but shape [2, 3] x 8 bytes = 48"));
   v1::Tensor wrong_type = Ids({1}, {1});
   wrong_type.set_dtype(v1::FLOAT32);
   EXPECT_THAT(std::string(DecodeInt64(wrong_type, "ids", &values, &shape).message()),
@@ -48,6 +49,7 @@ TEST(TensorCodec, DecodesAndChecksBytesAgainstShape) {
 TEST(TensorCodec, ValidatesTableSpecs) {
   v1::TableSpec spec;
   spec.set_name("t");
+  spec.set_kind(v1::TABLE_KIND_EMBEDDING);
   spec.set_num_rows(10);
   spec.set_num_cols(4);
   spec.set_seed(1);
@@ -72,8 +74,11 @@ TEST(TensorCodec, ValidatesTableSpecs) {
   spec.set_name("t");
   spec.set_kind(static_cast<v1::TableKind>(5));  // unknown kinds and dtypes are refused
   EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()),
-              HasSubstr("table.kind: 5 is not one of EMBEDDING, LINEAR"));
-  spec.set_kind(v1::EMBEDDING);
+              HasSubstr("table.kind: 5 is not one of TABLE_KIND_EMBEDDING, TABLE_KIND_LINEAR"));
+  spec.set_kind(v1::TABLE_KIND_UNSPECIFIED);  // since v1 has a zero value: refused
+  EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()),
+              HasSubstr("table.kind: 0 (not set) is not one of"));
+  spec.set_kind(v1::TABLE_KIND_EMBEDDING);
   spec.set_dtype(static_cast<v1::DType>(3));
   EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()),
               HasSubstr("table.dtype: 3 (unknown) is not supported"));
@@ -92,7 +97,7 @@ TEST(TensorCodec, BagRequestBecomesCanonicalStepRequest) {
   request.set_table("t");
   *request.mutable_ids() = Ids({4}, {1, 2, 3, 4});
   *request.mutable_offsets() = Ids({2}, {0, 1});
-  request.set_mode(v1::SUM);
+  request.set_mode(v1::POOL_MODE_SUM);
   auto step = MakeStepRequest(request, table, {});
   ASSERT_TRUE(step.ok()) << step.status();
   EXPECT_THAT((*step)->offsets, ElementsAre(0, 1, 4));
@@ -101,7 +106,7 @@ TEST(TensorCodec, BagRequestBecomesCanonicalStepRequest) {
   EXPECT_THAT(std::string(MakeStepRequest(request, table, {}).status().message()),
               HasSubstr("offsets.shape: must be 1-D"));
   *request.mutable_offsets() = Ids({2}, {0, 1});
-  request.set_mode(v1::MAX);
+  request.set_mode(v1::POOL_MODE_MAX);
   v1::Tensor weights;
   weights.set_dtype(v1::FLOAT32);
   weights.add_shape(4);
@@ -111,7 +116,7 @@ TEST(TensorCodec, BagRequestBecomesCanonicalStepRequest) {
               HasSubstr("per_sample_weights: only supported with mode sum"));
   request.set_mode(static_cast<v1::PoolMode>(9));  // not taken for the default, MEAN
   EXPECT_THAT(std::string(MakeStepRequest(request, table, {}).status().message()),
-              HasSubstr("mode: 9 is not one of MEAN, SUM, MAX"));
+              HasSubstr("mode: 9 is not one of POOL_MODE_MEAN (or unset), POOL_MODE_SUM"));
 }
 
 // What protobuf itself makes of a float tensor: the reference for the hand-written encoding.
@@ -125,7 +130,8 @@ std::string Bytes(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(buffer.Dump(&slices).ok());
   std::string bytes;
-  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   return bytes;
 }
 
@@ -133,8 +139,8 @@ std::string Bytes(const grpc::ByteBuffer& buffer) {
 // (varint lengths of 1 to 4 bytes, empty data).
 TEST(TensorCodec, ResponseWireBytesMatchProtobuf) {
   std::mt19937 rng(7);
-  for (const std::vector<int64_t>& shape :
-       std::vector<std::vector<int64_t>>{{3}, {2, 3}, {0, 128}, {1, 31}, {40, 128}, {10240, 128}, {2, 3, 5}}) {
+  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+           {3}, {2, 3}, {0, 128}, {1, 31}, {40, 128}, {10240, 128}, {2, 3, 5}}) {
     core::DenseResult result;
     result.shape = shape;
     int64_t n = 1;
@@ -213,7 +219,8 @@ TEST(TensorCodec, ParsesRawRequestsAndRejectsGarbage) {
   grpc::Slice garbage(std::string("\xff\xff\xff"));
   const absl::Status status = ParseRaw(grpc::ByteBuffer(&garbage, 1), &parsed);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(status.message()), HasSubstr("not a valid shardserve.v1.EmbeddingRequest"));
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("not a valid shardserve.v1.EmbeddingRequest"));
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "proto/shardserve.grpc.pb.h"
 #include "server/coordinator_rendezvous.h"
 #include "server/completion_tag.h"
+#include "server/grpc_settings.h"
 #include "server/grpc_status.h"
 #include "server/health_service.h"
 #include "server/tensor_codec.h"
@@ -123,14 +124,14 @@ class Worker::DataService final : public WorkerDataService {
 
   template <typename Request>
   absl::StatusOr<std::unique_ptr<core::StepRequest>> Prepare(const Request& request) {
-    ASSIGN_OR_RETURN(std::shared_ptr<const core::TableConfig> table,
-                     worker_.ServingTable(request.table()));
+    SHARDSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const core::TableConfig> table,
+                                worker_.ServingTable(request.table()));
     return MakeStepRequest(request, *table, worker_.limits());
   }
   template <typename Request>
   absl::StatusOr<std::unique_ptr<core::StepRequest>> PrepareRaw(const grpc::ByteBuffer& raw) {
     Request request;
-    RETURN_IF_ERROR(ParseRaw(raw, &request));
+    SHARDSERVE_RETURN_IF_ERROR(ParseRaw(raw, &request));
     return Prepare(request);
   }
 
@@ -459,7 +460,8 @@ class Worker::InternalService final : public v1::internal::WorkerInternal::Servi
 
 Worker::Worker(WorkerOptions options)
     : options_(std::move(options)),
-      incarnation_(std::random_device{}() ^ static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()))) {}
+      incarnation_(std::random_device{}() ^ static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()))) {
+}
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   if (options.coordinator.empty()) {
@@ -476,7 +478,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
     return absl::InvalidArgumentError(
         absl::StrCat("--fail_allreduce: ", options.fail_allreduce, " must be >= 0"));
   }
-  ASSIGN_OR_RETURN(core::Device device, core::Device::Parse(options.device));
+  SHARDSERVE_ASSIGN_OR_RETURN(core::Device device, core::Device::Parse(options.device));
   std::unique_ptr<Worker> worker(new Worker(std::move(options)));
   Worker* w = worker.get();
   w->allreduces_to_fault_ = w->options_.fail_allreduce;
@@ -489,7 +491,8 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
 #endif
   } else {
 #ifdef SHARDSERVE_WITH_CUDA
-    ASSIGN_OR_RETURN(w->kernels_, core::CudaKernels::Create(device.index, w->options_.copy_lanes));
+    SHARDSERVE_ASSIGN_OR_RETURN(w->kernels_,
+                                core::CudaKernels::Create(device.index, w->options_.copy_lanes));
     w->cuda_device_ = device.index;
 #else
     return absl::InvalidArgumentError(absl::StrCat(
@@ -519,18 +522,16 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
       };
   step.after_answers = [w] { w->data_service_->WakeForStepAnswers(); };
   w->loop_ = std::make_unique<core::StepLoop>(step, *w->kernels_);
-  grpc::ChannelArguments coordinator_args;  // heartbeat replies list every table's spec
-  coordinator_args.SetMaxReceiveMessageSize(1 << 30);
-  w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(grpc::CreateCustomChannel(
-      w->options_.coordinator, grpc::InsecureChannelCredentials(), coordinator_args));
+  // Heartbeat replies list every table's spec: they may be large.
+  w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(
+      CreateChannel(w->options_.coordinator));
   w->data_service_ = std::make_unique<DataService>(*w);
   w->internal_service_ = std::make_unique<InternalService>(*w);
 
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(w->options_.listen, grpc::InsecureServerCredentials(), &w->port_);
-  builder.SetMaxReceiveMessageSize(1 << 30);
-  builder.SetMaxSendMessageSize(1 << 30);
+  ApplyServerSettings(builder);
   builder.RegisterService(w->data_service_.get());
   builder.RegisterService(w->internal_service_.get());
   w->data_service_->health().AddTo(builder);
@@ -716,8 +717,9 @@ void Worker::ReconcileLoop() {
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(20))) return;
       for (const auto& [name, spec] : wanted_) {
         auto from = specs_.find(name);
-        const bool replaced = from != specs_.end() &&
-                              !google::protobuf::util::MessageDifferencer::Equals(from->second, spec);
+        const bool replaced =
+            from != specs_.end() &&
+            !google::protobuf::util::MessageDifferencer::Equals(from->second, spec);
         if (replaced) {
           to_drop.push_back(name);  // the old one goes first
           load_errors_.erase(name);
@@ -767,13 +769,13 @@ void Worker::ReconcileLoop() {
     }
     for (const v1::TableSpec& spec : to_load) {
       absl::Status status = [&]() -> absl::Status {
-        ASSIGN_OR_RETURN(core::TableConfig config, ConfigFromSpec(spec, world));
-        ASSIGN_OR_RETURN(std::unique_ptr<core::ShardedTable> table,
-                         core::ShardedTable::Create(config, options_.rank, *kernels_));
+        SHARDSERVE_ASSIGN_OR_RETURN(core::TableConfig config, ConfigFromSpec(spec, world));
+        SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::ShardedTable> table,
+                                    core::ShardedTable::Create(config, options_.rank, *kernels_));
         if (spec.init_case() == v1::TableSpec::kCheckpoint) {
-          RETURN_IF_ERROR(table->LoadCheckpoint(spec.checkpoint()));
+          SHARDSERVE_RETURN_IF_ERROR(table->LoadCheckpoint(spec.checkpoint()));
         } else {
-          RETURN_IF_ERROR(table->LoadSeeded(spec.seed()));
+          SHARDSERVE_RETURN_IF_ERROR(table->LoadSeeded(spec.seed()));
         }
         std::shared_ptr<core::ShardedTable> shared = std::move(table);
         loop_->SetTable(shared);

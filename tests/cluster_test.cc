@@ -126,10 +126,11 @@ Table MakeTable(const std::string& name, v1::TableKind kind, int64_t rows, int64
   t.spec.set_num_rows(rows);
   t.spec.set_num_cols(cols);
   t.spec.mutable_sharding()->set_dim(dim);
-  for (int r : placement) t.spec.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
+  for (int r : placement)
+    t.spec.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
   std::vector<core::SafetensorsEntry> entries = {
       {"weight", "F32", {rows, cols}, t.weight.data_ptr<float>(), rows * cols * 4}};
-  if (kind == v1::LINEAR) {
+  if (kind == v1::TABLE_KIND_LINEAR) {
     t.bias = at::randn({rows});
     entries.push_back({"bias", "F32", {rows}, t.bias.data_ptr<float>(), rows * 4});
   }
@@ -143,6 +144,7 @@ Table MakeTable(const std::string& name, v1::TableKind kind, int64_t rows, int64
 v1::TableSpec TooLargeForAnyWorker(const std::string& name) {
   v1::TableSpec spec;
   spec.set_name(name);
+  spec.set_kind(v1::TABLE_KIND_EMBEDDING);
   spec.set_num_rows(int64_t{1} << 40);
   spec.set_num_cols(1 << 12);
   spec.set_seed(1);
@@ -168,7 +170,7 @@ Answer RandomSumBags(Client& c, const Table& t, std::mt19937& rng, int bags, int
   v1::EmbeddingBagRequest r;
   r.set_table(t.spec.name());
   *r.mutable_ids() = ToProto(idt);
-  r.set_mode(v1::SUM);
+  r.set_mode(v1::POOL_MODE_SUM);
   return {c.EmbeddingBag(r), std::get<0>(at::embedding_bag(t.weight, idt.reshape({-1}),
                                                            at::tensor(offsets, at::kLong), false,
                                                            0))};
@@ -195,7 +197,7 @@ void ExpectClose(const absl::StatusOr<DenseTensor>& got, const at::Tensor& want,
 void CheckOps(Client& c, const Table& t, const std::string& label) {
   c10::InferenceMode guard;
   const int64_t rows = t.spec.num_rows(), cols = t.spec.num_cols();
-  if (t.spec.kind() == v1::EMBEDDING) {
+  if (t.spec.kind() == v1::TABLE_KIND_EMBEDDING) {
     at::Tensor ids = at::randint(0, rows, {3, 2, 4}, at::kLong);
     v1::EmbeddingRequest er;
     er.set_table(t.spec.name());
@@ -210,23 +212,24 @@ void CheckOps(Client& c, const Table& t, const std::string& label) {
     *br.mutable_ids() = ToProto(flat);
     *br.mutable_offsets() = ToProto(offsets);
     *br.mutable_per_sample_weights() = ToProto(psw);
-    br.set_mode(v1::SUM);
+    br.set_mode(v1::POOL_MODE_SUM);
     ExpectClose(c.EmbeddingBag(br),
                 std::get<0>(at::embedding_bag(t.weight, flat, offsets, false, 0, false, psw)),
                 label + " bag sum+psw");
     br.clear_per_sample_weights();
-    br.set_mode(v1::MEAN);
-    ExpectClose(c.EmbeddingBag(br), std::get<0>(at::embedding_bag(t.weight, flat, offsets, false, 1)),
+    br.set_mode(v1::POOL_MODE_MEAN);
+    ExpectClose(c.EmbeddingBag(br),
+                std::get<0>(at::embedding_bag(t.weight, flat, offsets, false, 1)),
                 label + " bag mean");
     at::Tensor two_d = at::randint(0, rows, {4, 5}, at::kLong);
     v1::EmbeddingBagRequest mr;
     mr.set_table(t.spec.name());
     *mr.mutable_ids() = ToProto(two_d);
-    mr.set_mode(v1::MAX);
+    mr.set_mode(v1::POOL_MODE_MAX);
     ExpectClose(c.EmbeddingBag(mr),
-                std::get<0>(at::embedding_bag(t.weight, two_d.reshape({-1}),
-                                              at::tensor(std::vector<int64_t>{0, 5, 10, 15}, at::kLong),
-                                              false, 2)),
+                std::get<0>(at::embedding_bag(
+                    t.weight, two_d.reshape({-1}),
+                    at::tensor(std::vector<int64_t>{0, 5, 10, 15}, at::kLong), false, 2)),
                 label + " bag max 2-D");
   } else {
     at::Tensor x = at::randn({2, 3, cols});
@@ -249,20 +252,22 @@ TEST(Cluster, EveryOpMatchesUnshardedForEveryShardingPlacementAndWorld) {
     for (int r = 0; r < world; ++r) identity.push_back(r);
     for (int r = 0; r < world; ++r) rotated.push_back((r + world - 1) % world);
     std::vector<Table> tables = {
-        MakeTable("emb_col", v1::EMBEDDING, 37, 11, 1, rotated, dir),
-        MakeTable("emb_row", v1::EMBEDDING, 37, 11, 0, rotated, dir),
-        MakeTable("emb_tiny", v1::EMBEDDING, 3, 2, 1, identity, dir),  // W > dim: empty chunks
-        MakeTable("lin_col", v1::LINEAR, 9, 13, 0, rotated, dir),
-        MakeTable("lin_row", v1::LINEAR, 9, 13, 1, identity, dir),
+        MakeTable("emb_col", v1::TABLE_KIND_EMBEDDING, 37, 11, 1, rotated, dir),
+        MakeTable("emb_row", v1::TABLE_KIND_EMBEDDING, 37, 11, 0, rotated, dir),
+        MakeTable("emb_tiny", v1::TABLE_KIND_EMBEDDING, 3, 2, 1, identity,
+                  dir),  // W > dim: empty chunks
+        MakeTable("lin_col", v1::TABLE_KIND_LINEAR, 9, 13, 0, rotated, dir),
+        MakeTable("lin_row", v1::TABLE_KIND_LINEAR, 9, 13, 1, identity, dir),
     };
     for (const Table& t : tables) {
       absl::StatusOr<v1::TableInfo> info = direct->CreateTable(t.spec);
       ASSERT_TRUE(info.ok()) << info.status();
-      EXPECT_EQ(info->state(), "SERVING");
+      EXPECT_EQ(info->state(), v1::TABLE_STATE_SERVING);
       ASSERT_EQ(info->shards_size(), world);
       for (int idx = 0; idx < world; ++idx) {  // placement (chunk) order, with live addresses
         EXPECT_EQ(info->shards(idx).rank(),
-                  t.spec.name() == "emb_tiny" || t.spec.name() == "lin_row" ? identity[idx] : rotated[idx]);
+                  t.spec.name() == "emb_tiny" || t.spec.name() == "lin_row" ? identity[idx]
+                                                                            : rotated[idx]);
         EXPECT_EQ(info->shards(idx).address(), cluster->worker_address(info->shards(idx).rank()));
       }
     }
@@ -278,8 +283,9 @@ TEST(Cluster, ConcurrentCallersOnDifferentEntryRanksGetTheirOwnRows) {
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
   const std::string dir = TempDir();
-  Table emb = MakeTable("emb", v1::EMBEDDING, 500, 16, 1, {2, 0, 1}, dir);
-  Table lin = MakeTable("lin", v1::LINEAR, 8, 16, 1, {0, 1, 2}, dir);  // two tables, one group
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 500, 16, 1, {2, 0, 1}, dir);
+  Table lin =
+      MakeTable("lin", v1::TABLE_KIND_LINEAR, 8, 16, 1, {0, 1, 2}, dir);  // two tables, one group
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   ASSERT_TRUE(c->CreateTable(lin.spec).ok());
   std::atomic<int> wrong{0}, done{0};
@@ -315,8 +321,8 @@ TEST(Cluster, DroppingATableUnderLoadFailsOnlyItsCallsAndTheGroupServesOn) {
   ASSERT_NE(cluster, nullptr);
   auto admin = Connect(*cluster);
   const std::string dir = TempDir();
-  Table emb = MakeTable("emb", v1::EMBEDDING, 500, 16, 1, {0, 1}, dir);
-  Table lin = MakeTable("lin", v1::LINEAR, 8, 16, 1, {1, 0}, dir);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 500, 16, 1, {0, 1}, dir);
+  Table lin = MakeTable("lin", v1::TABLE_KIND_LINEAR, 8, 16, 1, {1, 0}, dir);
   ASSERT_TRUE(admin->CreateTable(emb.spec).ok());
   ASSERT_TRUE(admin->CreateTable(lin.spec).ok());
   auto c = ConnectOnce(*cluster, absl::Seconds(20));
@@ -383,7 +389,8 @@ TEST(Cluster, ATableDroppedAndCreatedAgainAtOnceServesTheNewWeights) {
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
   const std::string dir = TempDir();
-  ASSERT_TRUE(c->CreateTable(MakeTable("t", v1::EMBEDDING, 200, 8, 1, {0, 1}, dir).spec).ok());
+  ASSERT_TRUE(
+      c->CreateTable(MakeTable("t", v1::TABLE_KIND_EMBEDDING, 200, 8, 1, {0, 1}, dir).spec).ok());
   c10::InferenceMode guard;
   std::vector<int64_t> all(200);
   for (int64_t i = 0; i < 200; ++i) all[i] = i;
@@ -394,10 +401,11 @@ TEST(Cluster, ATableDroppedAndCreatedAgainAtOnceServesTheNewWeights) {
   uint64_t generation = 0;
   for (int round = 1; round <= 3; ++round) {
     ASSERT_TRUE(c->DropTable("t").ok());
-    const Table now = MakeTable("t", v1::EMBEDDING, 200, 8, 1, {0, 1}, dir);  // same path
+    const Table now =
+        MakeTable("t", v1::TABLE_KIND_EMBEDDING, 200, 8, 1, {0, 1}, dir);  // same path
     absl::StatusOr<v1::TableInfo> created = c->CreateTable(now.spec);
     ASSERT_TRUE(created.ok()) << created.status();
-    EXPECT_EQ(created->state(), "SERVING");
+    EXPECT_EQ(created->state(), v1::TABLE_STATE_SERVING);
     EXPECT_GT(created->spec().generation(), generation);
     generation = created->spec().generation();
     ExpectClose(c->Embedding(r), at::embedding(now.weight, ids), absl::StrCat("round ", round));
@@ -417,7 +425,7 @@ TEST(Cluster, ACreationThatFailedOnTheWorkersCanBeRetriedAtOnce) {
   spec.set_num_cols(8);
   created = c->CreateTable(spec);
   ASSERT_TRUE(created.ok()) << created.status();
-  EXPECT_EQ(created->state(), "SERVING");
+  EXPECT_EQ(created->state(), v1::TABLE_STATE_SERVING);
 }
 
 // Straight to a worker, and through the coordinator's relay.
@@ -425,7 +433,7 @@ TEST(Cluster, StreamPipelinesManyBatchesOnOneStream) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
-  Table emb = MakeTable("emb", v1::EMBEDDING, 50, 8, 1, {1, 0}, TempDir());
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 50, 8, 1, {1, 0}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   for (const std::string& address : {cluster->worker_address(0), cluster->coordinator_address()}) {
     SCOPED_TRACE(address);
@@ -474,8 +482,8 @@ TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
     int dim;
   };
   for (const Shape& shape : {Shape{7, 5, 0}, Shape{7, 5, 1}, Shape{1200000, 1, 0}}) {
-    Table t = MakeTable(absl::StrCat("lin", shape.out, "_", shape.dim), v1::LINEAR, shape.out,
-                        shape.in, shape.dim, {1, 2, 0}, dir);
+    Table t = MakeTable(absl::StrCat("lin", shape.out, "_", shape.dim), v1::TABLE_KIND_LINEAR,
+                        shape.out, shape.in, shape.dim, {1, 2, 0}, dir);
     ASSERT_TRUE(c->CreateTable(t.spec).ok());
     const std::string out = absl::StrCat(dir, "/", t.spec.name(), ".exported");
     auto exported = c->ExportTable(t.spec.name(), out);
@@ -502,7 +510,8 @@ grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::string& a
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
-  if (!stub->Check(&context, request, &response).ok()) return grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  if (!stub->Check(&context, request, &response).ok())
+    return grpc::health::v1::HealthCheckResponse::UNKNOWN;
   return response.status();
 }
 
@@ -519,7 +528,7 @@ TEST(Cluster, CoordinatorRestartKeepsTables) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
-  Table emb = MakeTable("kept", v1::EMBEDDING, 20, 4, 0, {1, 0}, TempDir());
+  Table emb = MakeTable("kept", v1::TABLE_KIND_EMBEDDING, 20, 4, 0, {1, 0}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   ASSERT_TRUE(cluster->KillCoordinator(SIGKILL).ok());
   ASSERT_TRUE(cluster->StartCoordinator().ok());
@@ -527,9 +536,12 @@ TEST(Cluster, CoordinatorRestartKeepsTables) {
   ASSERT_TRUE(tables.ok()) << tables.status();
   ASSERT_EQ(tables->size(), 1u);
   EXPECT_EQ((*tables)[0].spec().name(), "kept");
-  ASSERT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), "shardserve.v1.table/kept") ==
-                                   grpc::health::v1::HealthCheckResponse::SERVING; },
-                      absl::Seconds(20)));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return Health(cluster->coordinator_address(), "shardserve.v1.table/kept") ==
+               grpc::health::v1::HealthCheckResponse::SERVING;
+      },
+      absl::Seconds(20)));
   CheckOps(*c, emb, "after coordinator restart");
 }
 
@@ -539,7 +551,7 @@ TEST(Cluster, ATableARestartedWorkerCannotLoadIsRefusedAsSuchOnEveryRank) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
-  Table emb = MakeTable("gone", v1::EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
+  Table emb = MakeTable("gone", v1::TABLE_KIND_EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   ASSERT_EQ(std::remove(emb.spec.checkpoint().c_str()), 0);
   ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
@@ -570,7 +582,7 @@ TEST(Cluster, ARestartedWorkerLeavesATableThatRenormsConsistent) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
-  Table emb = MakeTable("renorm", v1::EMBEDDING, 50, 8, 1, {0, 1}, TempDir());
+  Table emb = MakeTable("renorm", v1::TABLE_KIND_EMBEDDING, 50, 8, 1, {0, 1}, TempDir());
   emb.spec.set_max_norm(1.0);
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   c10::InferenceMode guard;
@@ -606,7 +618,7 @@ TEST(Cluster, CallsForATableBeingCreatedGetFailedPrecondition) {
   auto once = ConnectOnce(*cluster, absl::Seconds(20));
   v1::TableSpec spec;  // 128 MB from a seed: its load takes a while
   spec.set_name("big");
-  spec.set_kind(v1::EMBEDDING);
+  spec.set_kind(v1::TABLE_KIND_EMBEDDING);
   spec.set_num_rows(500000);
   spec.set_num_cols(64);
   spec.mutable_sharding()->set_dim(1);
@@ -651,7 +663,7 @@ struct PartialRenormCluster {
     ASSERT_NE(cluster, nullptr);
     once = ConnectOnce(*cluster, absl::Seconds(20));
     c = Connect(*cluster);
-    emb = MakeTable("renorm", v1::EMBEDDING, 50, 8, 1, {0, 1}, TempDir());
+    emb = MakeTable("renorm", v1::TABLE_KIND_EMBEDDING, 50, 8, 1, {0, 1}, TempDir());
     emb.spec.set_max_norm(1.0);
     ASSERT_TRUE(c->CreateTable(emb.spec).ok());
     created = Generation();
@@ -735,7 +747,7 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   ASSERT_NE(cluster, nullptr);
   auto once = ConnectOnce(*cluster, absl::Seconds(3));
   auto c = Connect(*cluster);
-  Table emb = MakeTable("emb", v1::EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   CheckOps(*c, emb, "before the crash");
   EXPECT_EQ(Health(cluster->worker_address(0), ""), grpc::health::v1::HealthCheckResponse::SERVING);
@@ -808,12 +820,16 @@ TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
   EXPECT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), "") ==
                                    grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
                       absl::Seconds(5)));
-  EXPECT_EQ(Health(cluster->worker_address(0), ""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(Health(cluster->worker_address(0), ""),
+            grpc::health::v1::HealthCheckResponse::NOT_SERVING);
 
   ASSERT_TRUE(cluster->StartWorker(1).ok());  // rejoins; a new epoch forms; rank 0 never restarted
-  ASSERT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), "shardserve.v1.table/emb") ==
-                                   grpc::health::v1::HealthCheckResponse::SERVING; },
-                      absl::Seconds(20)));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return Health(cluster->coordinator_address(), "shardserve.v1.table/emb") ==
+               grpc::health::v1::HealthCheckResponse::SERVING;
+      },
+      absl::Seconds(20)));
   auto fresh = Connect(*cluster);  // new worker address: the client refreshes its map
   CheckOps(*fresh, emb, "after the restart");
   CheckOps(*c, emb, "old client after the restart");
@@ -829,7 +845,7 @@ TEST(Cluster, StreamThatIsNotReadIsHeldBackAndThenAnsweredInFull) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
-  Table emb = MakeTable("emb", v1::EMBEDDING, 600, 8, 1, {0, 1}, TempDir());
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 600, 8, 1, {0, 1}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   auto stub = DataStub(cluster->worker_address(0));
   grpc::ClientContext context;
@@ -872,7 +888,7 @@ TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
-  Table emb = MakeTable("emb", v1::EMBEDDING, 200, 8, 1, {0, 1}, TempDir());
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 200, 8, 1, {0, 1}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   // Callers straight to rank 0 (unary calls on its completion queue) while it is stopped.
   auto stub = DataStub(cluster->worker_address(0));
@@ -888,7 +904,7 @@ TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {
         std::vector<int64_t> ids(4);
         for (auto& id : ids) id = rng() % 200;
         *request.mutable_ids() = client::Int64Tensor({1, 4}, ids);
-        request.set_mode(v1::SUM);
+        request.set_mode(v1::POOL_MODE_SUM);
         grpc::ClientContext context;
         context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
         v1::TensorResponse response;
@@ -957,7 +973,7 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
   const std::string dir = TempDir();
-  Table emb = MakeTable("emb", v1::EMBEDDING, 10, 4, 1, {1, 0}, dir);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 10, 4, 1, {1, 0}, dir);
   emb.spec.set_max_norm(0.5);  // any accepted lookup would renorm stored rows
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   const std::string before = dir + "/before.safetensors";
@@ -982,7 +998,8 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   v1::Tensor bad_bytes = client::Int64Tensor({3}, {1, 2, 3});
   bad_bytes.mutable_data()->resize(20);
   *e.mutable_ids() = bad_bytes;
-  EXPECT_THAT(code_and_message(c->Embedding(e)).second, HasSubstr("ids.data: 20 bytes, but shape [3]"));
+  EXPECT_THAT(code_and_message(c->Embedding(e)).second,
+              HasSubstr("ids.data: 20 bytes, but shape [3]"));
   e.set_table("nope");
   *e.mutable_ids() = client::Int64Tensor({1}, {1});
   EXPECT_EQ(c->Embedding(e).status().code(), absl::StatusCode::kNotFound);
@@ -991,11 +1008,13 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   b.set_table("emb");
   *b.mutable_ids() = client::Int64Tensor({4}, {1, 2, 3, 4});
   *b.mutable_offsets() = client::Int64Tensor({3}, {0, 3, 2});
-  EXPECT_THAT(code_and_message(c->EmbeddingBag(b)).second, HasSubstr("offsets[2]: 2 is less than offsets[1] = 3"));
+  EXPECT_THAT(code_and_message(c->EmbeddingBag(b)).second,
+              HasSubstr("offsets[2]: 2 is less than offsets[1] = 3"));
   *b.mutable_offsets() = client::Int64Tensor({2}, {0, 2});
   *b.mutable_per_sample_weights() = client::FloatTensor({4}, {1, 1, 1, 1});
-  b.set_mode(v1::MEAN);
-  EXPECT_THAT(code_and_message(c->EmbeddingBag(b)).second, HasSubstr("per_sample_weights: only supported with mode sum"));
+  b.set_mode(v1::POOL_MODE_MEAN);
+  EXPECT_THAT(code_and_message(c->EmbeddingBag(b)).second,
+              HasSubstr("per_sample_weights: only supported with mode sum"));
   // Bytes that are not a request message at all, straight to a worker and to the coordinator.
   for (const std::string& address : {cluster->worker_address(0), cluster->coordinator_address()}) {
     grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
@@ -1039,22 +1058,26 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   v1::LinearRequest l;
   l.set_table("emb");
   *l.mutable_input() = client::FloatTensor({1, 4}, {1, 2, 3, 4});
-  EXPECT_THAT(code_and_message(c->Linear(l)).second, HasSubstr("is an embedding table; Linear does not apply"));
+  EXPECT_THAT(code_and_message(c->Linear(l)).second,
+              HasSubstr("is an embedding table; Linear does not apply"));
 
   // Bad table specs.
   v1::TableSpec spec = emb.spec;
   spec.set_name("other");
   spec.mutable_sharding()->add_placements("rank:2/cpu");
-  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()), HasSubstr("3 placements, but the cluster has 2"));
+  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()),
+              HasSubstr("3 placements, but the cluster has 2"));
   spec.mutable_sharding()->clear_placements();
   spec.mutable_sharding()->add_placements("rank:0/cpu");
   spec.mutable_sharding()->add_placements("rank:0/cpu");
-  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()), HasSubstr("rank 0 appears more than once"));
+  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()),
+              HasSubstr("rank 0 appears more than once"));
   EXPECT_EQ(c->CreateTable(emb.spec).status().code(), absl::StatusCode::kAlreadyExists);
   spec = emb.spec;
   spec.set_name("badckpt");
   spec.set_num_rows(11);
-  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()), HasSubstr("needs tensor \"weight\" F32 [11,4]"));
+  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()),
+              HasSubstr("needs tensor \"weight\" F32 [11,4]"));
   EXPECT_EQ(c->DropTable("nope").code(), absl::StatusCode::kNotFound);
   // A table no worker can hold: CreateTable reports the workers' error and leaves nothing behind.
   absl::StatusOr<v1::TableInfo> created = c->CreateTable(TooLargeForAnyWorker("huge"));
@@ -1071,8 +1094,9 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   spec.mutable_sharding()->add_placements("rank:1/cuda:0");
   created = c->CreateTable(spec);
   EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument) << created.status();
-  EXPECT_THAT(std::string(created.status().message()),
-              HasSubstr("\"rank:1/cuda:0\" places rank 1's shard on cuda:0, but that worker serves cpu"));
+  EXPECT_THAT(
+      std::string(created.status().message()),
+      HasSubstr("\"rank:1/cuda:0\" places rank 1's shard on cuda:0, but that worker serves cpu"));
 
   // Nothing changed: the stored table is as before, and the servers still serve.
   const std::string after = dir + "/after.safetensors";
@@ -1129,7 +1153,7 @@ class RandomRequests {
       if (r.include_last_offset()) offsets.push_back(n);
       *r.mutable_offsets() = client::Int64Tensor({static_cast<int64_t>(offsets.size())}, offsets);
     }
-    if (r.mode() == v1::SUM && OneIn(2)) {
+    if (r.mode() == v1::POOL_MODE_SUM && OneIn(2)) {
       *r.mutable_per_sample_weights() = Floats(shape, Count(shape));
     }
     if (OneIn(3)) return r;
@@ -1280,8 +1304,8 @@ TEST(Cluster, RandomRequestsGetAnswersOrClearErrorsAndChangeNothing) {
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
   const std::string dir = TempDir();
-  Table emb = MakeTable("emb", v1::EMBEDDING, 10, 4, 1, {1, 0}, dir);
-  Table lin = MakeTable("lin", v1::LINEAR, 6, 4, 0, {0, 1}, dir);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 10, 4, 1, {1, 0}, dir);
+  Table lin = MakeTable("lin", v1::TABLE_KIND_LINEAR, 6, 4, 0, {0, 1}, dir);
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
   ASSERT_TRUE(c->CreateTable(lin.spec).ok());
   for (const char* name : {"emb", "lin"}) {
@@ -1410,9 +1434,9 @@ TEST(Cluster, RandomTableSpecsGetClearAnswersAndLeaveTheClusterServing) {
   ASSERT_NE(cluster, nullptr);
   auto c = ConnectOnce(*cluster, absl::Seconds(30));
   const std::string dir = TempDir();
-  Table emb = MakeTable("emb", v1::EMBEDDING, 10, 4, 1, {1, 0}, dir);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 10, 4, 1, {1, 0}, dir);
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
-  const Table other = MakeTable("other", v1::EMBEDDING, 5, 3, 0, {0, 1}, dir);
+  const Table other = MakeTable("other", v1::TABLE_KIND_EMBEDDING, 5, 3, 0, {0, 1}, dir);
 
   std::mt19937_64 rng(core::TestSeed());
   auto below = [&](int n) { return static_cast<int>(rng() % n); };
@@ -1431,17 +1455,17 @@ TEST(Cluster, RandomTableSpecsGetClearAnswersAndLeaveTheClusterServing) {
     // A valid spec ...
     v1::TableSpec spec;
     spec.set_name(absl::StrCat("t", i));
-    spec.set_kind(static_cast<v1::TableKind>(below(2)));
+    spec.set_kind(below(2) == 0 ? v1::TABLE_KIND_EMBEDDING : v1::TABLE_KIND_LINEAR);
     spec.set_num_rows(1 + below(6));
     spec.set_num_cols(1 + below(6));
     spec.mutable_sharding()->set_dim(below(2));
     const int first = below(2);
     spec.mutable_sharding()->add_placements(absl::StrCat("rank:", first, "/cpu"));
     spec.mutable_sharding()->add_placements(absl::StrCat("rank:", 1 - first, "/cpu"));
-    if (spec.kind() == v1::EMBEDDING && below(3) == 0) {
+    if (spec.kind() == v1::TABLE_KIND_EMBEDDING && below(3) == 0) {
       spec.set_padding_idx(below(static_cast<int>(2 * spec.num_rows())) - spec.num_rows());
     }
-    if (spec.kind() == v1::EMBEDDING && below(3) == 0) spec.set_max_norm(0.5 + below(4));
+    if (spec.kind() == v1::TABLE_KIND_EMBEDDING && below(3) == 0) spec.set_max_norm(0.5 + below(4));
     if (below(4) == 0) spec.set_norm_type(1 + below(3));
     spec.set_no_bias(below(2) == 0);
     spec.set_seed(rng());
@@ -1501,7 +1525,7 @@ TEST(Cluster, RandomTableSpecsGetClearAnswersAndLeaveTheClusterServing) {
       EXPECT_FALSE(created.status().message().empty());
       continue;
     }
-    if (spec.kind() == v1::EMBEDDING) {
+    if (spec.kind() == v1::TABLE_KIND_EMBEDDING) {
       v1::EmbeddingRequest e;
       e.set_table(spec.name());
       *e.mutable_ids() = client::Int64Tensor({1}, {spec.num_rows() - 1});

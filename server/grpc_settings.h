@@ -1,0 +1,28 @@
+// The gRPC settings every shardserve process uses, in one place: message size limits (answers
+// and table transfers can be large) for servers and for channels.
+#ifndef SHARDSERVE_SERVER_GRPC_SETTINGS_H_
+#define SHARDSERVE_SERVER_GRPC_SETTINGS_H_
+
+#include <memory>
+#include <string>
+
+#include "grpcpp/channel.h"
+#include "grpcpp/server_builder.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace shardserve::server {
+
+// Largest message sent or received on any shardserve connection: a request may carry 2^26 ids
+// and an answer 2^27 floats (core::InputLimits), both under it.
+inline constexpr int kMaxMessageBytes = 1 << 30;
+
+// Channel arguments for connections to shardserve servers (message limits).
+grpc::ChannelArguments ChannelArguments();
+// A plaintext channel to `address` with ChannelArguments().
+std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address);
+// Applies the server-side settings (message limits) to `builder`.
+void ApplyServerSettings(grpc::ServerBuilder& builder);
+
+}  // namespace shardserve::server
+
+#endif  // SHARDSERVE_SERVER_GRPC_SETTINGS_H_
