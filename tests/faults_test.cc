@@ -1,0 +1,376 @@
+// Cross-binary tests of faults: a step that fails in the middle of a renorm, killed and stopped
+// workers, and streams whose client does not read.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ATen/TensorOperators.h"
+#include "ATen/core/Tensor.h"
+#include "ATen/ops/allclose.h"
+#include "ATen/ops/embedding.h"
+#include "ATen/ops/embedding_bag.h"
+#include "ATen/ops/embedding_renorm.h"
+#include "ATen/ops/from_blob.h"
+#include "ATen/ops/linear.h"
+#include "ATen/ops/rand.h"
+#include "ATen/ops/randint.h"
+#include "ATen/ops/randn.h"
+#include "ATen/ops/tensor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "c10/core/InferenceMode.h"
+#include "client/client.h"
+#include "client/local_cluster.h"
+#include "core/safetensors.h"
+#include "core/test_seed.h"
+#include "gmock/gmock.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "gtest/gtest.h"
+#include "proto/health.grpc.pb.h"
+#include "proto/internal.grpc.pb.h"
+#include "tests/cluster_fixture.h"
+
+namespace shardserve::tests {
+namespace {
+
+using client::Client;
+using client::ClientOptions;
+using client::DenseTensor;
+using client::LocalCluster;
+using ::testing::HasSubstr;
+
+// Two workers whose rank 1 fails its second AllReduce after it has run (--fail_allreduce=2), and
+// a column-sharded max_norm table "renorm" on them: the second lookup that renorms rows completes
+// the renorm on rank 0 only, and the group breaks without any worker restarting.
+struct PartialRenormCluster {
+  std::unique_ptr<LocalCluster> cluster;
+  std::unique_ptr<Client> once, c;  // without and with retries
+  Table emb;
+  uint64_t created = 0;  // the table's first generation
+
+  void Start(int liveness_ms) {
+    cluster = StartCluster(2, {{1, {"--fail_allreduce=2"}}}, liveness_ms);
+    ASSERT_NE(cluster, nullptr);
+    once = ConnectOnce(*cluster, absl::Seconds(20));
+    c = Connect(*cluster);
+    emb = MakeTable("renorm", v1::TABLE_KIND_EMBEDDING, 50, 8, 1, {0, 1}, TempDir());
+    emb.spec.set_max_norm(1.0);
+    ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+    created = Generation();
+  }
+  uint64_t Generation() { return c->DescribeTable("renorm")->spec().generation(); }
+  absl::StatusOr<DenseTensor> Lookup(const std::vector<int64_t>& ids) {
+    v1::EmbeddingRequest r;
+    r.set_table("renorm");
+    *r.mutable_ids() = ToProto(at::tensor(ids, at::kLong));
+    return once->Embedding(r);
+  }
+  // Looks `ids` up until they are served (for up to 30 s). Every call until then must be refused
+  // with UNAVAILABLE, which clients retry: never answered from mixed rows, never refused as if the
+  // table were new.
+  absl::StatusOr<DenseTensor> LookupOnceServed(const std::vector<int64_t>& ids) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    absl::StatusOr<DenseTensor> got = Lookup(ids);
+    int refused = 0;
+    while (!got.ok() && absl::Now() < give_up) {
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+      if (got.status().code() != absl::StatusCode::kUnavailable) break;
+      ++refused;
+      absl::SleepFor(absl::Milliseconds(10));
+      got = Lookup(ids);
+    }
+    EXPECT_GT(refused, 0);
+    return got;
+  }
+};
+
+TEST(Cluster, AStepThatFailsMidRenormLeavesATableThatRenormsConsistent) {
+  PartialRenormCluster p;
+  ASSERT_NO_FATAL_FAILURE(p.Start(/*liveness_ms=*/600));
+  c10::InferenceMode guard;
+  at::Tensor renormed = p.emb.weight.clone();
+  const std::vector<int64_t> first = {1, 5, 9, 13}, second = {2, 6, 10};
+  at::embedding_renorm_(renormed, at::tensor(first, at::kLong), 1.0, 2.0);
+  ExpectClose(p.Lookup(first), at::embedding(renormed, at::tensor(first, at::kLong)),
+              "the first lookup");
+  absl::StatusOr<DenseTensor> failed = p.Lookup(second);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
+  // The coordinator gives the table a new generation and every worker loads it again; lookups
+  // then renorm rows as the first time (the failed lookup renormed nothing that anyone saw).
+  const std::vector<int64_t> both = {1, 2, 5, 6, 9, 10, 13};
+  at::embedding_renorm_(renormed, at::tensor(both, at::kLong), 1.0, 2.0);
+  ExpectClose(p.LookupOnceServed(both), at::embedding(renormed, at::tensor(both, at::kLong)),
+              "after the failed step");
+  const uint64_t reloaded = p.Generation();
+  EXPECT_NE(reloaded, p.created);
+  // Served again, and renormed since: a worker's restart now reloads it once more.
+  ASSERT_TRUE(p.cluster->KillWorker(1, SIGKILL).ok());
+  ASSERT_TRUE(p.cluster->StartWorker(1).ok());
+  ExpectClose(p.LookupOnceServed(both), at::embedding(renormed, at::tensor(both, at::kLong)),
+              "after a restart");
+  EXPECT_NE(p.Generation(), reloaded);
+}
+
+TEST(Cluster, AWorkerThatRestartsWhileATableReloadsAfterAPartialRenormReloadsItOnce) {
+  // Rank 1 is killed and restarted after the table's new generation and before the group
+  // re-forms (a liveness period of 3 s): the restart needs no second reload, since nothing has
+  // renormed the new loads yet.
+  PartialRenormCluster p;
+  ASSERT_NO_FATAL_FAILURE(p.Start(/*liveness_ms=*/3000));
+  ASSERT_TRUE(p.Lookup({1, 5}).ok());
+  EXPECT_EQ(p.Lookup({2, 6}).status().code(), absl::StatusCode::kUnavailable);  // the fault
+  uint64_t reloaded = p.created;
+  ASSERT_TRUE(WaitFor([&] { return (reloaded = p.Generation()) != p.created; }, absl::Seconds(2)));
+  ASSERT_TRUE(p.cluster->KillWorker(1, SIGKILL).ok());
+  ASSERT_TRUE(p.cluster->StartWorker(1).ok());
+  c10::InferenceMode guard;
+  at::Tensor renormed = p.emb.weight.clone();
+  const std::vector<int64_t> both = {1, 2, 5, 6};
+  at::embedding_renorm_(renormed, at::tensor(both, at::kLong), 1.0, 2.0);
+  ExpectClose(p.LookupOnceServed(both), at::embedding(renormed, at::tensor(both, at::kLong)),
+              "after the restart");
+  EXPECT_EQ(p.Generation(), reloaded);
+}
+
+TEST(Cluster, KilledWorkerFailsCallsFastThenRejoinsAndServingResumes) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto once = ConnectOnce(*cluster, absl::Seconds(3));
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  CheckOps(*c, emb, "before the crash");
+  EXPECT_EQ(Health(cluster->worker_address(0), ""), grpc::health::v1::HealthCheckResponse::SERVING);
+  // A health Watch on the survivor's table, open across the crash and the restart.
+  auto health_stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(cluster->worker_address(0), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext watch_context;
+  watch_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::health::v1::HealthCheckRequest watched;
+  watched.set_service("shardserve.v1.table/emb");
+  auto watch = health_stub->Watch(&watch_context, watched);
+  grpc::health::v1::HealthCheckResponse seen;
+  ASSERT_TRUE(watch->Read(&seen));
+  EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  // A stream through the coordinator's relay, open across the crash.
+  auto relay_stub = DataStub(cluster->coordinator_address());
+  grpc::ClientContext relay_context;
+  relay_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto relay = relay_stub->Stream(&relay_context);
+  v1::StreamRequest streamed;
+  streamed.set_id(1);
+  streamed.mutable_embedding()->set_table("emb");
+  *streamed.mutable_embedding()->mutable_ids() = client::Int64Tensor({2}, {1, 2});
+  ASSERT_TRUE(relay->Write(streamed));
+  v1::StreamResponse streamed_answer;
+  ASSERT_TRUE(relay->Read(&streamed_answer));
+  EXPECT_EQ(streamed_answer.code(), 0) << streamed_answer.message();
+
+  absl::SleepFor(absl::Seconds(1));  // idle long enough for the group to park
+  ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  // With no call to wake it, the parked survivor still finds its peer gone (periodic check).
+  const absl::Time killed = absl::Now();
+  EXPECT_TRUE(WaitFor([&] { return Health(cluster->worker_address(0), "") ==
+                                   grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
+                      absl::Seconds(4)));
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(4));
+  ASSERT_TRUE(watch->Read(&seen));
+  EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  {
+    // Whichever worker the relay reached, the stream answers UNAVAILABLE in band (rank 0: the
+    // group is gone) or ends (rank 1 died) - promptly, not at its deadline.
+    const absl::Time start = absl::Now();
+    streamed.set_id(2);
+    if (relay->Write(streamed) && relay->Read(&streamed_answer)) {
+      EXPECT_EQ(streamed_answer.code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+      relay->WritesDone();
+      while (relay->Read(&streamed_answer)) {
+      }
+      EXPECT_TRUE(relay->Finish().ok());
+    } else {
+      EXPECT_FALSE(relay->Finish().ok());
+    }
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
+  // Calls at the surviving rank fail with UNAVAILABLE well within their deadline: no hang.
+  v1::EmbeddingRequest request;
+  request.set_table("emb");
+  *request.mutable_ids() = client::Int64Tensor({2}, {1, 2});
+  for (int i = 0; i < 3; ++i) {
+    const absl::Time start = absl::Now();
+    auto stub = DataStub(cluster->worker_address(0));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    v1::TensorResponse response;
+    grpc::Status status = stub->Embedding(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  }
+  EXPECT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), "") ==
+                                   grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
+                      absl::Seconds(5)));
+  EXPECT_EQ(Health(cluster->worker_address(0), ""),
+            grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+
+  ASSERT_TRUE(cluster->StartWorker(1).ok());  // rejoins; a new epoch forms; rank 0 never restarted
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return Health(cluster->coordinator_address(), "shardserve.v1.table/emb") ==
+               grpc::health::v1::HealthCheckResponse::SERVING;
+      },
+      absl::Seconds(20)));
+  auto fresh = Connect(*cluster);  // new worker address: the client refreshes its map
+  CheckOps(*fresh, emb, "after the restart");
+  CheckOps(*c, emb, "old client after the restart");
+  ASSERT_TRUE(watch->Read(&seen));  // the change, sent once
+  EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  watch_context.TryCancel();
+  while (watch->Read(&seen)) {
+  }
+  EXPECT_EQ(watch->Finish().error_code(), grpc::StatusCode::CANCELLED);
+}
+
+TEST(Cluster, StreamThatIsNotReadIsHeldBackAndThenAnsweredInFull) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 600, 8, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  auto stub = DataStub(cluster->worker_address(0));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stream = stub->Stream(&context);
+  // 3000 requests with 16 KiB answers, nothing read for the first second: the worker stops
+  // reading once 1024 of them are in flight (the writer blocks), and catches up once read.
+  constexpr int kRequests = 3000;
+  std::thread writer([&] {
+    v1::StreamRequest request;
+    std::vector<int64_t> ids(512);
+    for (int i = 1; i <= kRequests; ++i) {
+      for (size_t k = 0; k < ids.size(); ++k) ids[k] = (i + k) % 600;
+      request.set_id(i);
+      *request.mutable_embedding()->mutable_ids() = client::Int64Tensor({512}, ids);
+      request.mutable_embedding()->set_table("emb");
+      if (!stream->Write(request)) break;
+    }
+    stream->WritesDone();
+  });
+  absl::SleepFor(absl::Seconds(1));
+  std::vector<int> seen(kRequests + 1, 0);
+  int wrong = 0;
+  v1::StreamResponse response;
+  while (stream->Read(&response)) {
+    const uint64_t id = response.id();
+    ASSERT_TRUE(id >= 1 && id <= kRequests) << id;
+    ++seen[id];
+    float first = 0;
+    std::memcpy(&first, response.output().data().data(), sizeof(float));
+    if (response.code() != 0 || first != emb.weight[id % 600][0].item<float>()) ++wrong;
+  }
+  writer.join();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(std::count(seen.begin() + 1, seen.end(), 1), kRequests);
+  EXPECT_EQ(wrong, 0);
+}
+
+TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 200, 8, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  // Callers straight to rank 0 (unary calls on its completion queue) while it is stopped.
+  auto stub = DataStub(cluster->worker_address(0));
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, wrong{0}, refused{0}, other{0}, slow{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 16; ++t) {
+    callers.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      while (!stop) {
+        v1::EmbeddingBagRequest request;
+        request.set_table("emb");
+        std::vector<int64_t> ids(4);
+        for (auto& id : ids) id = rng() % 200;
+        *request.mutable_ids() = client::Int64Tensor({1, 4}, ids);
+        request.set_mode(v1::POOL_MODE_SUM);
+        grpc::ClientContext context;
+        context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+        v1::TensorResponse response;
+        const absl::Time start = absl::Now();
+        const grpc::Status status = stub->EmbeddingBag(&context, request, &response);
+        if (absl::Now() - start > absl::Seconds(4)) ++slow;
+        if (status.ok()) {
+          ++ok;
+          float want = 0;
+          for (int64_t id : ids) want += emb.weight[id][3].item<float>();
+          float got = 0;
+          std::memcpy(&got, response.output().data().data() + 3 * sizeof(float), sizeof(float));
+          if (std::abs(got - want) > 1e-5) ++wrong;
+        } else if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                   status.error_code() == grpc::StatusCode::CANCELLED) {
+          ++refused;  // the worker going away
+        } else {
+          ++other;
+          ADD_FAILURE() << status.error_code() << " " << status.error_message();
+        }
+      }
+    });
+  }
+  // And a stream, one request at a time, until the worker goes away.
+  std::atomic<int> streamed{0};
+  std::atomic<bool> stream_ended_in_time{false};
+  callers.emplace_back([&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto stream = stub->Stream(&context);
+    const absl::Time start = absl::Now();
+    v1::StreamRequest request;
+    request.mutable_embedding()->set_table("emb");
+    *request.mutable_embedding()->mutable_ids() = client::Int64Tensor({2}, {7, 9});
+    v1::StreamResponse response;
+    for (uint64_t id = 1; !stop; ++id) {
+      request.set_id(id);
+      if (!stream->Write(request) || !stream->Read(&response)) break;
+      if (response.id() != id || response.code() != 0) break;
+      ++streamed;
+    }
+    stream->WritesDone();
+    while (stream->Read(&response)) {
+    }
+    stream->Finish().IgnoreError();
+    stream_ended_in_time = absl::Now() - start < absl::Seconds(15);
+  });
+  EXPECT_TRUE(WaitFor([&] { return ok.load() >= 200 && streamed.load() >= 20; },
+                      absl::Seconds(10)));
+  absl::StatusOr<int> exit = cluster->KillWorker(0, SIGTERM);
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << "wait status " << *exit;
+  absl::SleepFor(absl::Milliseconds(200));  // callers now meet the closed port
+  stop = true;
+  for (auto& t : callers) t.join();
+  EXPECT_GE(ok.load(), 200);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(refused.load(), 0);
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(slow.load(), 0);
+  EXPECT_TRUE(stream_ended_in_time);
+}
+
+}  // namespace
+}  // namespace shardserve::tests

@@ -1,0 +1,201 @@
+// Cross-binary tests of the data path: every op, sharding dim, placement order and world size
+// against the unsharded LibTorch op, concurrent callers, streams, and export.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ATen/TensorOperators.h"
+#include "ATen/core/Tensor.h"
+#include "ATen/ops/allclose.h"
+#include "ATen/ops/embedding.h"
+#include "ATen/ops/embedding_bag.h"
+#include "ATen/ops/embedding_renorm.h"
+#include "ATen/ops/from_blob.h"
+#include "ATen/ops/linear.h"
+#include "ATen/ops/rand.h"
+#include "ATen/ops/randint.h"
+#include "ATen/ops/randn.h"
+#include "ATen/ops/tensor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "c10/core/InferenceMode.h"
+#include "client/client.h"
+#include "client/local_cluster.h"
+#include "core/safetensors.h"
+#include "core/test_seed.h"
+#include "gmock/gmock.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "gtest/gtest.h"
+#include "proto/health.grpc.pb.h"
+#include "proto/internal.grpc.pb.h"
+#include "tests/cluster_fixture.h"
+
+namespace shardserve::tests {
+namespace {
+
+using client::Client;
+using client::ClientOptions;
+using client::DenseTensor;
+using client::LocalCluster;
+using ::testing::HasSubstr;
+
+TEST(Cluster, EveryOpMatchesUnshardedForEveryShardingPlacementAndWorld) {
+  for (int world : {1, 2, 3, 4}) {
+    SCOPED_TRACE(absl::StrCat("W=", world));
+    auto cluster = StartCluster(world);
+    ASSERT_NE(cluster, nullptr);
+    auto direct = Connect(*cluster);
+    auto forwarded = Connect(*cluster, /*direct=*/false);
+    const std::string dir = TempDir();
+    std::vector<int> identity, rotated;
+    for (int r = 0; r < world; ++r) identity.push_back(r);
+    for (int r = 0; r < world; ++r) rotated.push_back((r + world - 1) % world);
+    std::vector<Table> tables = {
+        MakeTable("emb_col", v1::TABLE_KIND_EMBEDDING, 37, 11, 1, rotated, dir),
+        MakeTable("emb_row", v1::TABLE_KIND_EMBEDDING, 37, 11, 0, rotated, dir),
+        MakeTable("emb_tiny", v1::TABLE_KIND_EMBEDDING, 3, 2, 1, identity,
+                  dir),  // W > dim: empty chunks
+        MakeTable("lin_col", v1::TABLE_KIND_LINEAR, 9, 13, 0, rotated, dir),
+        MakeTable("lin_row", v1::TABLE_KIND_LINEAR, 9, 13, 1, identity, dir),
+    };
+    for (const Table& t : tables) {
+      absl::StatusOr<v1::TableInfo> info = direct->CreateTable(t.spec);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->state(), v1::TABLE_STATE_SERVING);
+      ASSERT_EQ(info->shards_size(), world);
+      for (int idx = 0; idx < world; ++idx) {  // placement (chunk) order, with live addresses
+        EXPECT_EQ(info->shards(idx).rank(),
+                  t.spec.name() == "emb_tiny" || t.spec.name() == "lin_row" ? identity[idx]
+                                                                            : rotated[idx]);
+        EXPECT_EQ(info->shards(idx).address(), cluster->worker_address(info->shards(idx).rank()));
+      }
+    }
+    for (const Table& t : tables) {
+      CheckOps(*direct, t, absl::StrCat(t.spec.name(), " direct"));
+      CheckOps(*forwarded, t, absl::StrCat(t.spec.name(), " via coordinator"));
+    }
+  }
+}
+
+TEST(Cluster, ConcurrentCallersOnDifferentEntryRanksGetTheirOwnRows) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 500, 16, 1, {2, 0, 1}, dir);
+  Table lin =
+      MakeTable("lin", v1::TABLE_KIND_LINEAR, 8, 16, 1, {0, 1, 2}, dir);  // two tables, one group
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  ASSERT_TRUE(c->CreateTable(lin.spec).ok());
+  std::atomic<int> wrong{0}, done{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 8; ++t) {
+    callers.emplace_back([&, t] {
+      c10::InferenceMode guard;
+      std::mt19937 rng(t);
+      for (int i = 0; i < 15; ++i) {
+        if ((t + i) % 3 == 0) {
+          std::vector<float> x(16);
+          for (float& v : x) v = static_cast<float>(rng() % 100) / 50.0f;
+          if (!LinearOf(*c, lin, at::from_blob(x.data(), {1, 16}).clone()).Right()) ++wrong;
+        } else if (!RandomSumBags(*c, emb, rng, 2, 3).Right()) {
+          ++wrong;
+        }
+        ++done;
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(done.load(), 8 * 15);
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+// Straight to a worker, and through the coordinator's relay.
+TEST(Cluster, StreamPipelinesManyBatchesOnOneStream) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 50, 8, 1, {1, 0}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  for (const std::string& address : {cluster->worker_address(0), cluster->coordinator_address()}) {
+    SCOPED_TRACE(address);
+    auto stub = DataStub(address);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto stream = stub->Stream(&context);
+    std::map<uint64_t, at::Tensor> want;
+    for (uint64_t id = 1; id <= 20; ++id) {
+      at::Tensor ids = at::randint(0, 50, {3}, at::kLong);
+      v1::StreamRequest request;
+      request.set_id(id);
+      request.mutable_embedding()->set_table("emb");
+      *request.mutable_embedding()->mutable_ids() = ToProto(ids);
+      if (id == 7) request.mutable_embedding()->set_table("missing");
+      want[id] = at::embedding(emb.weight, ids);
+      ASSERT_TRUE(stream->Write(request));
+    }
+    stream->WritesDone();
+    v1::StreamResponse response;
+    int answered = 0;
+    while (stream->Read(&response)) {
+      ++answered;
+      if (response.id() == 7) {
+        EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+        EXPECT_THAT(response.message(), HasSubstr("table \"missing\" not found"));
+        continue;
+      }
+      ASSERT_EQ(response.code(), 0) << response.message();
+      ExpectClose(client::ToDense(response.output()), want[response.id()], "stream");
+    }
+    EXPECT_EQ(answered, 20);
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+}
+
+TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  // Row- and column-sharded layers, and one whose bias (4.8 MB, sent whole by each rank) is over
+  // gRPC's default 4 MiB message limit.
+  struct Shape {
+    int64_t out, in;
+    int dim;
+  };
+  for (const Shape& shape : {Shape{7, 5, 0}, Shape{7, 5, 1}, Shape{1200000, 1, 0}}) {
+    Table t = MakeTable(absl::StrCat("lin", shape.out, "_", shape.dim), v1::TABLE_KIND_LINEAR,
+                        shape.out, shape.in, shape.dim, {1, 2, 0}, dir);
+    ASSERT_TRUE(c->CreateTable(t.spec).ok());
+    const std::string out = absl::StrCat(dir, "/", t.spec.name(), ".exported");
+    auto exported = c->ExportTable(t.spec.name(), out);
+    ASSERT_TRUE(exported.ok()) << exported.status();
+    auto file = core::SafetensorsFile::Open(out);
+    ASSERT_TRUE(file.ok());
+    const core::SafetensorsTensor* w = (*file)->Find("weight");
+    const core::SafetensorsTensor* b = (*file)->Find("bias");
+    ASSERT_NE(w, nullptr);
+    ASSERT_NE(b, nullptr);
+    ASSERT_EQ(w->bytes, shape.out * shape.in * 4);
+    ASSERT_EQ(b->bytes, shape.out * 4);
+    EXPECT_EQ(std::memcmp(w->data, t.weight.data_ptr<float>(), w->bytes), 0);
+    EXPECT_EQ(std::memcmp(b->data, t.bias.data_ptr<float>(), b->bytes), 0);
+  }
+}
+
+}  // namespace
+}  // namespace shardserve::tests
