@@ -185,14 +185,6 @@ __global__ void BroadcastRowsKernel(const float* __restrict__ bias, int64_t rows
   }
 }
 
-template <typename T>
-__global__ void AccumulateKernel(T* __restrict__ acc, const T* __restrict__ in, int64_t n, int op) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    acc[i] = op == 0 ? acc[i] + in[i] : (acc[i] > in[i] ? acc[i] : in[i]);
-  }
-}
-
 // Grids of one block per row (or one warp per row: WarpGrid); CUDA allows 2^31 - 1 blocks in x.
 dim3 Grid(int64_t n) { return dim3(static_cast<unsigned>(n)); }
 
@@ -288,26 +280,6 @@ cudaError_t LaunchBroadcastRows(const float* bias, int64_t rows, int64_t cols, f
   if (rows == 0 || cols == 0) return cudaSuccess;
   return Launch([&] {
     BroadcastRowsKernel<<<Grid(rows), kThreads, 0, S(stream)>>>(bias, rows, cols, out);
-  });
-}
-
-cudaError_t LaunchAccumulate(void* acc, const void* in, int64_t n, int dtype, int op, void* stream) {
-  if (n == 0) return cudaSuccess;
-  return Launch([&] {
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
-    switch (dtype) {
-      case 0:
-        AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<float*>(acc),
-                                                        static_cast<const float*>(in), n, op);
-        break;
-      case 1:
-        AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<double*>(acc),
-                                                        static_cast<const double*>(in), n, op);
-        break;
-      default:
-        AccumulateKernel<<<blocks, 256, 0, S(stream)>>>(static_cast<long long*>(acc),
-                                                        static_cast<const long long*>(in), n, op);
-    }
   });
 }
 

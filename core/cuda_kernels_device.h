@@ -27,8 +27,6 @@ cudaError_t LaunchScaleRows(float* shard, int64_t cols, const int64_t* ids, cons
 // out[r, :] = bias (or 0 when bias is null), for r < rows.
 cudaError_t LaunchBroadcastRows(const float* bias, int64_t rows, int64_t cols, float* out,
                                 void* stream);
-// acc[i] = acc[i] (+ or max) in[i] for i < n; dtype 0 float, 1 double, 2 int64; op 0 sum, 1 max.
-cudaError_t LaunchAccumulate(void* acc, const void* in, int64_t n, int dtype, int op, void* stream);
 
 }  // namespace shardserve::core::cuda
 

@@ -58,9 +58,9 @@ int Main() {
   }
   absl::Mutex mu;
   int failures = 0;
-  absl::Status status = RunInProcessGroup(kWorld, [&](int rank, Communicator& comm,
+  absl::Status status = RunInProcessGroup(kWorld, [&](int rank, GlooCommunicator& comm,
                                                       CpuKernels& kernels) -> absl::Status {
-    ShardedOps ops(comm, comm, kernels);
+    ShardedOps ops(comm, comm, comm, kernels);
     auto emb = ShardedTable::Create(table, rank, kernels);
     auto lin = ShardedTable::Create(layer, rank, kernels);
     if (!emb.ok()) return emb.status();

@@ -30,9 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/status_macros.h"
-#include "gloo/allgatherv.h"
 #include "gloo/allreduce.h"
-#include "gloo/alltoallv.h"
 #include "gloo/barrier.h"
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
@@ -134,15 +132,6 @@ int64_t SyncLimit() {
 
 // A valid address for zero-length buffers (Gloo wants a pointer even when nothing moves).
 char kEmpty[8];
-
-template <typename T>
-void ReduceInto(T* acc, const T* in, size_t n, ReduceOp op) {
-  if (op == ReduceOp::kSum) {
-    for (size_t i = 0; i < n; ++i) acc[i] += in[i];
-  } else {
-    for (size_t i = 0; i < n; ++i) acc[i] = std::max(acc[i], in[i]);
-  }
-}
 
 // Calls fn(T{}) with T the C++ type of `type`.
 template <typename Fn>
@@ -606,63 +595,6 @@ absl::Status GlooCommunicator::Guarded(const char* what, Body&& body) {
   }
 }
 
-absl::Status GlooCommunicator::AllGatherV(const void* in, void* out,
-                                          absl::Span<const int64_t> counts, DataType type,
-                                          absl::Duration timeout) {
-  if (static_cast<int>(counts.size()) != world_size_) {
-    return absl::InternalError("gloo: AllGatherV counts must have one entry per rank");
-  }
-  return Guarded("all-gather", [&] {
-    const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-    if (world_size_ == 1) {
-      if (total > 0) std::memcpy(out, in, total * SizeOf(type));
-      return;
-    }
-    gloo::AllgathervOptions opts(context_);
-    std::vector<size_t> elements(counts.begin(), counts.end());
-    void* in_ptr = counts[rank_] > 0 ? const_cast<void*>(in) : kEmpty;
-    void* out_ptr = total > 0 ? out : kEmpty;
-    Dispatch(type, [&](auto t) {
-      using T = decltype(t);
-      opts.setInput(static_cast<T*>(in_ptr), counts[rank_]);
-      opts.setOutput(static_cast<T*>(out_ptr), elements);
-    });
-    opts.setTag(next_tag_++);
-    opts.setTimeout(ToChrono(timeout));
-    gloo::allgatherv(opts);
-  });
-}
-
-absl::Status GlooCommunicator::AllToAllV(const void* in, absl::Span<const int64_t> send_counts,
-                                         void* out, absl::Span<const int64_t> recv_counts,
-                                         DataType type, absl::Duration timeout) {
-  if (static_cast<int>(send_counts.size()) != world_size_ ||
-      static_cast<int>(recv_counts.size()) != world_size_) {
-    return absl::InternalError("gloo: AllToAllV counts must have one entry per rank");
-  }
-  return Guarded("all-to-all", [&] {
-    const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
-    const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
-    if (world_size_ == 1) {
-      if (send_total > 0) std::memcpy(out, in, send_total * SizeOf(type));
-      return;
-    }
-    gloo::AlltoallvOptions opts(context_);
-    std::vector<int64_t> send(send_counts.begin(), send_counts.end());
-    std::vector<int64_t> recv(recv_counts.begin(), recv_counts.end());
-    void* in_ptr = send_total > 0 ? const_cast<void*>(in) : kEmpty;
-    void* out_ptr = recv_total > 0 ? out : kEmpty;
-    Dispatch(type, [&](auto t) {
-      using T = decltype(t);
-      opts.setInput(static_cast<T*>(in_ptr), send);
-      opts.setOutput(static_cast<T*>(out_ptr), recv);
-    });
-    opts.setTag(next_tag_++);
-    opts.setTimeout(ToChrono(timeout));
-    gloo::alltoallv(opts);
-  });
-}
-
 absl::Status GlooCommunicator::AllReduce(void* data, int64_t count, DataType type, ReduceOp op,
                                          absl::Duration timeout) {
   return Guarded("all-reduce", [&] {
@@ -687,42 +619,6 @@ absl::Status GlooCommunicator::AllReduce(void* data, int64_t count, DataType typ
     opts.setTag(next_tag_++);
     opts.setTimeout(ToChrono(timeout));
     gloo::allreduce(opts);
-  });
-}
-
-absl::Status GlooCommunicator::ReduceScatter(const void* in, absl::Span<const int64_t> counts,
-                                             void* out, DataType type, ReduceOp op,
-                                             absl::Duration timeout) {
-  if (static_cast<int>(counts.size()) != world_size_) {
-    return absl::InternalError("gloo: ReduceScatter counts must have one entry per rank");
-  }
-  // All-to-all block q to rank q, then reduce the W received blocks locally: bandwidth-optimal for
-  // the small groups we run, and it allows ragged blocks.
-  const int64_t mine = counts[rank_];
-  const size_t elem = SizeOf(type);
-  std::vector<int64_t> recv(world_size_, mine);
-  scratch_.resize(static_cast<size_t>(mine) * world_size_ * elem);
-  absl::Status status = AllToAllV(in, counts, scratch_.data(), recv, type, timeout);
-  if (!status.ok()) return status;
-  if (mine == 0) return absl::OkStatus();
-  std::memcpy(out, scratch_.data(), mine * elem);
-  for (int q = 1; q < world_size_; ++q) {
-    const char* block = scratch_.data() + static_cast<size_t>(q) * mine * elem;
-    Dispatch(type, [&](auto t) {
-      using T = decltype(t);
-      ReduceInto(static_cast<T*>(out), reinterpret_cast<const T*>(block), mine, op);
-    });
-  }
-  return absl::OkStatus();
-}
-
-absl::Status GlooCommunicator::Barrier(absl::Duration timeout) {
-  return Guarded("barrier", [&] {
-    if (world_size_ == 1) return;
-    gloo::BarrierOptions opts(context_);
-    opts.setTag(next_tag_++);
-    opts.setTimeout(ToChrono(timeout));
-    gloo::barrier(opts);
   });
 }
 
@@ -1164,7 +1060,7 @@ void GlooCommunicator::ClearUnpark() {
 
 absl::Status GlooCommunicator::AwaitRound() {
   if (world_size_ == 1) return Park(absl::InfiniteDuration());  // no peers: news alone ends it
-  if (shm_ == nullptr || !shm_->doorbells) return Communicator::AwaitRound();
+  if (shm_ == nullptr || !shm_->doorbells) return StepChannel::AwaitRound();
   return Guarded("await round", [&] {
     const uint32_t next = NextRound();
     bool local = false;
@@ -1199,6 +1095,12 @@ bool GlooCommunicator::SharesMemoryWith(int peer) const {
 }
 
 bool GlooCommunicator::HasMail() const { return shm_ != nullptr && shm_->mail; }
+
+absl::Status GlooCommunicator::Health() const {
+  if (!broken_) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat("gloo: rank ", rank_, " of ", world_size_, ": ", broken_reason_));
+}
 
 absl::Status GlooCommunicator::Abort() {
   if (!broken_) {

@@ -1,4 +1,5 @@
-// GlooCommunicator: Communicator over Gloo's TCP transport (CPU workers; buffers in host memory).
+// GlooCommunicator: the Collectives and the StepChannel of a group over Gloo's TCP transport (CPU
+// workers; buffers in host memory), and over shared memory between ranks of one host.
 //
 // Create() connects two full meshes through a RendezvousStore under `key_prefix` (group + epoch),
 // so a re-formed group uses a fresh prefix:
@@ -41,7 +42,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/communicator.h"
+#include "core/collectives.h"
+#include "core/step_channel.h"
 #include "core/rendezvous.h"
 
 namespace gloo {
@@ -68,7 +70,7 @@ struct GlooOptions {
   int64_t sync_message_limit = 0;
 };
 
-class GlooCommunicator : public Communicator {
+class GlooCommunicator : public Collectives, public StepChannel {
  public:
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(RendezvousStore& store,
                                                                   const std::string& key_prefix,
@@ -79,22 +81,15 @@ class GlooCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
 
-  absl::Status AllGatherV(const void* in, void* out, absl::Span<const int64_t> counts,
-                          DataType type, absl::Duration timeout) override;
-  absl::Status AllToAllV(const void* in, absl::Span<const int64_t> send_counts, void* out,
-                         absl::Span<const int64_t> recv_counts, DataType type,
-                         absl::Duration timeout) override;
   absl::Status AllReduce(void* data, int64_t count, DataType type, ReduceOp op,
                          absl::Duration timeout) override;
-  absl::Status ReduceScatter(const void* in, absl::Span<const int64_t> counts, void* out,
-                             DataType type, ReduceOp op, absl::Duration timeout) override;
-  absl::Status Barrier(absl::Duration timeout) override;
   absl::StatusOr<std::vector<absl::Span<const char>>> AllGatherMessages(
       absl::Span<const char> mine, absl::Duration timeout) override;
   absl::StatusOr<std::unique_ptr<PendingExchange>> StartAllToAllV(
       void* out, absl::Span<const int64_t> recv_counts, absl::Span<const int64_t> send_counts,
       DataType type, absl::Duration timeout) override;
   absl::Status Abort() override;
+  absl::Status Health() const override;
   // Parked ranks wait on a receive from any peer (no polling); Unpark aborts that wait.
   absl::Status Park(absl::Duration timeout) override;
   void Unpark() override;
@@ -110,10 +105,7 @@ class GlooCommunicator : public Communicator {
   // Whether the group's hot path needs no sockets ("mail", see above).
   bool HasMail() const;
 
-  using Communicator::AllGatherV;
-  using Communicator::AllReduce;
-  using Communicator::AllToAllV;
-  using Communicator::ReduceScatter;
+  using Collectives::AllReduce;
 
  private:
   class Exchange;
@@ -158,7 +150,6 @@ class GlooCommunicator : public Communicator {
   };
   std::vector<ReceiveBuffer> received_;
   std::vector<char> outgoing_;
-  std::vector<char> scratch_;  // reduce-scatter receive space
   std::unique_ptr<SharedMemory> shm_;  // null when no peer shares memory
   uint32_t next_park_ = 0;             // park episodes (their slots; doorbell values)
   uint32_t gathers_ = 0;               // AllGatherMessages started (round doorbell values)

@@ -9,13 +9,14 @@
 #include <functional>
 
 #include "absl/status/status.h"
-#include "core/communicator.h"
 #include "core/cpu_kernels.h"
 #include "core/gloo_communicator.h"
 
 namespace shardserve::core {
 
-using RankBody = std::function<absl::Status(int rank, Communicator& comm, CpuKernels& kernels)>;
+// `comm` is the rank's step channel and its collectives alike.
+using RankBody =
+    std::function<absl::Status(int rank, GlooCommunicator& comm, CpuKernels& kernels)>;
 
 absl::Status RunInProcessGroup(int world_size, const RankBody& body,
                                CpuKernelOptions kernel_options = {},

@@ -11,7 +11,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "core/cuda_kernels_device.h"
 #include "core/status_macros.h"
 
 namespace shardserve::core {
@@ -119,7 +118,6 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
 
 NcclCommunicator::~NcclCommunicator() {
   if (comm_ != nullptr) ncclCommAbort(C(comm_));  // never blocks on a stuck peer
-  if (scratch_ != nullptr) cudaFree(scratch_);
   if (stream_ != nullptr) cudaStreamDestroy(S(stream_));
 }
 
@@ -200,36 +198,6 @@ absl::Status NcclCommunicator::SendRecv(const char* what, const std::vector<cons
   return Finish(what, timeout);
 }
 
-absl::Status NcclCommunicator::AllGatherV(const void* in, void* out,
-                                          absl::Span<const int64_t> counts, DataType type,
-                                          absl::Duration timeout) {
-  if (broken_) return Refuse("all-gather");
-  if (counts.size() != static_cast<size_t>(world_size_)) {
-    return absl::InvalidArgumentError("nccl: all-gather: expected one count per rank");
-  }
-  // Every peer gets this rank's whole block: an all-to-all whose send blocks all start at `in`.
-  return SendRecv("all-gather", std::vector<const void*>(world_size_, in),
-                  std::vector<int64_t>(world_size_, counts[rank_]), static_cast<char*>(out),
-                  counts, type, timeout);
-}
-
-absl::Status NcclCommunicator::AllToAllV(const void* in, absl::Span<const int64_t> send_counts,
-                                         void* out, absl::Span<const int64_t> recv_counts,
-                                         DataType type, absl::Duration timeout) {
-  if (broken_) return Refuse("all-to-all");
-  if (send_counts.size() != static_cast<size_t>(world_size_)) {
-    return absl::InvalidArgumentError("nccl: all-to-all: expected one count per rank");
-  }
-  const size_t elem = SizeOf(type);
-  const std::vector<int64_t> send_off = Offsets(send_counts);
-  std::vector<const void*> send(world_size_);
-  for (int q = 0; q < world_size_; ++q) {
-    send[q] = static_cast<const char*>(in) + send_off[q] * elem;
-  }
-  return SendRecv("all-to-all", send, send_counts, static_cast<char*>(out), recv_counts, type,
-                  timeout);
-}
-
 absl::Status NcclCommunicator::AllReduce(void* data, int64_t count, DataType type, ReduceOp op,
                                          absl::Duration timeout) {
   if (broken_) return Refuse("all-reduce");
@@ -240,73 +208,6 @@ absl::Status NcclCommunicator::AllReduce(void* data, int64_t count, DataType typ
     return Fail(absl::StrCat("all-reduce failed: ", ncclGetErrorString(result)));
   }
   return Finish("all-reduce", timeout);
-}
-
-absl::Status NcclCommunicator::ReduceScatter(const void* in, absl::Span<const int64_t> counts,
-                                             void* out, DataType type, ReduceOp op,
-                                             absl::Duration timeout) {
-  if (broken_) return Refuse("reduce-scatter");
-  if (counts.size() != static_cast<size_t>(world_size_)) {
-    return absl::InvalidArgumentError("nccl: reduce-scatter: expected one count per rank");
-  }
-  const int64_t mine = counts[rank_];
-  const size_t elem = SizeOf(type);
-  if (std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == mine; })) {
-    const ncclResult_t result =
-        ncclReduceScatter(in, out, mine, NcclType(type), op == ReduceOp::kSum ? ncclSum : ncclMax,
-                          C(comm_), S(stream_));
-    if (!Enqueued(result)) {
-      return Fail(absl::StrCat("reduce-scatter failed: ", ncclGetErrorString(result)));
-    }
-    return Finish("reduce-scatter", timeout);
-  }
-  // Ragged blocks: every rank's block q to rank q, then reduce the W received blocks here.
-  const int64_t bytes = mine * world_size_ * static_cast<int64_t>(elem);
-  if (scratch_bytes_ < bytes) {
-    if (scratch_ != nullptr) cudaFree(scratch_);
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
-    if (cudaMalloc(&scratch_, bytes) != cudaSuccess) {
-      scratch_ = nullptr;
-      // The peers are already waiting for this rank's blocks: the group cannot go on.
-      return Fail("no device memory for reduce-scatter");
-    }
-    scratch_bytes_ = bytes;
-  }
-  SHARDSERVE_RETURN_IF_ERROR(
-      AllToAllV(in, counts, scratch_, std::vector<int64_t>(world_size_, mine), type, timeout));
-  if (mine == 0) return absl::OkStatus();
-  cudaError_t error =
-      cudaMemcpyAsync(out, scratch_, mine * elem, cudaMemcpyDeviceToDevice, S(stream_));
-  for (int q = 1; q < world_size_ && error == cudaSuccess; ++q) {
-    error = cuda::LaunchAccumulate(out, static_cast<char*>(scratch_) + q * mine * elem, mine,
-                                   DeviceType(type), op == ReduceOp::kSum ? 0 : 1, stream_);
-  }
-  if (error != cudaSuccess) {
-    return Fail(absl::StrCat("reduce-scatter: reducing blocks: ", cudaGetErrorString(error)));
-  }
-  return Finish("reduce-scatter", timeout);
-}
-
-absl::Status NcclCommunicator::Barrier(absl::Duration timeout) {
-  if (broken_) return Refuse("barrier");
-  if (scratch_bytes_ < 8) {
-    if (scratch_ != nullptr) cudaFree(scratch_);
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
-    if (cudaMalloc(&scratch_, 8) != cudaSuccess) {
-      scratch_ = nullptr;
-      return Fail("no device memory for a barrier");
-    }
-    scratch_bytes_ = 8;
-  }
-  return AllReduce(scratch_, 1, DataType::kFloat32, ReduceOp::kSum, timeout);
-}
-
-absl::StatusOr<std::vector<absl::Span<const char>>> NcclCommunicator::AllGatherMessages(
-    absl::Span<const char>, absl::Duration) {
-  return absl::UnimplementedError(
-      "nccl: message all-gather carries host data; use the worker's host (Gloo) communicator");
 }
 
 // Sends are recorded; Wait() issues them with the receives as one NCCL group.
@@ -349,6 +250,11 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> NcclCommunicator::StartAllToAll
                                     type, timeout);
 }
 
+absl::Status NcclCommunicator::Health() const {
+  if (!broken_) return absl::OkStatus();
+  return Refuse("collectives");
+}
+
 absl::Status NcclCommunicator::Abort() {
   if (!broken_) {
     broken_ = true;
@@ -362,3 +268,4 @@ absl::Status NcclCommunicator::Abort() {
 }
 
 }  // namespace shardserve::core
+

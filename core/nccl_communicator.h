@@ -1,13 +1,12 @@
-// NcclCommunicator: Communicator over NCCL between the GPUs of one node (buffers in device memory).
+// NcclCommunicator: Collectives over NCCL between the GPUs of one node (buffers in device memory).
 //
 // Create() forms the communicator from a unique id that rank 0 publishes in the RendezvousStore
 // under `key_prefix` (group + epoch), with NCCL's non-blocking initialisation so a missing peer
 // times out instead of hanging. Every collective is enqueued on the communicator's stream and then
 // waited for with its timeout, polling the stream and NCCL's asynchronous error; on timeout or
 // error the communicator is aborted (ncclCommAbort) and every later call returns UNAVAILABLE.
-// All-gather, all-to-all and ragged reduce-scatter are grouped point-to-point calls.
-// AllGatherMessages is host data: it returns UNIMPLEMENTED (a GPU worker exchanges its inputs
-// over its host communicator). Not thread-safe: the device's executor thread drives it.
+// The all-to-all is grouped point-to-point calls. A GPU worker's step channel (host data) is its
+// Gloo communicator. Not thread-safe: the device's executor thread drives it.
 #ifndef SHARDSERVE_CORE_NCCL_COMMUNICATOR_H_
 #define SHARDSERVE_CORE_NCCL_COMMUNICATOR_H_
 
@@ -16,12 +15,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/communicator.h"
+#include "core/collectives.h"
 #include "core/rendezvous.h"
 
 namespace shardserve::core {
 
-class NcclCommunicator : public Communicator {
+class NcclCommunicator : public Collectives {
  public:
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(
       RendezvousStore& store, const std::string& key_prefix, int rank, int world_size,
@@ -31,27 +30,15 @@ class NcclCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
 
-  absl::Status AllGatherV(const void* in, void* out, absl::Span<const int64_t> counts,
-                          DataType type, absl::Duration timeout) override;
-  absl::Status AllToAllV(const void* in, absl::Span<const int64_t> send_counts, void* out,
-                         absl::Span<const int64_t> recv_counts, DataType type,
-                         absl::Duration timeout) override;
   absl::Status AllReduce(void* data, int64_t count, DataType type, ReduceOp op,
                          absl::Duration timeout) override;
-  absl::Status ReduceScatter(const void* in, absl::Span<const int64_t> counts, void* out,
-                             DataType type, ReduceOp op, absl::Duration timeout) override;
-  absl::Status Barrier(absl::Duration timeout) override;
-  absl::StatusOr<std::vector<absl::Span<const char>>> AllGatherMessages(
-      absl::Span<const char> mine, absl::Duration timeout) override;
   absl::StatusOr<std::unique_ptr<PendingExchange>> StartAllToAllV(
       void* out, absl::Span<const int64_t> recv_counts, absl::Span<const int64_t> send_counts,
       DataType type, absl::Duration timeout) override;
   absl::Status Abort() override;
+  absl::Status Health() const override;
 
-  using Communicator::AllGatherV;
-  using Communicator::AllReduce;
-  using Communicator::AllToAllV;
-  using Communicator::ReduceScatter;
+  using Collectives::AllReduce;
 
  private:
   class Exchange;
@@ -77,8 +64,6 @@ class NcclCommunicator : public Communicator {
   const int device_index_;
   bool broken_ = false;
   std::string broken_reason_;
-  void* scratch_ = nullptr;  // device memory for ragged reduce-scatter
-  int64_t scratch_bytes_ = 0;
 };
 
 }  // namespace shardserve::core

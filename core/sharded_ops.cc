@@ -15,11 +15,6 @@
 namespace shardserve::core {
 namespace {
 
-// Input message: a header of kHeaderWords int64s, then ids, bag offsets (bags + 1) and packed
-// per-sample weights (embedding ops), or the input rows as floats (linear).
-constexpr int64_t kHeaderWords = 4;  // valid, ids or rows, bags (-1: not bagged), flags
-constexpr int64_t kHasWeights = 1;
-
 int64_t Sum(const std::vector<int64_t>& v) {
   return std::accumulate(v.begin(), v.end(), int64_t{0});
 }
@@ -74,163 +69,64 @@ LocalBags FilterBags(const int64_t* ids, const int64_t* offsets, const float* we
 
 }  // namespace
 
-// Every rank's input after the all-gather, identical on all ranks. Pointers are views into the
-// communicator's message buffers, valid until the next gather.
-struct ShardedOps::Gathered {
-  struct Source {
-    bool valid = false;
-    int64_t num_ids = 0;   // ids, or input rows (linear)
-    int64_t num_bags = 0;  // embedding bag only
-    PoolMode mode = PoolMode::kSum;
-    const int64_t* ids = nullptr;
-    const int64_t* offsets = nullptr;  // num_bags + 1 entries
-    const float* weights = nullptr;    // per-sample weights, or null
-    const float* rows = nullptr;       // linear input rows
-  };
-  std::vector<Source> sources;
-
-  int world() const { return static_cast<int>(sources.size()); }
-  std::vector<int64_t> NumIds() const {
-    std::vector<int64_t> n;
-    for (const Source& s : sources) n.push_back(s.num_ids);
-    return n;
+absl::StatusOr<GatheredInputs> ShardedOps::Gather(InputKind kind, const TableConfig& config,
+                                                  const std::vector<int64_t>& mine) {
+  if (inputs_ == nullptr) {
+    return absl::FailedPreconditionError("ShardedOps: no input channel to gather inputs over");
   }
-  std::vector<int64_t> NumBags() const {
-    std::vector<int64_t> n;
-    for (const Source& s : sources) n.push_back(s.num_bags);
-    return n;
-  }
-};
-
-std::vector<int64_t> ShardedOps::EncodeInput(bool valid, InputKind kind,
-                                             absl::Span<const int64_t> ids,
-                                             const std::vector<int64_t>* offsets,
-                                             const float* weights, PoolMode mode,
-                                             absl::Span<const float> rows) {
-  const bool bagged = kind == InputKind::kBags;
-  const bool linear = kind == InputKind::kRows;
-  // An invalid input is sent as an empty one: no ids, and for bags the offsets {0} of zero bags.
-  const int64_t num = valid ? static_cast<int64_t>(linear ? rows.size() : ids.size()) : 0;
-  const int64_t num_bags = bagged ? (valid ? static_cast<int64_t>(offsets->size()) - 1 : 0) : -1;
-  const bool has_weights = valid && weights != nullptr;
-  std::vector<int64_t> message(kHeaderWords);
-  message[0] = valid ? 1 : 0;
-  message[1] = num;
-  message[2] = num_bags;
-  message[3] = (has_weights ? kHasWeights : 0) | (static_cast<int64_t>(mode) << 1);
-  if (linear) {
-    message.resize(kHeaderWords + (num + 1) / 2);  // floats, two to a word
-    std::memcpy(message.data() + kHeaderWords, rows.data(), num * sizeof(float));
-  } else {
-    if (valid) message.insert(message.end(), ids.begin(), ids.end());
-    if (bagged) {  // offsets, or {0} (zero bags) for an invalid input
-      if (valid) {
-        message.insert(message.end(), offsets->begin(), offsets->end());
-      } else {
-        message.push_back(0);
-      }
-    }
-    if (has_weights) {
-      const size_t at = message.size();
-      message.resize(at + (num + 1) / 2);
-      std::memcpy(message.data() + at, weights, num * sizeof(float));
-    }
-  }
-  return message;
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      std::vector<absl::Span<const char>> messages,
+      inputs_->AllGatherMessages(
+          absl::Span<const char>(reinterpret_cast<const char*>(mine.data()), mine.size() * 8),
+          options_.collective_timeout));
+  return DecodeInputs(kind, config, messages);
 }
 
-std::vector<int64_t> ShardedOps::InputMessage(const TableConfig& config,
-                                              const InputLimits& limits,
-                                              const EmbeddingInput& input) {
-  const bool valid = ValidateEmbeddingInput(config, input, limits).ok();
-  return EncodeInput(valid, InputKind::kIds, input.ids, nullptr, nullptr, PoolMode::kSum, {});
+absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
+                                                  const EmbeddingInput& input) {
+  const TableConfig& config = table.config();
+  const absl::Status valid = ValidateEmbeddingInput(config, input, options_.limits);
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      GatheredInputs g, Gather(InputKind::kIds, config,
+                               valid.ok() ? EncodeInput(input) : EmptyInput(InputKind::kIds)));
+  SHARDSERVE_ASSIGN_OR_RETURN(DenseResult result, Embedding(table, g));
+  if (!valid.ok()) return valid;
+  result.shape = input.shape;
+  result.shape.push_back(config.num_cols);
+  return result;
 }
 
-std::vector<int64_t> ShardedOps::InputMessage(const TableConfig& config,
-                                              const InputLimits& limits,
-                                              const EmbeddingBagInput& input) {
-  absl::StatusOr<CanonicalBags> bags = ValidateEmbeddingBagInput(config, input, limits);
-  const bool valid = bags.ok();
-  const float* weights =
-      valid && input.per_sample_weights.has_value() ? input.per_sample_weights->data() : nullptr;
-  return EncodeInput(valid, InputKind::kBags, input.ids, valid ? &bags->offsets : nullptr,
-                     weights, input.mode, {});
+absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
+                                                     const EmbeddingBagInput& input) {
+  const TableConfig& config = table.config();
+  absl::StatusOr<CanonicalBags> bags = ValidateEmbeddingBagInput(config, input, options_.limits);
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      GatheredInputs g,
+      Gather(InputKind::kBags, config,
+             bags.ok() ? EncodeInput(input, *bags) : EmptyInput(InputKind::kBags, input.mode)));
+  SHARDSERVE_ASSIGN_OR_RETURN(DenseResult result, EmbeddingBag(table, g));
+  if (!bags.ok()) return bags.status();
+  return result;
 }
 
-std::vector<int64_t> ShardedOps::InputMessage(const TableConfig& config,
-                                              const InputLimits& limits,
-                                              const LinearInput& input) {
-  const bool valid = ValidateLinearInput(config, input, limits).ok();
-  return EncodeInput(valid, InputKind::kRows, {}, nullptr, nullptr, PoolMode::kSum, input.values);
+absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const LinearInput& input) {
+  const TableConfig& config = table.config();
+  const absl::Status valid = ValidateLinearInput(config, input, options_.limits).status();
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      GatheredInputs g, Gather(InputKind::kRows, config,
+                               valid.ok() ? EncodeInput(input) : EmptyInput(InputKind::kRows)));
+  SHARDSERVE_ASSIGN_OR_RETURN(DenseResult result, Linear(table, g));
+  if (!valid.ok()) return valid;
+  result.shape.assign(input.shape.begin(), input.shape.end() - 1);
+  result.shape.push_back(config.num_rows);
+  return result;
 }
 
-absl::StatusOr<ShardedOps::Gathered> ShardedOps::GatherInputs(
-    bool valid, InputKind kind, absl::Span<const int64_t> ids,
-    const std::vector<int64_t>* offsets, const float* weights, PoolMode mode,
-    absl::Span<const float> rows, const InputMessages* gathered) {
-  const bool linear = kind == InputKind::kRows;
-  const std::vector<int64_t> message = EncodeInput(valid, kind, ids, offsets, weights, mode, rows);
-  const absl::Span<const char> mine(reinterpret_cast<const char*>(message.data()),
-                                    message.size() * sizeof(int64_t));
-  std::vector<absl::Span<const char>> views;
-  if (gathered != nullptr) {
-    const int me = control_.rank();
-    if (gathered->size() != static_cast<size_t>(control_.world_size()) ||
-        (*gathered)[me] != mine) {
-      // Its peers were sent another input: running on would pair mismatched collectives.
-      return absl::UnavailableError("gathered inputs do not hold this rank's input message");
-    }
-    views = *gathered;
-  } else {
-    SHARDSERVE_ASSIGN_OR_RETURN(views,
-                                control_.AllGatherMessages(mine, options_.collective_timeout));
-  }
-  Gathered g;
-  g.sources.resize(views.size());
-  for (size_t s = 0; s < views.size(); ++s) {
-    const auto* words = reinterpret_cast<const int64_t*>(views[s].data());
-    const int64_t available = static_cast<int64_t>(views[s].size() / sizeof(int64_t));
-    Gathered::Source& src = g.sources[s];
-    if (available < kHeaderWords || reinterpret_cast<uintptr_t>(words) % sizeof(int64_t) != 0) {
-      return absl::InternalError("input message too short or not aligned");
-    }
-    src.valid = words[0] == 1;
-    src.num_ids = words[1];
-    src.num_bags = std::max<int64_t>(words[2], 0);
-    src.mode = static_cast<PoolMode>(words[3] >> 1);
-    // Every rank decodes the same messages, so a bad one fails the op on all of them alike.
-    const int64_t packed = (src.num_ids + 1) / 2;  // floats, two to a word
-    const int64_t needed =
-        linear ? packed
-               : src.num_ids + (words[2] >= 0 ? src.num_bags + 1 : 0) +
-                     ((words[3] & kHasWeights) != 0 ? packed : 0);
-    if (src.num_ids < 0 || src.num_ids > (int64_t{1} << 40) || words[2] > (int64_t{1} << 40) ||
-        needed > available - kHeaderWords) {
-      return absl::InternalError("input message does not hold what its header says");
-    }
-    const int64_t* cursor = words + kHeaderWords;
-    if (linear) {
-      src.rows = reinterpret_cast<const float*>(cursor);
-      continue;
-    }
-    src.ids = cursor;
-    cursor += src.num_ids;
-    if (words[2] >= 0) {
-      src.offsets = cursor;
-      cursor += src.num_bags + 1;
-    }
-    if ((words[3] & kHasWeights) != 0) src.weights = reinterpret_cast<const float*>(cursor);
-  }
-  return g;
-}
-
-absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const Gathered& g) {
+absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const GatheredInputs& g) {
   const TableConfig& config = table.config();
   if (!config.max_norm.has_value()) return absl::OkStatus();
   std::vector<int64_t> unique;
-  for (const Gathered::Source& s : g.sources) {
-    if (s.valid) unique.insert(unique.end(), s.ids, s.ids + s.num_ids);
-  }
+  for (const InputSource& s : g.sources) unique.insert(unique.end(), s.ids, s.ids + s.num_ids);
   std::sort(unique.begin(), unique.end());
   unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
   if (unique.empty()) return absl::OkStatus();  // identical on every rank
@@ -361,13 +257,8 @@ absl::Status ShardedOps::PlaceColumns(const ShardLayout& layout, int64_t rows,
 }
 
 absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
-                                                  const EmbeddingInput& input,
-                                                  const InputMessages* gathered) {
+                                                  const GatheredInputs& g) {
   const TableConfig& config = table.config();
-  const absl::Status validation = ValidateEmbeddingInput(config, input, options_.limits);
-  const bool valid = validation.ok();
-  SHARDSERVE_ASSIGN_OR_RETURN(Gathered g, GatherInputs(valid, InputKind::kIds, input.ids, nullptr,
-                                                       nullptr, PoolMode::kSum, {}, gathered));
   if (absl::Status renormed = RenormLookedUpRows(table, g); !renormed.ok()) {
     return LeaveGroup(renormed);
   }
@@ -377,7 +268,7 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
   const int64_t dim = config.num_cols;
   const ShardLayout& layout = table.layout();
   const MatrixView shard = table.shard();
-  const Gathered::Source& mine = g.sources[me];
+  const InputSource& mine = g.sources[me];
   std::vector<float> staging;
   std::vector<const float*> received;  // each rank's block
   DeviceBuffer storage;
@@ -395,7 +286,7 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
     SHARDSERVE_RETURN_IF_ERROR(Exchange(
         send, recv,
         [&](int dest, float* block) {
-          const Gathered::Source& s = g.sources[dest];
+          const InputSource& s = g.sources[dest];
           if (direct && dest == me) {
             return kernels_.GatherRows(shard, s.ids, s.num_ids,
                                        result.values.data() + layout.OffsetOfRank(me), dim);
@@ -435,23 +326,13 @@ absl::StatusOr<DenseResult> ShardedOps::Embedding(ShardedTable& table,
                   dim * sizeof(float));
     }
   }
-  if (!valid) return validation;
-  result.shape = input.shape;
-  result.shape.push_back(dim);
+  result.shape = {mine.num_ids, dim};
   return result;
 }
 
 absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
-                                                     const EmbeddingBagInput& input,
-                                                     const InputMessages* gathered) {
+                                                     const GatheredInputs& g) {
   const TableConfig& config = table.config();
-  absl::StatusOr<CanonicalBags> bags = ValidateEmbeddingBagInput(config, input, options_.limits);
-  const bool valid = bags.ok();
-  const float* weights =
-      valid && input.per_sample_weights.has_value() ? input.per_sample_weights->data() : nullptr;
-  SHARDSERVE_ASSIGN_OR_RETURN(
-      Gathered g, GatherInputs(valid, InputKind::kBags, input.ids, valid ? &bags->offsets : nullptr,
-                               weights, input.mode, {}, gathered));
   if (absl::Status renormed = RenormLookedUpRows(table, g); !renormed.ok()) {
     return LeaveGroup(renormed);
   }
@@ -459,7 +340,7 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
   const int me = data_.rank();
   const int world = data_.world_size();
   const int64_t dim = config.num_cols;
-  const Gathered::Source& mine = g.sources[me];
+  const InputSource& mine = g.sources[me];
   const std::optional<int64_t> padding = config.padding_idx;
   const MatrixView shard = table.shard();
   std::vector<float> staging;
@@ -472,7 +353,7 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
     std::vector<int64_t> recv(world);
     for (int q = 0; q < world; ++q) recv[q] = mine.num_bags * layout.SizeOfRank(q);
     auto pool = [&](int s, float* block) -> absl::Status {
-      const Gathered::Source& src = g.sources[s];
+      const InputSource& src = g.sources[s];
       if (src.num_bags == 0) return absl::OkStatus();
       if (!padding.has_value()) {
         return kernels_.PoolBags(shard, BagsView{src.ids, src.offsets, src.weights, src.num_bags},
@@ -499,7 +380,7 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
     };
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     auto pool = [&](int s, float* block) -> absl::Status {
-      const Gathered::Source& src = g.sources[s];
+      const InputSource& src = g.sources[s];
       if (src.num_bags == 0) return absl::OkStatus();
       LocalBags kept = FilterBags(src.ids, src.offsets, src.weights, src.num_bags, local_row);
       const PoolMode mode = src.mode == PoolMode::kMax ? PoolMode::kMax : PoolMode::kSum;
@@ -530,24 +411,16 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
       }
     }
   }
-  if (!valid) return bags.status();
   result.shape = {mine.num_bags, dim};
   return result;
 }
 
-absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const LinearInput& input,
-                                               const InputMessages* gathered) {
+absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const GatheredInputs& g) {
   const TableConfig& config = table.config();
-  absl::StatusOr<int64_t> rows = ValidateLinearInput(config, input, options_.limits);
-  const bool valid = rows.ok();
   const int world = data_.world_size();
   const int me = data_.rank();
   const int64_t in = config.num_cols, out_features = config.num_rows;
-  SHARDSERVE_ASSIGN_OR_RETURN(
-      Gathered g, GatherInputs(valid, InputKind::kRows, {}, nullptr, nullptr, PoolMode::kSum,
-                               input.values, gathered));
-  std::vector<int64_t> rows_of = g.NumIds();  // values per source -> rows
-  for (int64_t& r : rows_of) r /= in;
+  const std::vector<int64_t> rows_of = g.NumIds();  // input rows per source
   const int64_t my_rows = rows_of[me];
 
   const MatrixView shard = table.shard();
@@ -587,9 +460,7 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Linear
       }
     }
   }
-  if (!valid) return rows.status();
-  result.shape.assign(input.shape.begin(), input.shape.end() - 1);
-  result.shape.push_back(out_features);
+  result.shape = {my_rows, out_features};
   return result;
 }
 

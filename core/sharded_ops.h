@@ -5,18 +5,20 @@
 // (ragged across ranks, possibly empty). Each rank gets back the unsharded op's result for its own
 // input: F.embedding / F.embedding_bag / F.linear on the full weight.
 //
-// Algorithm: inputs are all-gathered over the control communicator (host memory, one message
-// round, or carried by the caller: `gathered`); each rank runs the local kernel on its shard for
-// every rank's input; results go back over the data communicator (the kernels' memory) in one split-phase all-to-all, each peer's block
-// sent as soon as it is computed - column blocks for column-split weights (embedding dim 1, linear
-// dim 0), assembled in placement (column) order; partial sums (max for max-mode bags) for
+// Algorithm: every rank's input is known to every rank (GatheredInputs: the step loop carries
+// them in its agreement round; the convenience overloads gather them over a StepChannel in one
+// message round); each rank runs the local kernel on its shard for every rank's input; results go
+// back over the data collectives (the kernels' memory) in one split-phase all-to-all, each peer's
+// block sent as soon as it is computed - column blocks for column-split weights (embedding dim 1,
+// linear dim 0), assembled in placement (column) order; partial sums (max for max-mode bags) for
 // row-split ones (embedding-bag and linear dim 1), reduced by the receiver; exactly the owned rows
 // for row-split embedding. max_norm renorms the stored rows looked up in the step (union over
 // ranks), with norms over full rows.
 //
-// A rank whose input fails validation still takes part in the collectives with an empty input (so
-// its peers never wait on it), contributes nothing, and returns the validation error: a rejected
-// input never renorms or changes anything. A failed collective returns UNAVAILABLE.
+// With the convenience overloads, a rank whose input fails validation still takes part with an
+// empty input (so its peers never wait on it), contributes nothing, and returns the validation
+// error: a rejected input never renorms or changes anything. A failed collective returns
+// UNAVAILABLE; a rank that cannot finish an op with its peers leaves the group.
 //
 // Thread-compatible: one executor thread per rank drives a ShardedOps and its tables.
 #ifndef SHARDSERVE_CORE_SHARDED_OPS_H_
@@ -28,10 +30,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "core/communicator.h"
+#include "core/collectives.h"
+#include "core/input_message.h"
 #include "core/local_kernels.h"
 #include "core/op_inputs.h"
 #include "core/sharded_table.h"
+#include "core/step_channel.h"
 
 namespace shardserve::core {
 
@@ -42,49 +46,34 @@ struct OpOptions {
 
 class ShardedOps {
  public:
-  // `control` exchanges inputs in host memory; `data` exchanges results in the kernels' memory.
-  // For CPU ranks both may be the same Gloo communicator. Nothing is owned.
-  ShardedOps(Communicator& control, Communicator& data, LocalKernels& kernels,
+  // `control` runs host-memory collectives (a renorm's all-reduce); `data` exchanges results in
+  // the kernels' memory. For CPU ranks both may be the same Gloo communicator. Nothing is owned.
+  ShardedOps(Collectives& control, Collectives& data, LocalKernels& kernels,
              OpOptions options = {})
       : control_(control), data_(data), kernels_(kernels), options_(options) {}
+  // With `inputs`, the convenience overloads below gather every rank's input over it.
+  ShardedOps(StepChannel& inputs, Collectives& control, Collectives& data, LocalKernels& kernels,
+             OpOptions options = {})
+      : inputs_(&inputs), control_(control), data_(data), kernels_(kernels), options_(options) {}
 
-  // Every rank's input message, in rank order (see InputMessage).
-  using InputMessages = std::vector<absl::Span<const char>>;
+  // The ops on every rank's input (already valid: checked at entry, and peers' messages by
+  // DecodeInputs). The result is this rank's: (ids, dim), (bags, dim) or (rows, out_features).
+  absl::StatusOr<DenseResult> Embedding(ShardedTable& table, const GatheredInputs& inputs);
+  absl::StatusOr<DenseResult> EmbeddingBag(ShardedTable& table, const GatheredInputs& inputs);
+  absl::StatusOr<DenseResult> Linear(ShardedTable& table, const GatheredInputs& inputs);
 
-  // With `gathered` (every rank's InputMessage for this op, this rank's included, each 8-byte
-  // aligned), an op skips its input round: the caller carried the inputs (the step loop sends them
-  // with its agreement round).
-  absl::StatusOr<DenseResult> Embedding(ShardedTable& table, const EmbeddingInput& input,
-                                        const InputMessages* gathered = nullptr);
-  absl::StatusOr<DenseResult> EmbeddingBag(ShardedTable& table, const EmbeddingBagInput& input,
-                                           const InputMessages* gathered = nullptr);
-  absl::StatusOr<DenseResult> Linear(ShardedTable& table, const LinearInput& input,
-                                     const InputMessages* gathered = nullptr);
-
-  // What an op sends of `input` in its input round (an invalid input as an empty one), as the
-  // int64 words ops read it as.
-  static std::vector<int64_t> InputMessage(const TableConfig& config, const InputLimits& limits,
-                                           const EmbeddingInput& input);
-  static std::vector<int64_t> InputMessage(const TableConfig& config, const InputLimits& limits,
-                                           const EmbeddingBagInput& input);
-  static std::vector<int64_t> InputMessage(const TableConfig& config, const InputLimits& limits,
-                                           const LinearInput& input);
+  // Convenience (tests, benchmarks, the in-process demo; needs the `inputs` channel): validates
+  // this rank's input, gathers every rank's in one message round, runs the op, and returns the
+  // result in the input's shape, or the validation error.
+  absl::StatusOr<DenseResult> Embedding(ShardedTable& table, const EmbeddingInput& input);
+  absl::StatusOr<DenseResult> EmbeddingBag(ShardedTable& table, const EmbeddingBagInput& input);
+  absl::StatusOr<DenseResult> Linear(ShardedTable& table, const LinearInput& input);
 
  private:
-  struct Gathered;
-  enum class InputKind { kIds, kBags, kRows };
-  static std::vector<int64_t> EncodeInput(bool valid, InputKind kind,
-                                          absl::Span<const int64_t> ids,
-                                          const std::vector<int64_t>* offsets,
-                                          const float* weights, PoolMode mode,
-                                          absl::Span<const float> rows);
-  // All-gathers every rank's input in one message round (ids, bags and weights, or linear rows),
-  // or takes `gathered` (which must hold this rank's message as encoded here).
-  absl::StatusOr<Gathered> GatherInputs(bool valid, InputKind kind, absl::Span<const int64_t> ids,
-                                        const std::vector<int64_t>* offsets, const float* weights,
-                                        PoolMode mode, absl::Span<const float> rows,
-                                        const InputMessages* gathered);
-  absl::Status RenormLookedUpRows(ShardedTable& table, const Gathered& gathered);
+  // Every rank's input: gathers `mine` (this rank's message) over `inputs_` and reads them back.
+  absl::StatusOr<GatheredInputs> Gather(InputKind kind, const TableConfig& config,
+                                        const std::vector<int64_t>& mine);
+  absl::Status RenormLookedUpRows(ShardedTable& table, const GatheredInputs& gathered);
   // For a failure of this rank's own (a kernel, an allocation) that stops it short of collectives
   // its peers run in this op: leaves the group (aborts both communicators), so that they fail now
   // instead of waiting for it, or taking a later collective's data for this one's. Returns
@@ -112,8 +101,9 @@ class ShardedOps {
   absl::Status PlaceColumns(const ShardLayout& layout, int64_t rows,
                             const std::vector<const float*>& blocks, int skip, float* out);
 
-  Communicator& control_;
-  Communicator& data_;
+  StepChannel* inputs_ = nullptr;
+  Collectives& control_;
+  Collectives& data_;
   LocalKernels& kernels_;
   OpOptions options_;
 };

@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "c10/core/InferenceMode.h"
 #include "core/in_process_group.h"
+#include "core/input_message.h"
 #include "core/test_seed.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -155,11 +156,11 @@ std::vector<Outcome> RunCases(int world, const std::vector<Case>& cases,
   }
   GlooOptions gloo;
   if (separate_memory) gloo.shared_memory_block_bytes = 0;
-  absl::Status status = RunInProcessGroup(world, [&](int rank, Communicator& comm,
+  absl::Status status = RunInProcessGroup(world, [&](int rank, GlooCommunicator& comm,
                                                      CpuKernels& cpu) -> absl::Status {
     SeparateMemoryKernels separate(cpu);
     LocalKernels& kernels = separate_memory ? static_cast<LocalKernels&>(separate) : cpu;
-    ShardedOps ops(comm, comm, kernels, OpOptions{absl::Seconds(20), {}});
+    ShardedOps ops(comm, comm, comm, kernels, OpOptions{absl::Seconds(20), {}});
     for (size_t c = 0; c < cases.size(); ++c) {
       const Case& kase = cases[c];
       absl::StatusOr<std::unique_ptr<ShardedTable>> table =
@@ -507,7 +508,9 @@ TEST(ShardedEmbeddingBag, ColWiseMatchesUnshardedForReferenceShapes) { RunBagSui
 
 TEST(ShardedEmbeddingBag, RowWiseMatchesUnshardedForReferenceShapes) { RunBagSuite(0); }
 
-void RunLinearSuite(int dim, const std::vector<std::pair<std::vector<int64_t>, std::pair<int64_t, int64_t>>>& shapes) {
+void RunLinearSuite(
+    int dim,
+    const std::vector<std::pair<std::vector<int64_t>, std::pair<int64_t, int64_t>>>& shapes) {
   for (const std::vector<int>& order : PlacementOrders()) {
     std::vector<Case> cases;
     for (const auto& [input, in_out] : shapes) {
@@ -552,7 +555,8 @@ TEST(ShardedOps, DevicePathsMatchUnshardedWhenTheHostCannotReadKernelMemory) {
   for (const std::vector<int>& order : {std::vector<int>{2, 0, 1}, std::vector<int>{1, 0}}) {
     for (int dim : {0, 1}) {
       std::vector<Case> cases;
-      for (const EmbeddingShape& s : dim == 1 ? ColWiseEmbeddingShapes() : RowWiseEmbeddingShapes()) {
+      for (const EmbeddingShape& s :
+           dim == 1 ? ColWiseEmbeddingShapes() : RowWiseEmbeddingShapes()) {
         cases.push_back(EmbeddingCase(s, Spec(dim, order), /*ragged=*/true));
       }
       for (const BagShape& s : BagShapes()) cases.push_back(BagCase(s, Spec(dim, order), true));
@@ -570,9 +574,11 @@ TEST(ShardedOps, WorldLargerThanShardedDimServesEmptyChunks) {
   cases.push_back(EmbeddingCase({{6, 2}, 3, 3}, Spec(1, order), true));
   cases.push_back(EmbeddingCase({{6, 2}, 3, 3, std::nullopt, 0.5}, Spec(0, order), true));
   cases.push_back(EmbeddingCase({{4}, 3, 3, 1, 0.5, 1.0}, Spec(1, order), false));
-  cases.push_back(BagCase({{4, 3}, 3, 3, PoolMode::kMax, {}, false, {}, 2.0, 1}, Spec(0, order), true));
+  cases.push_back(
+      BagCase({{4, 3}, 3, 3, PoolMode::kMax, {}, false, {}, 2.0, 1}, Spec(0, order), true));
   cases.push_back(BagCase({{4, 3}, 3, 3, PoolMode::kMean, {}, false, 0.7}, Spec(1, order), true));
-  cases.push_back(BagCase({{9}, 3, 3, PoolMode::kSum, 4, false, {}, 2.0, {}, true}, Spec(0, order), false));
+  cases.push_back(
+      BagCase({{9}, 3, 3, PoolMode::kSum, 4, false, {}, 2.0, {}, true}, Spec(0, order), false));
   cases.push_back(LinearCase({4, 3}, 3, 3, Spec(0, order), true));
   cases.push_back(LinearCase({4, 3}, 3, 3, Spec(1, order), true));
   // 6 over 4 leaves an empty last chunk even though 6 > 4.
@@ -601,16 +607,17 @@ TEST(ShardedOps, BadInputOnOneRankIsRejectedWhilePeersAreServedAndNothingIsRenor
   const std::vector<int64_t> bad = {4, 10, 5};  // 10 is out of range
   std::vector<absl::StatusOr<DenseResult>> results(2, absl::UnknownError("not run"));
   std::vector<std::vector<float>> shards(2);
-  absl::Status status = RunInProcessGroup(2, [&](int rank, Communicator& comm, CpuKernels& kernels) {
-    ShardedOps ops(comm, comm, kernels);
-    auto table = ShardedTable::Create(config, rank, kernels);
-    if (!table.ok()) return table.status();
-    if (auto s = (*table)->LoadFromFull(weight.data_ptr<float>(), nullptr); !s.ok()) return s;
-    const std::vector<int64_t>& ids = rank == 0 ? bad : good;
-    results[rank] = ops.Embedding(**table, EmbeddingInput{ids, {3}});
-    shards[rank] = *(*table)->ReadShard();
-    return absl::OkStatus();
-  });
+  absl::Status status =
+      RunInProcessGroup(2, [&](int rank, GlooCommunicator& comm, CpuKernels& kernels) {
+        ShardedOps ops(comm, comm, comm, kernels);
+        auto table = ShardedTable::Create(config, rank, kernels);
+        if (!table.ok()) return table.status();
+        if (auto s = (*table)->LoadFromFull(weight.data_ptr<float>(), nullptr); !s.ok()) return s;
+        const std::vector<int64_t>& ids = rank == 0 ? bad : good;
+        results[rank] = ops.Embedding(**table, EmbeddingInput{ids, {3}});
+        shards[rank] = *(*table)->ReadShard();
+        return absl::OkStatus();
+      });
   ASSERT_TRUE(status.ok()) << status;
   EXPECT_EQ(results[0].status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(results[0].status().message()),
@@ -619,8 +626,8 @@ TEST(ShardedOps, BadInputOnOneRankIsRejectedWhilePeersAreServedAndNothingIsRenor
   // Only the good rank's rows were renormed.
   at::Tensor want = weight.clone();
   at::embedding_renorm_(want, at::tensor(good, at::kLong), 0.5, 2.0);
-  EXPECT_TRUE(at::allclose(FromResult(*results[1]), at::embedding(want, at::tensor(good, at::kLong)),
-                           1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(FromResult(*results[1]),
+                           at::embedding(want, at::tensor(good, at::kLong)), 1e-5, 1e-5));
   ShardLayout layout(config.spec, 4);
   for (int r = 0; r < 2; ++r) {
     at::Tensor chunk = want.narrow(1, layout.OffsetOfRank(r), layout.SizeOfRank(r)).contiguous();
@@ -651,19 +658,20 @@ TEST(ShardedOps, ARankThatCannotAllocateItsExchangeBuffersLeavesTheGroup) {
   at::Tensor weight = at::randn({20, 6}, Gen(), at::kFloat);
   std::vector<absl::StatusOr<DenseResult>> results(2, absl::UnknownError("not run"));
   std::vector<absl::Duration> took(2);
-  absl::Status status = RunInProcessGroup(2, [&](int rank, Communicator& comm, CpuKernels& cpu) {
-    NoMemoryKernels no_memory;
-    LocalKernels& kernels = rank == 1 ? static_cast<LocalKernels&>(no_memory) : cpu;
-    ShardedOps ops(comm, comm, kernels);
-    auto table = ShardedTable::Create(config, rank, kernels);
-    if (!table.ok()) return table.status();
-    if (auto s = (*table)->LoadFromFull(weight.data_ptr<float>(), nullptr); !s.ok()) return s;
-    no_memory.refuse = true;
-    const absl::Time start = absl::Now();
-    results[rank] = ops.Embedding(**table, EmbeddingInput{{1, 2, 3}, {3}});
-    took[rank] = absl::Now() - start;
-    return absl::OkStatus();
-  });
+  absl::Status status =
+      RunInProcessGroup(2, [&](int rank, GlooCommunicator& comm, CpuKernels& cpu) {
+        NoMemoryKernels no_memory;
+        LocalKernels& kernels = rank == 1 ? static_cast<LocalKernels&>(no_memory) : cpu;
+        ShardedOps ops(comm, comm, comm, kernels);
+        auto table = ShardedTable::Create(config, rank, kernels);
+        if (!table.ok()) return table.status();
+        if (auto s = (*table)->LoadFromFull(weight.data_ptr<float>(), nullptr); !s.ok()) return s;
+        no_memory.refuse = true;
+        const absl::Time start = absl::Now();
+        results[rank] = ops.Embedding(**table, EmbeddingInput{{1, 2, 3}, {3}});
+        took[rank] = absl::Now() - start;
+        return absl::OkStatus();
+      });
   ASSERT_TRUE(status.ok()) << status;
   EXPECT_EQ(results[1].status().code(), absl::StatusCode::kUnavailable) << results[1].status();
   EXPECT_THAT(std::string(results[1].status().message()), HasSubstr("no memory, on purpose"));
@@ -672,10 +680,10 @@ TEST(ShardedOps, ARankThatCannotAllocateItsExchangeBuffersLeavesTheGroup) {
 }
 
 // A caller that carries the inputs itself (the step loop, with its agreement round) passes every
-// rank's InputMessage: the op then runs without its input round, to the same result; a set that
-// does not hold this rank's own message is refused (UNAVAILABLE: the group cannot go on) before any
-// collective.
-TEST(ShardedOps, GatheredInputMessagesStandInForTheInputRound) {
+// rank's input message, read back by DecodeInputs: the op then runs without its input round, to
+// the same result. A peer's message that does not hold what its header says, or holds ids
+// outside the table, is refused (INTERNAL) by every rank alike, before any collective.
+TEST(ShardedOps, GatheredInputsStandInForTheInputRound) {
   c10::InferenceMode guard;
   TableConfig config;
   config.name = "emb";
@@ -692,9 +700,10 @@ TEST(ShardedOps, GatheredInputMessagesStandInForTheInputRound) {
   absl::Mutex mu;
   int published = 0;
   std::vector<DenseResult> plain(2), carried(2);
-  std::vector<absl::Status> refused(2), malformed(2);
-  absl::Status status = RunInProcessGroup(2, [&](int rank, Communicator& comm, CpuKernels& kernels) {
-    ShardedOps ops(comm, comm, kernels);
+  std::vector<absl::Status> malformed(2), outside(2);
+  absl::Status status = RunInProcessGroup(2, [&](int rank, GlooCommunicator& comm,
+                                                 CpuKernels& kernels) {
+    ShardedOps ops(comm, comm, comm, kernels);
     auto table = ShardedTable::Create(config, rank, kernels);
     if (!table.ok()) return table.status();
     if (auto s = (*table)->LoadFromFull(weight.data_ptr<float>(), nullptr); !s.ok()) return s;
@@ -709,34 +718,41 @@ TEST(ShardedOps, GatheredInputMessagesStandInForTheInputRound) {
     if (!r.ok()) return r.status();
     plain[rank] = *std::move(r);
     {
+      absl::StatusOr<CanonicalBags> bags = ValidateEmbeddingBagInput(config, in);
+      if (!bags.ok()) return bags.status();
       absl::MutexLock lock(&mu);
-      words[rank] = ShardedOps::InputMessage(config, InputLimits(), in);
+      words[rank] = EncodeInput(in, *bags);
       ++published;
       mu.Await(absl::Condition(+[](int* n) { return *n == 2; }, &published));
     }
-    auto view = [&](int q) {
-      return absl::Span<const char>(reinterpret_cast<const char*>(words[q].data()),
-                                    words[q].size() * 8);
+    auto view = [&](const std::vector<int64_t>& w) {
+      return absl::Span<const char>(reinterpret_cast<const char*>(w.data()), w.size() * 8);
     };
-    const ShardedOps::InputMessages gathered = {view(0), view(1)};
-    r = ops.EmbeddingBag(**table, in, &gathered);
+    absl::StatusOr<GatheredInputs> gathered =
+        DecodeInputs(InputKind::kBags, config, {view(words[0]), view(words[1])});
+    if (!gathered.ok()) return gathered.status();
+    r = ops.EmbeddingBag(**table, *gathered);
     if (!r.ok()) return r.status();
     carried[rank] = *std::move(r);
-    const ShardedOps::InputMessages swapped = {view(1), view(0)};
-    refused[rank] = ops.EmbeddingBag(**table, in, &swapped).status();
-    // A peer's message cut short of what its header says is refused by every rank alike.
-    ShardedOps::InputMessages cut = {view(0), view(1)};
+    // A peer's message cut short of what its header says, or with an id past the table.
+    std::vector<absl::Span<const char>> cut = {view(words[0]), view(words[1])};
     cut[1 - rank] = cut[1 - rank].subspan(0, cut[1 - rank].size() - 8);
-    malformed[rank] = ops.EmbeddingBag(**table, in, &cut).status();
+    malformed[rank] = DecodeInputs(InputKind::kBags, config, cut).status();
+    std::vector<int64_t> past = words[1 - rank];
+    past[InputLayout::kHeaderWords] = 50;
+    std::vector<absl::Span<const char>> bad = {view(words[0]), view(words[1])};
+    bad[1 - rank] = view(past);
+    outside[rank] = DecodeInputs(InputKind::kBags, config, bad).status();
     return absl::OkStatus();
   });
   ASSERT_TRUE(status.ok()) << status;
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(carried[rank].shape, plain[rank].shape) << "rank " << rank;
     EXPECT_EQ(carried[rank].values, plain[rank].values) << "rank " << rank;
-    EXPECT_EQ(refused[rank].code(), absl::StatusCode::kUnavailable) << refused[rank];
     EXPECT_EQ(malformed[rank].code(), absl::StatusCode::kInternal) << malformed[rank];
     EXPECT_THAT(std::string(malformed[rank].message()), HasSubstr("does not hold what its header"));
+    EXPECT_EQ(outside[rank].code(), absl::StatusCode::kInternal) << outside[rank];
+    EXPECT_THAT(std::string(outside[rank].message()), HasSubstr("holds ids outside the table"));
   }
   at::Tensor want = std::get<0>(at::embedding_bag(
       weight, at::tensor(ids[1], at::kLong), at::tensor(std::vector<int64_t>{0, 1, 1}, at::kLong),
@@ -836,21 +852,22 @@ TEST(ShardedOps, EveryValidationErrorNamesFieldValueAndBound) {
        },
        C::kResourceExhausted, "exceeds the limit of"},
   };
-  absl::Status status = RunInProcessGroup(2, [&](int rank, Communicator& comm, CpuKernels& kernels) {
-    ShardedOps ops(comm, comm, kernels);
-    auto e = ShardedTable::Create(emb, rank, kernels);
-    auto l = ShardedTable::Create(lin, rank, kernels);
-    if (!e.ok() || !l.ok()) return absl::InternalError("create");
-    for (const Bad& bad : cases) {
-      absl::StatusOr<DenseResult> got = bad.call(ops, **e, **l);
-      EXPECT_EQ(got.status().code(), bad.code) << got.status();
-      EXPECT_THAT(std::string(got.status().message()), HasSubstr(bad.message));
-    }
-    // The group still works afterwards.
-    absl::StatusOr<DenseResult> ok = ops.Embedding(**e, EmbeddingInput{ids, {4}});
-    EXPECT_TRUE(ok.ok()) << ok.status();
-    return absl::OkStatus();
-  });
+  absl::Status status =
+      RunInProcessGroup(2, [&](int rank, GlooCommunicator& comm, CpuKernels& kernels) {
+        ShardedOps ops(comm, comm, comm, kernels);
+        auto e = ShardedTable::Create(emb, rank, kernels);
+        auto l = ShardedTable::Create(lin, rank, kernels);
+        if (!e.ok() || !l.ok()) return absl::InternalError("create");
+        for (const Bad& bad : cases) {
+          absl::StatusOr<DenseResult> got = bad.call(ops, **e, **l);
+          EXPECT_EQ(got.status().code(), bad.code) << got.status();
+          EXPECT_THAT(std::string(got.status().message()), HasSubstr(bad.message));
+        }
+        // The group still works afterwards.
+        absl::StatusOr<DenseResult> ok = ops.Embedding(**e, EmbeddingInput{ids, {4}});
+        EXPECT_TRUE(ok.ok()) << ok.status();
+        return absl::OkStatus();
+      });
   EXPECT_TRUE(status.ok()) << status;
 }
 

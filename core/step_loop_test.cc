@@ -6,6 +6,7 @@
 #include <future>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -14,9 +15,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "core/cpu_kernels.h"
-#include "core/fault_injecting_communicator.h"
+#include "core/fault_injecting_collectives.h"
 #include "core/gloo_communicator.h"
 #include "core/rendezvous.h"
+#include "core/step_protocol.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -43,13 +45,44 @@ std::vector<std::unique_ptr<GlooCommunicator>> Connect(int world, const std::str
   return comms;
 }
 
+// What a test does with an answer. A request's `caller` points at its Done.
+using Done = std::function<void(absl::StatusOr<DenseResult>)>;
+
+// Answers each request through its Done, on the thread that delivers it; counts flushes.
+class TestSink : public ResponseSink {
+ public:
+  void Deliver(const StepRequest& request, absl::StatusOr<DenseResult> answer) override {
+    std::unique_ptr<Done> done(static_cast<Done*>(request.caller));
+    (*done)(std::move(answer));
+  }
+  void Flush() override {
+    if (on_flush) on_flush();
+  }
+  std::function<void()> on_flush;  // set before the loop starts
+};
+
+// Submits `r` to `loop`, answered through `done` (at once, with the error, when refused).
+void SubmitWith(StepLoop& loop, std::unique_ptr<StepRequest> r, Done done) {
+  auto* caller = new Done(std::move(done));
+  r->caller = caller;
+  absl::Status refused = loop.Submit(std::move(r));
+  if (refused.ok()) return;
+  std::unique_ptr<Done> owned(caller);
+  (*owned)(refused);
+}
+
 // Submits `r` to `loop`; the future holds its answer.
 std::future<absl::StatusOr<DenseResult>> SubmitTo(StepLoop& loop, std::unique_ptr<StepRequest> r) {
   auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
   auto future = promise->get_future();
-  r->done = [promise](absl::StatusOr<DenseResult> got) { promise->set_value(std::move(got)); };
-  loop.Submit(std::move(r));
+  SubmitWith(loop, std::move(r),
+             [promise](absl::StatusOr<DenseResult> got) { promise->set_value(std::move(got)); });
   return future;
+}
+
+// A group whose one Gloo communicator carries rounds, inputs and results.
+StepGroup Over(std::unique_ptr<GlooCommunicator> comm) {
+  return StepGroup::Over(std::shared_ptr<GlooCommunicator>(std::move(comm)));
 }
 
 // An embedding lookup of `ids` (1-D) in `table`.
@@ -71,6 +104,8 @@ struct Fixture {
   std::vector<absl::Status> broken = std::vector<absl::Status>(kWorld);
   // Optional: adjusts a rank's options before its loop is made.
   std::function<void(int rank, StepLoop::Options&)> configure;
+  std::vector<std::unique_ptr<FixedTables>> tables;  // per rank
+  std::vector<std::unique_ptr<TestSink>> sinks;      // per rank
   std::vector<std::unique_ptr<StepLoop>> loops;  // last: stopped before what they report into
 
   Fixture() {
@@ -99,21 +134,23 @@ struct Fixture {
     for (int r = 0; r < kWorld; ++r) {
       StepLoop::Options options;
       options.collective_timeout = absl::Seconds(5);
-      options.on_group_broken = [this, r](const absl::Status& s,
-                                          const std::vector<std::shared_ptr<ShardedTable>>&) {
+      options.on_group_broken = [this, r](const absl::Status& s) {
         absl::MutexLock lock(&mu);
         broken[r] = s;
       };
       if (configure) configure(r, options);
-      loops.push_back(std::make_unique<StepLoop>(options, kernels));
+      tables.push_back(std::make_unique<FixedTables>());
+      sinks.push_back(std::make_unique<TestSink>());
+      loops.push_back(std::make_unique<StepLoop>(options, kernels, *tables[r], *sinks[r]));
       auto e = ShardedTable::Create(emb, r, kernels);
       auto l = ShardedTable::Create(lin, r, kernels);
       EXPECT_TRUE((*e)->LoadFromFull(emb_weight.data(), nullptr).ok());
       EXPECT_TRUE((*l)->LoadFromFull(lin_weight.data(), bias.data()).ok());
-      loops[r]->SetTable(std::move(*e));
-      loops[r]->SetTable(std::move(*l));
-      loops[r]->SetGroup(std::move(comms[r]), 1,
-                         data.empty() ? nullptr : std::move(data[r]));
+      tables[r]->Set(std::move(*e));
+      tables[r]->Set(std::move(*l));
+      StepGroup group = Over(std::move(comms[r]));
+      if (!data.empty()) group.data = std::shared_ptr<GlooCommunicator>(std::move(data[r]));
+      loops[r]->SetGroup(std::move(group), 1);
     }
   }
 
@@ -232,14 +269,14 @@ TEST(StepLoop, OneRequestPerStepRunsEachRequestInAStepOfItsOwnWithTheRanksTaking
     auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
     futures.push_back(promise->get_future());
     StepLoop* loop = f.loops[rank_of[i]].get();
-    r->done = [&mu, &step_of, loop, i, promise](absl::StatusOr<DenseResult> got) {
-      {
-        absl::MutexLock lock(&mu);
-        step_of[i] = loop->busy_steps();
-      }
-      promise->set_value(std::move(got));
-    };
-    loop->Submit(std::move(r));
+    SubmitWith(*loop, std::move(r),
+               [&mu, &step_of, loop, i, promise](absl::StatusOr<DenseResult> got) {
+                 {
+                   absl::MutexLock lock(&mu);
+                   step_of[i] = loop->busy_steps();
+                 }
+                 promise->set_value(std::move(got));
+               });
   }
   for (auto& loop : f.loops) loop->Start();
   for (size_t i = 0; i < rank_of.size(); ++i) {
@@ -285,7 +322,7 @@ TEST(StepLoop, ARequestForATableDroppedWhileItWaitedIsAnsweredNotFoundAndTheGrou
   auto lin = f.Submit(0, LinearRequest({1, 2, 3, 4}));
   auto bag0 = f.Submit(0, BagRequest(f.emb, ids, 3, PoolMode::kSum));
   auto bag1 = f.Submit(1, BagRequest(f.emb, ids, 2, PoolMode::kMax));
-  f.loops[0]->DropTable("lin");  // rank 1 still holds it
+  f.tables[0]->Drop("lin");  // rank 1 still holds it
   for (auto& loop : f.loops) loop->Start();
   absl::StatusOr<DenseResult> got = lin.get();
   EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound) << got.status();
@@ -303,7 +340,7 @@ TEST(StepLoop, WorkForATableTheRanksDoNotHoldAlikeIsAnsweredUnavailableAndTheRes
   f.StartLoops(Connect(Fixture::kWorld, "not-alike", store));
   // Rank 1 has dropped "lin", rank 0 not yet: rank 0's linear request cannot run, the bags of
   // the same step can.
-  f.loops[1]->DropTable("lin");
+  f.tables[1]->Drop("lin");
   const std::vector<int64_t> ids = {1, 2, 3, 4, 5, 6};
   auto lin = f.Submit(0, LinearRequest({1, 2, 3, 4}));
   auto bag0 = f.Submit(0, BagRequest(f.emb, ids, 3, PoolMode::kSum));
@@ -330,14 +367,14 @@ TEST(StepLoop, WorkForATableTheRanksDoNotHoldAlikeIsAnsweredUnavailableAndTheRes
   TableConfig elsewhere = no_bias;
   elsewhere.source = "checkpoint /elsewhere.safetensors";
   for (const TableConfig* config : {&no_bias, &elsewhere}) {
-    f.loops[1]->SetTable(replaced(*config, 1));
+    f.tables[1]->Set(replaced(*config, 1));
     got = f.Submit(1, LinearRequest({1, 2, 3, 4})).get();
     EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
-    f.loops[0]->RunBetweenSteps([&] { f.loops[0]->SetTable(replaced(no_bias, 0)); });
+    f.loops[0]->RunBetweenSteps([&] { f.tables[0]->Set(replaced(no_bias, 0)); });
   }
   // ...until every rank holds the same one. (Set between steps, so that rank 0's next step is
   // sure to see it: a step runs on the tables its rank held when it began.)
-  f.loops[1]->RunBetweenSteps([&] { f.loops[1]->SetTable(replaced(no_bias, 1)); });
+  f.loops[1]->RunBetweenSteps([&] { f.tables[1]->Set(replaced(no_bias, 1)); });
   got = f.Submit(1, LinearRequest({1, 2, 3, 4})).get();
   ASSERT_TRUE(got.ok()) << got.status();
   ASSERT_EQ(got->Values().size(), 5u);
@@ -367,7 +404,7 @@ TEST(StepLoop, ARankOfAnotherBuildOrStepModeFailsTheGroupWithAnErrorThatSaysSo) 
         "every rank of a group must run the same shardserve build"}},
       {{hello_magic, 1},
        {"rank 1 speaks step protocol 1", "every rank of a group must run the same shardserve build"}},
-      {{hello_magic, 3, 1},
+      {{hello_magic, kStepProtocol, 1},
        {"rank 1 runs with one_request_per_step on, this rank off",
         "every rank of a group must form steps alike"}},
   };
@@ -380,13 +417,14 @@ TEST(StepLoop, ARankOfAnotherBuildOrStepModeFailsTheGroupWithAnErrorThatSaysSo) 
     absl::Status broken;
     StepLoop::Options options;
     options.collective_timeout = absl::Seconds(5);
-    options.on_group_broken = [&](const absl::Status& s,
-                                  const std::vector<std::shared_ptr<ShardedTable>>&) {
+    options.on_group_broken = [&](const absl::Status& s) {
       broken = s;
       broken_notified.Notify();
     };
-    StepLoop loop(options, kernels);
-    loop.SetGroup(std::move(comms[0]), 1);
+    FixedTables tables;
+    TestSink sink;
+    StepLoop loop(options, kernels, tables, sink);
+    loop.SetGroup(Over(std::move(comms[0])), 1);
     loop.Start();
     auto views = comms[1]->AllGatherMessages(
         absl::MakeConstSpan(reinterpret_cast<const char*>(first.data()), first.size() * 8),
@@ -403,6 +441,26 @@ TEST(StepLoop, ARankOfAnotherBuildOrStepModeFailsTheGroupWithAnErrorThatSaysSo) 
 // scaling its columns by the norm summed over ranks (an AllReduce). Rank 1's first AllReduce
 // completes, then fails (as if rank 1 timed out just after sending): rank 0 scales its columns,
 // rank 1 does not.
+// Records the tables the loop hands back as renormed unlike on the peers.
+class RecordingTables : public FixedTables {
+ public:
+  void DropRenormUnsure(const std::shared_ptr<ShardedTable>& table) override {
+    {
+      absl::MutexLock lock(&mu_);
+      unsure_.push_back(table);
+    }
+    FixedTables::DropRenormUnsure(table);
+  }
+  std::vector<std::shared_ptr<ShardedTable>> unsure() const {
+    absl::MutexLock lock(&mu_);
+    return unsure_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<std::shared_ptr<ShardedTable>> unsure_ ABSL_GUARDED_BY(mu_);
+};
+
 struct PartialRenorm {
   static constexpr int kCols = 6;
   TableConfig norm;
@@ -412,9 +470,9 @@ struct PartialRenorm {
   std::atomic<int64_t> countdown{1};
   absl::Mutex mu;
   std::vector<absl::Status> broken = std::vector<absl::Status>(2);
-  std::vector<std::vector<std::shared_ptr<ShardedTable>>> unsure =
-      std::vector<std::vector<std::shared_ptr<ShardedTable>>>(2);
   std::vector<std::shared_ptr<ShardedTable>> tables;
+  RecordingTables sources[2];
+  TestSink sinks[2];
   std::vector<std::unique_ptr<StepLoop>> loops;  // last: stopped before what they report into
 
   PartialRenorm() {
@@ -448,20 +506,20 @@ struct PartialRenorm {
     for (int r = 0; r < 2; ++r) {
       StepLoop::Options options;
       options.collective_timeout = absl::Seconds(5);
-      options.on_group_broken = [this, r](const absl::Status& s,
-                                          const std::vector<std::shared_ptr<ShardedTable>>& u) {
+      options.on_group_broken = [this, r](const absl::Status& s) {
         absl::MutexLock lock(&mu);
         broken[r] = s;
-        unsure[r] = u;
       };
-      loops.push_back(std::make_unique<StepLoop>(options, kernels));
+      loops.push_back(std::make_unique<StepLoop>(options, kernels, sources[r], sinks[r]));
       tables.push_back(Load(r, weight));
-      loops[r]->SetTable(tables[r]);
-      std::unique_ptr<Communicator> comm = std::move(comms[r]);
+      sources[r].Set(tables[r]);
+      StepGroup group = Over(std::move(comms[r]));
       if (r == 1) {
-        comm = std::make_unique<FaultInjectingCommunicator>(std::move(comm), &countdown, at_fault);
+        group.control =
+            std::make_shared<FaultInjectingCollectives>(group.control, &countdown, at_fault);
+        group.data = group.control;
       }
-      loops[r]->SetGroup(std::move(comm), 1);
+      loops[r]->SetGroup(std::move(group), 1);
     }
   }
   std::future<absl::StatusOr<DenseResult>> Lookup(int rank, std::vector<int64_t> ids) {
@@ -488,13 +546,14 @@ struct PartialRenorm {
     EXPECT_THAT(broken[1].message(), HasSubstr("injected fault"));
     for (int r = 0; r < 2; ++r) {
       EXPECT_FALSE(broken[r].ok()) << "rank " << r;
-      ASSERT_EQ(unsure[r].size(), 1u) << "rank " << r << ": " << broken[r];
-      EXPECT_EQ(unsure[r][0], tables[r]) << "rank " << r;  // the table the failed step ran on
+      const std::vector<std::shared_ptr<ShardedTable>> unsure = sources[r].unsure();
+      ASSERT_EQ(unsure.size(), 1u) << "rank " << r << ": " << broken[r];
+      EXPECT_EQ(unsure[0], tables[r]) << "rank " << r;  // the table the failed step ran on
     }
   }
   void FormAgain() {
     auto fresh = Connect(2, "partial-renorm-again", store);
-    for (int r = 0; r < 2; ++r) loops[r]->SetGroup(std::move(fresh[r]), 2);
+    for (int r = 0; r < 2; ++r) loops[r]->SetGroup(Over(std::move(fresh[r])), 2);
   }
 };
 
@@ -519,11 +578,11 @@ TEST(StepLoop, ATableLoadedAnewWhileTheFailingStepRanIsKept) {
   // Rank 1 loads the table anew (another generation) while the step that fails runs on the old.
   const std::vector<float> newer = PartialRenorm::Weight(2);
   std::shared_ptr<ShardedTable> replacement = f.Load(1, newer);
-  f.SetUp([&] { f.loops[1]->SetTable(replacement); });
+  f.SetUp([&] { f.sources[1].Set(replacement); });
   f.BreakTheGroup();
   // Rank 0 dropped its old load; rank 1 kept the new one. With the new one on rank 0 as well, a
   // new group serves it: row 2 of the new weight, renormed.
-  f.loops[0]->SetTable(f.Load(0, newer));
+  f.sources[0].Set(f.Load(0, newer));
   f.FormAgain();
   absl::StatusOr<DenseResult> got = f.Lookup(0, {2}).get();
   ASSERT_TRUE(got.ok()) << got.status();
@@ -549,18 +608,20 @@ TEST(StepLoop, AKernelFailureOnOneRankFailsThePeersAtOnceNotAtTheCollectiveTimeo
   FailingGatherKernels bad;
   InProcessRendezvous store;
   auto comms = Connect(2, "kernel-failure", store);
+  FixedTables tables[2];
+  TestSink sinks[2];
   std::vector<std::unique_ptr<StepLoop>> loops;
   std::vector<std::future<absl::StatusOr<DenseResult>>> futures;
   for (int r = 0; r < 2; ++r) {
     LocalKernels& kernels = r == 1 ? static_cast<LocalKernels&>(bad) : good;
     StepLoop::Options options;
     options.collective_timeout = absl::Seconds(5);
-    loops.push_back(std::make_unique<StepLoop>(options, kernels));
+    loops.push_back(std::make_unique<StepLoop>(options, kernels, tables[r], sinks[r]));
     auto table = ShardedTable::Create(f.emb, r, kernels);
     ASSERT_TRUE(table.ok()) << table.status();
     ASSERT_TRUE((*table)->LoadFromFull(f.emb_weight.data(), nullptr).ok());
-    loops[r]->SetTable(std::move(*table));
-    loops[r]->SetGroup(std::move(comms[r]), 1);
+    tables[r].Set(std::move(*table));
+    loops[r]->SetGroup(Over(std::move(comms[r])), 1);
     futures.push_back(SubmitTo(*loops[r], LookupRequest("emb", {1, 2})));
   }
   const absl::Time start = absl::Now();
@@ -574,26 +635,26 @@ TEST(StepLoop, AKernelFailureOnOneRankFailsThePeersAtOnceNotAtTheCollectiveTimeo
   for (auto& loop : loops) loop->Stop();
 }
 
-TEST(StepLoop, AfterAnswersRunsOnTheLoopThreadOnceARoundsAnswersAreGiven) {
+TEST(StepLoop, AnswersAndFlushesComeOnTheLoopThreadAndAFlushFollowsEachRoundsAnswers) {
   struct Seen {
     absl::Mutex mu;
-    int answered = 0;            // answers given, not yet followed by after_answers
-    int flushed = 0;             // answers that after_answers followed
-    int off_loop_thread = 0;     // answers or after_answers calls not on the loop's thread
+    int answered = 0;  // answers given, not yet followed by a flush
+    int flushed = 0;   // answers that a flush followed
+    std::set<std::thread::id> threads;  // that delivered or flushed
   };
   std::vector<Seen> seen(Fixture::kWorld);
   Fixture f;  // after `seen`: its loops stop (and report into it) first
-  f.configure = [&](int rank, StepLoop::Options& options) {
-    options.after_answers = [&f, &seen, rank] {
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "flush", store));
+  for (int rank = 0; rank < Fixture::kWorld; ++rank) {
+    f.sinks[rank]->on_flush = [&seen, rank] {
       Seen& s = seen[rank];
       absl::MutexLock lock(&s.mu);
-      if (!f.loops[rank]->OnLoopThread()) ++s.off_loop_thread;
+      s.threads.insert(std::this_thread::get_id());
       s.flushed += s.answered;
       s.answered = 0;
     };
-  };
-  InProcessRendezvous store;
-  f.StartLoops(Connect(Fixture::kWorld, "after-answers", store));
+  }
   for (auto& loop : f.loops) loop->Start();
   std::mt19937 rng(3);
   constexpr int kCalls = 40;
@@ -602,65 +663,67 @@ TEST(StepLoop, AfterAnswersRunsOnTheLoopThreadOnceARoundsAnswersAreGiven) {
     const int rank = i % 2;
     std::vector<int64_t> ids(2 * 3);
     for (auto& id : ids) id = rng() % 50;
-    auto r = BagRequest(f.emb, ids, 3, PoolMode::kSum);
     auto promise = std::make_shared<std::promise<absl::StatusOr<DenseResult>>>();
     futures.push_back(promise->get_future());
-    r->done = [&f, &seen, rank, promise](absl::StatusOr<DenseResult> result) {
-      {
-        Seen& s = seen[rank];
-        absl::MutexLock lock(&s.mu);
-        if (!f.loops[rank]->OnLoopThread()) ++s.off_loop_thread;
-        ++s.answered;
-      }
-      promise->set_value(std::move(result));
-    };
-    f.loops[rank]->Submit(std::move(r));
+    SubmitWith(*f.loops[rank], BagRequest(f.emb, ids, 3, PoolMode::kSum),
+               [&seen, rank, promise](absl::StatusOr<DenseResult> result) {
+                 {
+                   Seen& s = seen[rank];
+                   absl::MutexLock lock(&s.mu);
+                   s.threads.insert(std::this_thread::get_id());
+                   ++s.answered;
+                 }
+                 promise->set_value(std::move(result));
+               });
   }
   for (auto& future : futures) ASSERT_TRUE(future.get().ok());
   for (int rank = 0; rank < Fixture::kWorld; ++rank) {
+    std::thread::id loop_thread;
+    f.loops[rank]->RunBetweenSteps([&] { loop_thread = std::this_thread::get_id(); });
     Seen& s = seen[rank];
     absl::MutexLock lock(&s.mu);
-    // The round that gave the last answers calls after_answers right after them.
+    // The round that gave the last answers flushes right after them.
     EXPECT_TRUE(s.mu.AwaitWithTimeout(
         absl::Condition(+[](Seen* s) { return s->flushed == kCalls / Fixture::kWorld; }, &s),
         absl::Seconds(10)))
-        << "rank " << rank << ": after_answers followed " << s.flushed << " answers";
+        << "rank " << rank << ": a flush followed " << s.flushed << " answers";
     EXPECT_EQ(s.answered, 0);
-    EXPECT_EQ(s.off_loop_thread, 0);
+    EXPECT_EQ(s.threads, std::set<std::thread::id>{loop_thread}) << "rank " << rank;
+    EXPECT_NE(loop_thread, std::this_thread::get_id());
   }
-  EXPECT_FALSE(f.loops[0]->OnLoopThread());
 }
 
-TEST(StepLoop, AnswersToExpiredRequestsOfAParkedGroupAreFollowedByAfterAnswersAtOnce) {
+TEST(StepLoop, AnswersToExpiredRequestsOfAParkedGroupAreFlushedAtOnce) {
   absl::Mutex mu;
-  int answered = 0;  // answers given, not yet followed by after_answers
-  int flushed = 0;   // answers that after_answers followed
+  int answered = 0;  // answers given, not yet followed by a flush
+  int flushed = 0;   // answers that a flush followed
   Fixture f;  // after what its loops report into: they stop first
   f.configure = [&](int rank, StepLoop::Options& options) {
     options.park_after_idle_rounds = 3;
     options.park_check = absl::Seconds(60);  // only news wakes the parked group
-    options.after_answers = [&mu, &answered, &flushed] {
+  };
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "expired", store));
+  for (auto& sink : f.sinks) {
+    sink->on_flush = [&mu, &answered, &flushed] {
       absl::MutexLock lock(&mu);
       flushed += answered;
       answered = 0;
     };
-  };
-  InProcessRendezvous store;
-  f.StartLoops(Connect(Fixture::kWorld, "expired", store));
+  }
   for (auto& loop : f.loops) loop->Start();
   absl::SleepFor(absl::Milliseconds(300));  // idle: the group parks
   auto r = BagRequest(f.emb, {1, 2, 3}, 3, PoolMode::kSum);
   r->deadline = absl::Now() - absl::Seconds(1);
   absl::Notification done;
-  r->done = [&](absl::StatusOr<DenseResult> result) {
+  SubmitWith(*f.loops[0], std::move(r), [&](absl::StatusOr<DenseResult> result) {
     EXPECT_EQ(result.status().code(), absl::StatusCode::kDeadlineExceeded);
     absl::MutexLock lock(&mu);
     ++answered;
     done.Notify();
-  };
-  f.loops[0]->Submit(std::move(r));
+  });
   done.WaitForNotification();
-  // Followed at once - not when the group next has work (with no work it parks again).
+  // Flushed at once - not when the group next has work (with no work it parks again).
   absl::MutexLock lock(&mu);
   EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(+[](int* n) { return *n == 1; }, &flushed),
                                   absl::Seconds(10)));

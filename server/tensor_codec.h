@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/op_inputs.h"
-#include "core/step_loop.h"
+#include "core/step_request.h"
 #include "core/table_config.h"
 #include "google/protobuf/message_lite.h"
 #include "grpcpp/support/byte_buffer.h"

@@ -1,0 +1,53 @@
+// StepRequest: one caller's request, validated against its table at entry and owning its data,
+// as it waits in a worker's step queue for a step of the group (core/step_loop.h).
+#ifndef SHARDSERVE_CORE_STEP_REQUEST_H_
+#define SHARDSERVE_CORE_STEP_REQUEST_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "core/local_kernels.h"
+#include "core/op_inputs.h"
+#include "core/table_config.h"
+
+namespace shardserve::core {
+
+struct StepRequest {
+  enum class Op { kEmbedding, kEmbeddingBag, kLinear };
+  Op op = Op::kEmbedding;
+  std::string table;
+  std::vector<int64_t> shape;    // ids' (embedding, bag) or the input's (linear) shape
+  std::vector<int64_t> ids;      // embedding, bag
+  std::vector<int64_t> offsets;  // bag: canonical, num_bags + 1 entries
+  std::vector<float> weights;    // bag: per-sample weights, or empty
+  bool has_weights = false;
+  PoolMode mode = PoolMode::kMean;
+  std::vector<float> values;     // linear input rows
+  absl::Time deadline = absl::InfiniteFuture();
+  // Who asked: opaque to the step loop, which hands it back with the answer
+  // (ResponseSink::Deliver).
+  void* caller = nullptr;
+  uint64_t caller_id = 0;
+
+  // Rows this request adds to a step (ids, bags' ids, or input rows), for the row budget.
+  int64_t Rows() const;
+  // Bytes of input it holds while queued, for the queue's bound.
+  int64_t InputBytes() const;
+  // Rows of its answer.
+  int64_t AnswerRows() const;
+};
+
+// Validates a request against its table and puts it in canonical form (bag offsets). Returns OK
+// when it is ready for the step loop, or INVALID_ARGUMENT / RESOURCE_EXHAUSTED naming the field,
+// the value and the bound. The step loop does not check it again.
+absl::Status PrepareRequest(const TableConfig& table, const InputLimits& limits,
+                            StepRequest& request, absl::Span<const int64_t> raw_offsets,
+                            bool has_offsets, bool include_last_offset);
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_STEP_REQUEST_H_

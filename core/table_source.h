@@ -1,0 +1,63 @@
+// The tables a rank holds, as the step loop sees them: an immutable TableSet snapshot that a step
+// holds for its whole duration (TF Serving's ServableHandle idea), and TableSource, where the loop
+// gets the latest one from. The worker's table lifecycle (server/table_lifecycle.h) is the
+// TableSource of a serving process; tests use FixedTables.
+#ifndef SHARDSERVE_CORE_TABLE_SOURCE_H_
+#define SHARDSERVE_CORE_TABLE_SOURCE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "core/sharded_table.h"
+#include "core/table_config.h"
+
+namespace shardserve::core {
+
+// What ranks must agree on to run a table's ops together: its name and its whole config
+// (including where its weights came from). The same in every process.
+int64_t TableIdentity(const TableConfig& config);
+
+struct TableSet {
+  std::map<std::string, std::shared_ptr<ShardedTable>> tables;
+  // Of every table's identity: equal on ranks that hold the same tables.
+  uint64_t digest = 0;
+
+  static std::shared_ptr<const TableSet> Of(
+      std::map<std::string, std::shared_ptr<ShardedTable>> tables);
+};
+
+class TableSource {
+ public:
+  virtual ~TableSource() = default;
+  // The tables this rank holds now. Thread-safe.
+  virtual std::shared_ptr<const TableSet> Tables() const = 0;
+  // A step failed in the middle of a lookup that renorms `table`'s rows in place (a
+  // column-sharded max_norm table): its rows may now differ from the peers'. The source stops
+  // offering it (unless it holds another load of the table by now) until it is loaded again on
+  // every rank. Called on the step loop's thread.
+  virtual void DropRenormUnsure(const std::shared_ptr<ShardedTable>& table) = 0;
+};
+
+// A TableSource that holds what it is given: for tests, benchmarks and embedders that manage
+// tables themselves. Thread-safe.
+class FixedTables : public TableSource {
+ public:
+  FixedTables();
+  void Set(std::shared_ptr<ShardedTable> table);  // adds or replaces by name
+  void Drop(const std::string& name);
+
+  std::shared_ptr<const TableSet> Tables() const override;
+  void DropRenormUnsure(const std::shared_ptr<ShardedTable>& table) override;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const TableSet> tables_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_TABLE_SOURCE_H_

@@ -1,0 +1,384 @@
+#include "server/data_service.h"
+
+#include <chrono>
+#include <deque>
+#include <utility>
+
+#include "absl/time/time.h"
+#include "core/status_macros.h"
+#include "grpcpp/alarm.h"
+#include "server/completion_tag.h"
+#include "server/grpc_status.h"
+#include "server/tensor_codec.h"
+
+namespace shardserve::server {
+namespace {
+
+absl::Time DeadlineOf(const grpc::ServerContextBase& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+// Every tag on the queue points at a CompletionTag; Proceed runs on the serving thread.
+using Tag = CompletionTag;
+
+}  // namespace
+
+// Who a queued request answers: a unary call, or a stream (by the request's id).
+class DataService::Caller {
+ public:
+  virtual ~Caller() = default;
+  // On the loop's thread (or Stop's): encodes the answer there, and queues sending it.
+  virtual void Answer(uint64_t id, absl::StatusOr<core::DenseResult> answer) = 0;
+};
+
+// Sets off Run for answers handed back (or to stop): an alarm that is already due.
+struct DataService::Wake final : Tag {
+  explicit Wake(DataService& service) : service(service) {}
+  void Proceed(bool) override {
+    service.SendAnswers();
+    delete this;
+  }
+  DataService& service;
+  grpc::Alarm alarm;
+};
+
+// One unary call: awaited, then queued for a step, then answered.
+class DataService::UnaryCall final : public Tag, public Caller {
+ public:
+  UnaryCall(DataService& service, Method method) : service_(service), method_(method) {
+    grpc::ServerCompletionQueue* cq = service.cq_.get();
+    switch (method) {
+      case Method::kEmbedding:
+        service.RequestEmbedding(&context_, &request_, &responder_, cq, cq, AsTag());
+        break;
+      case Method::kEmbeddingBag:
+        service.RequestEmbeddingBag(&context_, &request_, &responder_, cq, cq, AsTag());
+        break;
+      case Method::kLinear:
+        service.RequestLinear(&context_, &request_, &responder_, cq, cq, AsTag());
+        break;
+    }
+  }
+
+  void Proceed(bool ok) override {
+    if (finishing_ || !ok || service_.stopped_) {  // answered, or the server is shutting down
+      delete this;
+      return;
+    }
+    new UnaryCall(service_, method_);  // the next one
+    absl::StatusOr<std::unique_ptr<core::StepRequest>> step = absl::InternalError("no method");
+    switch (method_) {
+      case Method::kEmbedding:
+        step = service_.PrepareRaw<v1::EmbeddingRequest>(request_);
+        break;
+      case Method::kEmbeddingBag:
+        step = service_.PrepareRaw<v1::EmbeddingBagRequest>(request_);
+        break;
+      case Method::kLinear:
+        step = service_.PrepareRaw<v1::LinearRequest>(request_);
+        break;
+    }
+    request_.Clear();
+    if (!step.ok()) {
+      Finish(ToGrpcStatus(step.status()));
+      return;
+    }
+    (*step)->deadline = DeadlineOf(context_);
+    (*step)->caller = static_cast<Caller*>(this);
+    if (absl::Status refused = service_.loop_->Submit(*std::move(step)); !refused.ok()) {
+      Finish(ToGrpcStatus(refused));
+    }
+  }
+
+  void Answer(uint64_t, absl::StatusOr<core::DenseResult> answer) override {
+    grpc::Status status;
+    if (answer.ok()) {
+      response_ = EncodeTensorResponse(*std::move(answer));
+    } else {
+      status = ToGrpcStatus(answer.status());
+    }
+    service_.Queue([this, status = std::move(status)]() { Finish(status); });
+  }
+
+ private:
+  void* AsTag() { return static_cast<Tag*>(this); }  // Run reads tags back as Tag*
+
+  void Finish(const grpc::Status& status) {
+    if (service_.stopped_) {
+      delete this;
+      return;
+    }
+    finishing_ = true;
+    if (status.ok()) {
+      responder_.Finish(response_, grpc::Status::OK, AsTag());
+    } else {
+      responder_.FinishWithError(status, AsTag());
+    }
+  }
+
+  DataService& service_;
+  const Method method_;
+  bool finishing_ = false;
+  grpc::ServerContext context_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
+  grpc::ServerAsyncResponseWriter<grpc::ByteBuffer> responder_{&context_};
+};
+
+// One Stream: pipelines many requests; each read is validated and queued at once, responses are
+// written as their steps finish (possibly out of order; the id says which), one write at a time.
+class DataService::StreamCall final : public Caller {
+ public:
+  explicit StreamCall(DataService& service) : service_(service) {
+    grpc::ServerCompletionQueue* cq = service.cq_.get();
+    service.RequestStream(&context_, &stream_, cq, cq, static_cast<Tag*>(&accepted_));
+  }
+
+  void Answer(uint64_t id, absl::StatusOr<core::DenseResult> answer) override {
+    grpc::ByteBuffer response = EncodeStreamResponse(id, std::move(answer));
+    service_.Queue([this, response = std::move(response)]() mutable {
+      --outstanding_;
+      Respond(std::move(response));
+      ResumeReading();
+      MaybeEnd();
+    });
+  }
+
+ private:
+  void Accepted(bool ok) {
+    if (!ok || service_.stopped_) {
+      delete this;
+      return;
+    }
+    new StreamCall(service_);  // the next one
+    deadline_ = DeadlineOf(context_);
+    reading_ = true;
+    stream_.Read(&raw_, static_cast<Tag*>(&read_));
+  }
+
+  void ReadDone(bool ok) {
+    reading_ = false;
+    if (!ok || service_.stopped_) {
+      reads_done_ = true;
+      MaybeEnd();
+      return;
+    }
+    v1::StreamRequest request;
+    const absl::Status parsed = ParseRaw(raw_, &request);
+    raw_.Clear();
+    const uint64_t id = parsed.ok() ? request.id() : 0;  // nothing in it can be trusted
+    absl::StatusOr<std::unique_ptr<core::StepRequest>> step =
+        absl::InvalidArgumentError("stream request: set one of embedding, embedding_bag, linear");
+    switch (parsed.ok() ? request.op_case() : v1::StreamRequest::OP_NOT_SET) {
+      case v1::StreamRequest::kEmbedding:
+        step = service_.Prepare(request.embedding());
+        break;
+      case v1::StreamRequest::kEmbeddingBag:
+        step = service_.Prepare(request.embedding_bag());
+        break;
+      case v1::StreamRequest::kLinear:
+        step = service_.Prepare(request.linear());
+        break;
+      default:
+        break;
+    }
+    if (!parsed.ok()) step = parsed;
+    absl::Status refused = step.status();
+    if (step.ok()) {
+      (*step)->deadline = deadline_;
+      (*step)->caller = static_cast<Caller*>(this);
+      (*step)->caller_id = id;
+      refused = service_.loop_->Submit(*std::move(step));
+      if (refused.ok()) ++outstanding_;
+    }
+    if (!refused.ok()) Respond(EncodeStreamResponse(id, refused));
+    ReadNext();
+    MaybeEnd();  // when stopping, reads end here
+  }
+
+  // Reads the next request unless kWindow requests are queued for steps or not yet written:
+  // a client that sends without reading its answers is held back by flow control, not buffered.
+  void ReadNext() {
+    if (service_.stopped_) {
+      reads_done_ = true;
+      return;
+    }
+    if (outstanding_ + static_cast<int64_t>(queue_.size()) >= kWindow) {
+      read_paused_ = true;
+      return;
+    }
+    reading_ = true;
+    stream_.Read(&raw_, static_cast<Tag*>(&read_));
+  }
+  void ResumeReading() {
+    if (!read_paused_) return;
+    read_paused_ = false;
+    ReadNext();
+  }
+
+  void Respond(grpc::ByteBuffer response) {
+    if (write_failed_ || service_.stopped_) return;
+    queue_.push_back(std::move(response));
+    if (writing_) return;
+    writing_ = true;
+    stream_.Write(queue_.front(), static_cast<Tag*>(&written_));
+  }
+
+  void WriteDone(bool ok) {
+    queue_.pop_front();
+    if (!ok || service_.stopped_) {
+      write_failed_ = true;
+      queue_.clear();
+    }
+    writing_ = !queue_.empty();
+    if (writing_) stream_.Write(queue_.front(), static_cast<Tag*>(&written_));
+    ResumeReading();
+    MaybeEnd();
+  }
+
+  // Finishes once the reads are done and every request is answered and written.
+  void MaybeEnd() {
+    if (!reads_done_ || outstanding_ > 0 || writing_ || finishing_) return;
+    if (service_.stopped_) {
+      if (!reading_) delete this;
+      return;
+    }
+    finishing_ = true;
+    stream_.Finish(grpc::Status::OK, static_cast<Tag*>(&finished_));
+  }
+
+  void FinishDone(bool) { delete this; }
+
+  DataService& service_;
+  grpc::ServerContext context_;
+  grpc::ServerAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer> stream_{&context_};
+  MemberTag<StreamCall> accepted_{this, &StreamCall::Accepted};
+  MemberTag<StreamCall> read_{this, &StreamCall::ReadDone};
+  MemberTag<StreamCall> written_{this, &StreamCall::WriteDone};
+  MemberTag<StreamCall> finished_{this, &StreamCall::FinishDone};
+  absl::Time deadline_ = absl::InfiniteFuture();
+  grpc::ByteBuffer raw_;  // the request being read
+  std::deque<grpc::ByteBuffer> queue_;  // [0] is being written
+  bool reading_ = false;
+  bool read_paused_ = false;  // kWindow requests in flight: reading resumes below it
+  bool writing_ = false;
+  bool write_failed_ = false;
+  bool reads_done_ = false;
+  bool finishing_ = false;
+  int outstanding_ = 0;  // requests queued for steps, not answered yet
+};
+
+DataService::DataService(const TableLifecycle& tables, const core::InputLimits& limits)
+    : tables_(tables), limits_(limits) {}
+
+DataService::~DataService() = default;
+
+void DataService::Start() {
+  for (int i = 0; i < kCallsAwaited; ++i) {
+    for (Method m : {Method::kEmbedding, Method::kEmbeddingBag, Method::kLinear}) {
+      new UnaryCall(*this, m);
+    }
+  }
+  new StreamCall(*this);
+  health_.Start(cq_.get(), [this](absl::AnyInvocable<void()> fn) { HandBack(std::move(fn)); });
+  thread_ = std::thread([this] { Run(); });
+}
+
+void DataService::Stop() {
+  if (cq_ == nullptr) return;
+  if (!thread_.joinable()) {  // never served
+    cq_->Shutdown();
+    Drain();
+    return;
+  }
+  {
+    absl::MutexLock lock(&answers_mu_);
+    // Answers handed back before the loop stopped go out first.
+    answers_mu_.AwaitWithTimeout(absl::Condition(this, &DataService::AnswersSentLocked),
+                                 absl::Seconds(5));
+    stop_requested_ = true;
+    WakeLocked();
+  }
+  thread_.join();
+}
+
+void DataService::Deliver(const core::StepRequest& request,
+                          absl::StatusOr<core::DenseResult> answer) {
+  static_cast<Caller*>(request.caller)->Answer(request.caller_id, std::move(answer));
+}
+
+void DataService::Flush() {
+  absl::MutexLock lock(&answers_mu_);
+  if (!answers_.empty()) WakeLocked();
+}
+
+template <typename Request>
+absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Request& request) {
+  SHARDSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const core::TableConfig> table,
+                              tables_.Admit(request.table(), loop_->serving()));
+  return MakeStepRequest(request, *table, limits_);
+}
+
+template <typename Request>
+absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::PrepareRaw(
+    const grpc::ByteBuffer& raw) {
+  Request request;
+  SHARDSERVE_RETURN_IF_ERROR(ParseRaw(raw, &request));
+  return Prepare(request);
+}
+
+void DataService::Run() {
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq_->Next(&tag, &ok)) static_cast<Tag*>(tag)->Proceed(ok);
+}
+
+void DataService::Drain() {
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq_->Next(&tag, &ok)) {
+  }
+}
+
+void DataService::HandBack(absl::AnyInvocable<void()> send) {
+  absl::MutexLock lock(&answers_mu_);
+  answers_.push_back(std::move(send));
+  WakeLocked();
+}
+
+void DataService::Queue(absl::AnyInvocable<void()> send) {
+  absl::MutexLock lock(&answers_mu_);
+  answers_.push_back(std::move(send));
+}
+
+void DataService::WakeLocked() {
+  if (wake_pending_) return;  // stays set once the wake that stops has been sent
+  wake_pending_ = true;
+  auto* wake = new Wake(*this);
+  wake->alarm.Set(cq_.get(), gpr_time_0(GPR_CLOCK_MONOTONIC), static_cast<Tag*>(wake));
+}
+
+bool DataService::AnswersSentLocked() const { return answers_.empty() && !wake_pending_; }
+
+void DataService::SendAnswers() {
+  std::vector<absl::AnyInvocable<void()>> answers;
+  bool stop = false;
+  {
+    absl::MutexLock lock(&answers_mu_);
+    answers.swap(answers_);
+    stop = stop_requested_;
+    wake_pending_ = stop;  // no alarm after the queue shuts down
+  }
+  for (auto& send : answers) send();
+  if (stop && !stopped_) {
+    // From now on this thread starts no operation: the queue hands back what is in flight
+    // (each object deletes itself when its last operation returns), then ends Run.
+    stopped_ = true;
+    health_.StopStarting();
+    cq_->Shutdown();
+  }
+}
+
+}  // namespace shardserve::server

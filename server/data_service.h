@@ -1,0 +1,101 @@
+// DataService: a worker's data API (Embedding, EmbeddingBag, Linear, Stream) on gRPC's async API,
+// served by one thread from the server's completion queue. It takes each call and each stream
+// request as it arrives, admits it (TableLifecycle::Admit), validates and queues it for the
+// StepLoop, and sends the answers the loop delivers - a whole round's answers per wake-up
+// (core::ResponseSink: Deliver queues, Flush wakes), while the loop goes on to its next step. It
+// serves grpc.health.v1 from the same queue too (HealthService). Only the serving thread starts
+// operations on the queue (other threads only set the alarm that wakes it). Every method takes
+// and gives raw bytes, so that a result goes out without being copied into a response message
+// (EncodeTensorResponse, EncodeStreamResponse); on the wire they are the same messages.
+//
+// A stream reads at most kWindow requests ahead of the answers its client has taken; beyond that
+// it stops reading until the client reads, and HTTP/2 flow control holds the client back.
+//
+// Thread-safety: Deliver and Flush from any thread (the loop's, or Stop's); the rest is driven by
+// the worker in order: UseQueue, SetLoop, Start, Stop.
+#ifndef SHARDSERVE_SERVER_DATA_SERVICE_H_
+#define SHARDSERVE_SERVER_DATA_SERVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/op_inputs.h"
+#include "core/step_loop.h"
+#include "grpcpp/server_builder.h"
+#include "proto/shardserve.grpc.pb.h"
+#include "server/health_service.h"
+#include "server/table_lifecycle.h"
+
+namespace shardserve::server {
+
+using AsyncRawDataService = v1::DataService::WithRawMethod_Embedding<
+    v1::DataService::WithRawMethod_EmbeddingBag<v1::DataService::WithRawMethod_Linear<
+        v1::DataService::WithRawMethod_Stream<v1::DataService::Service>>>>;
+
+class DataService final : public AsyncRawDataService, public core::ResponseSink {
+ public:
+  // Admits calls by `tables`; checks requests against `limits`. Both must outlive it.
+  DataService(const TableLifecycle& tables, const core::InputLimits& limits);
+  ~DataService() override;
+
+  // The server's completion queue: set before the server is built, served from Start (once it is
+  // built) until Stop.
+  void UseQueue(std::unique_ptr<grpc::ServerCompletionQueue> cq) { cq_ = std::move(cq); }
+  // The loop calls are queued for; set before Start.
+  void SetLoop(core::StepLoop* loop) { loop_ = loop; }
+  void Start();
+  // After the server's Shutdown and the StepLoop's Stop, when nothing answers calls any more.
+  void Stop();
+  // grpc.health.v1.Health, served on the same thread (see HealthService).
+  HealthService& health() { return health_; }
+
+  // core::ResponseSink.
+  void Deliver(const core::StepRequest& request, absl::StatusOr<core::DenseResult> answer) override;
+  void Flush() override;
+
+ private:
+  enum class Method { kEmbedding, kEmbeddingBag, kLinear };
+  static constexpr int kCallsAwaited = 8;  // per method: calls gRPC may hand over at once
+  static constexpr int64_t kWindow = 1024;  // stream requests read ahead of the answers taken
+
+  class Caller;
+  class UnaryCall;
+  class StreamCall;
+  struct Wake;
+
+  template <typename Request>
+  absl::StatusOr<std::unique_ptr<core::StepRequest>> Prepare(const Request& request);
+  template <typename Request>
+  absl::StatusOr<std::unique_ptr<core::StepRequest>> PrepareRaw(const grpc::ByteBuffer& raw);
+
+  void Run();
+  void Drain();
+  // `send` runs on the serving thread: at once (HandBack), or at the next Flush (Queue).
+  void HandBack(absl::AnyInvocable<void()> send);
+  void Queue(absl::AnyInvocable<void()> send);
+  void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(answers_mu_);
+  bool AnswersSentLocked() const ABSL_SHARED_LOCKS_REQUIRED(answers_mu_);
+  void SendAnswers();  // on the serving thread
+
+  const TableLifecycle& tables_;
+  const core::InputLimits& limits_;
+  core::StepLoop* loop_ = nullptr;
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  HealthService health_;  // served from cq_ too
+  std::thread thread_;
+  bool stopped_ = false;  // serving thread only
+  absl::Mutex answers_mu_;
+  std::vector<absl::AnyInvocable<void()>> answers_ ABSL_GUARDED_BY(answers_mu_);
+  bool wake_pending_ ABSL_GUARDED_BY(answers_mu_) = false;
+  bool stop_requested_ ABSL_GUARDED_BY(answers_mu_) = false;
+};
+
+}  // namespace shardserve::server
+
+#endif  // SHARDSERVE_SERVER_DATA_SERVICE_H_

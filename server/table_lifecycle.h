@@ -1,0 +1,110 @@
+// TableLifecycle: a worker's one record per table - what the coordinator wants it to hold (the
+// spec of a generation, and whether every rank serves it), what this rank holds (its shard, or why
+// it could not load it), and the phase that follows - and the one place that decides whether a
+// call for a table may run here, and with which status if not. The step loop (as its
+// core::TableSource), health, heartbeats and the reconcile thread all observe it; none keeps a
+// map of its own.
+//
+// Phases of a record: kLoading (wanted, no shard yet) -> kLoaded (this rank holds its shard) ->
+// kServing (and every rank does: calls run); kFailed (this rank could not load it);
+// kRenormUnsure (a step failed in the middle of a lookup that renorms its rows, so this rank's
+// rows may differ from its peers': served again only once the coordinator gives the table a new
+// generation, which every rank loads anew). A new generation of a table replaces the record's
+// load: the old shard is dropped first, then the new one loaded.
+//
+// Thread-safe.
+#ifndef SHARDSERVE_SERVER_TABLE_LIFECYCLE_H_
+#define SHARDSERVE_SERVER_TABLE_LIFECYCLE_H_
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/sharded_table.h"
+#include "core/table_config.h"
+#include "core/table_source.h"
+#include "proto/internal.pb.h"
+#include "proto/shardserve.pb.h"
+
+namespace shardserve::server {
+
+class TableLifecycle : public core::TableSource {
+ public:
+  enum class Phase { kLoading, kLoaded, kServing, kFailed, kRenormUnsure };
+
+  // What the reconcile thread is to do: drop these tables' shards, then load these specs.
+  struct Plan {
+    std::vector<std::string> drops;
+    std::vector<v1::TableSpec> loads;
+  };
+
+  explicit TableLifecycle(int rank);
+
+  // May a call for `name` run on this rank, whose group is formed or not? The table's config if
+  // so; otherwise NOT_FOUND (unknown), FAILED_PRECONDITION (being created, or it could not be
+  // loaded here or on another rank: not worth a retry), UNAVAILABLE (no group; or not on every
+  // rank right now: being loaded again, or dropped - clients retry).
+  absl::StatusOr<std::shared_ptr<const core::TableConfig>> Admit(const std::string& name,
+                                                                 bool group_formed) const;
+
+  // The coordinator's heartbeat reply: the tables to hold, those served on every rank, those
+  // whose CreateTable still waits and those some rank could not load.
+  void Want(const v1::internal::HeartbeatResponse& response);
+  // Adds this rank's tables to a heartbeat: what it holds (and from which spec), what it was told
+  // it serves, what it could not load, and what it holds renorm-unsure.
+  void Report(v1::internal::HeartbeatRequest& request) const;
+
+  // What the reconcile thread must do to hold what is wanted. Forgets the errors of tables no
+  // longer wanted.
+  Plan NextPlan();
+  void Dropped(const std::string& name);
+  void Loaded(const v1::TableSpec& spec, std::shared_ptr<core::ShardedTable> shard);
+  void LoadFailed(const v1::TableSpec& spec, const absl::Status& error);
+
+  // The shard of `name` as loaded from the spec of `generation` (NOT_FOUND if this rank holds
+  // none; ABORTED if it holds another load).
+  absl::StatusOr<std::shared_ptr<core::ShardedTable>> Shard(const std::string& name,
+                                                            uint64_t generation) const;
+
+  // The phase of each table this rank holds or is asked to (for health checks and metrics).
+  std::map<std::string, Phase> Phases() const;
+
+  // core::TableSource: the step loop's view.
+  std::shared_ptr<const core::TableSet> Tables() const override;
+  void DropRenormUnsure(const std::shared_ptr<core::ShardedTable>& table) override;
+
+ private:
+  struct Record {
+    // From the coordinator.
+    std::optional<v1::TableSpec> wanted;  // absent: to be dropped
+    bool serving = false;      // every rank holds it: calls may run
+    bool creating = false;     // its CreateTable still waits
+    std::string group_error;   // a rank could not load this generation (empty: none)
+    // This rank's.
+    Phase phase = Phase::kLoading;
+    std::optional<v1::TableSpec> held;  // the spec of this rank's load (kLoaded, kFailed,
+                                        // kRenormUnsure)
+    std::shared_ptr<core::ShardedTable> shard;           // kLoaded
+    std::shared_ptr<const core::TableConfig> config;     // kLoaded
+    absl::Status error;                                  // kFailed
+  };
+
+  // Rebuilds the step loop's snapshot after a change of shards.
+  void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets records that are neither wanted nor hold anything.
+  void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int rank_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Record> records_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const core::TableSet> tables_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardserve::server
+
+#endif  // SHARDSERVE_SERVER_TABLE_LIFECYCLE_H_
