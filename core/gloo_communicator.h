@@ -55,6 +55,8 @@ class UnboundBuffer;
 
 namespace shardserve::core {
 
+class SharedOutbox;
+
 struct GlooOptions {
   std::string hostname = "127.0.0.1";  // address this rank listens on for its peers
   absl::Duration connect_timeout = absl::Seconds(30);
@@ -109,14 +111,13 @@ class GlooCommunicator : public Collectives, public StepChannel {
 
  private:
   class Exchange;
-  struct SharedMemory;
 
   GlooCommunicator(std::shared_ptr<gloo::Context> context,
                    std::shared_ptr<gloo::Context> sync_context, int rank, int world_size);
   // Runs `body` (which may throw), turning any exception into UNAVAILABLE and breaking the group.
   template <typename Body>
   absl::Status Guarded(const char* what, Body&& body);
-  // AllGatherMessages through the outboxes (SharedMemory::mail).
+  // AllGatherMessages through the outboxes (SharedOutbox::mail).
   void GatherByMail(absl::Span<const char> mine, uint64_t async_slot,
                     std::chrono::milliseconds wait, std::vector<absl::Span<const char>>& views);
   // The next Buffer slots of the synchronous mesh (the same sequence on every rank).
@@ -124,9 +125,6 @@ class GlooCommunicator : public Collectives, public StepChannel {
   // The number of the next AllGatherMessages (round doorbell values; never 0, which means "not
   // waiting", so the count skips it when it wraps, alike on every rank).
   uint32_t NextRound() const { return gathers_ + 1 == 0 ? 1 : gathers_ + 1; }
-  static absl::StatusOr<std::unique_ptr<SharedMemory>> ConnectSharedMemory(
-      RendezvousStore& store, const std::string& prefix, int rank, int world_size,
-      int64_t block_bytes, absl::Duration timeout);
 
   // Declared first: destroyed last, after every buffer that refers to them.
   std::shared_ptr<gloo::Context> context_;
@@ -150,7 +148,7 @@ class GlooCommunicator : public Collectives, public StepChannel {
   };
   std::vector<ReceiveBuffer> received_;
   std::vector<char> outgoing_;
-  std::unique_ptr<SharedMemory> shm_;  // null when no peer shares memory
+  std::unique_ptr<SharedOutbox> shm_;  // null when no peer shares memory
   uint32_t next_park_ = 0;             // park episodes (their slots; doorbell values)
   uint32_t gathers_ = 0;               // AllGatherMessages started (round doorbell values)
   int64_t sync_limit_ = 0;             // the group's largest synchronous-mesh message
