@@ -26,7 +26,8 @@ ABSL_FLAG(int, port, 6399, "redis-server port on 127.0.0.1");
 ABSL_FLAG(bool, load, false, "store the table (seeded values) and exit");
 ABSL_FLAG(int64_t, rows, 100000, "rows");
 ABSL_FLAG(int64_t, dim, 128, "floats per row");
-ABSL_FLAG(std::string, op, "embedding_bag", "embedding_bag (MGET + client-side sum) | embedding (MGET)");
+ABSL_FLAG(std::string, op, "embedding_bag",
+          "embedding_bag (MGET + client-side sum) | embedding (MGET)");
 ABSL_FLAG(int64_t, batch, 512, "bags (or id rows) per call");
 ABSL_FLAG(int64_t, bag, 20, "ids per bag");
 ABSL_FLAG(int, concurrency, 1, "connections, one caller each");
@@ -64,7 +65,8 @@ int Load() {
     }
   }
   redisFree(c);
-  std::printf("stored %lld rows of %lld floats\n", static_cast<long long>(rows), static_cast<long long>(dim));
+  std::printf("stored %lld rows of %lld floats\n", static_cast<long long>(rows),
+              static_cast<long long>(dim));
   return 0;
 }
 
@@ -102,9 +104,11 @@ int main(int argc, char** argv) {
           lens[i + 1] = keys[i].size();
         }
         const absl::Time sent = absl::Now();
-        auto* reply = static_cast<redisReply*>(redisCommandArgv(c, n + 1, argv.data(), lens.data()));
+        auto* reply =
+            static_cast<redisReply*>(redisCommandArgv(c, n + 1, argv.data(), lens.data()));
         int code = 0;
-        if (reply == nullptr || reply->type != REDIS_REPLY_ARRAY || static_cast<int64_t>(reply->elements) != n) {
+        if (reply == nullptr || reply->type != REDIS_REPLY_ARRAY ||
+            static_cast<int64_t>(reply->elements) != n) {
           code = 14;
         } else if (pool) {  // client-side sum pooling, as a do-it-yourself service would
           std::fill(out.begin(), out.end(), 0.0f);
@@ -146,7 +150,8 @@ int main(int argc, char** argv) {
               items, p.p50_us, p.p99_us, static_cast<long long>(bad.load()));
   if (const std::string path = absl::GetFlag(FLAGS_report); !path.empty()) {
     std::ofstream(path) << shardserve::client::ReportJson(
-        absl::StrFormat("\"impl\": \"redis-mget\", \"op\": \"%s\", \"concurrency\": %d, \"batch\": %d, \"bag\": %d",
+        absl::StrFormat("\"impl\": \"redis-mget\", \"op\": \"%s\", \"concurrency\": %d, \"batch\": "
+                        "%d, \"bag\": %d",
                         absl::GetFlag(FLAGS_op), absl::GetFlag(FLAGS_concurrency), batch, bag),
         stats, end - measure_from, items);
   }

@@ -79,7 +79,8 @@ absl::Status Client::CallAdmin(Method method, const Request& request, Response* 
     context.set_wait_for_ready(true);
     status = FromGrpcStatus(((*admin_).*method)(&context, request, response));
     if (status.code() != absl::StatusCode::kUnavailable || absl::Now() >= deadline) break;
-    absl::SleepFor(std::min(options_.backoff * (1 << std::min(attempt, 6)), deadline - absl::Now()));
+    absl::SleepFor(
+        std::min(options_.backoff * (1 << std::min(attempt, 6)), deadline - absl::Now()));
   }
   return status;
 }
@@ -188,7 +189,8 @@ absl::StatusOr<DenseTensor> Client::CallData(const Request& request, Method meth
     if (result.ok() || result.status().code() != absl::StatusCode::kUnavailable) return result;
     last = result.status();
     refresh = true;  // the worker may have moved, or the group may be re-forming
-    absl::SleepFor(std::min(options_.backoff * (1 << std::min(attempt, 6)), deadline - absl::Now()));
+    absl::SleepFor(
+        std::min(options_.backoff * (1 << std::min(attempt, 6)), deadline - absl::Now()));
   }
   return last;
 }

@@ -14,7 +14,8 @@ namespace {
 
 double At(const std::vector<double>& sorted, double q) {
   if (sorted.empty()) return 0;
-  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(std::ceil(q * sorted.size())) - (q > 0 ? 1 : 0));
+  const size_t i = std::min(sorted.size() - 1,
+                            static_cast<size_t>(std::ceil(q * sorted.size())) - (q > 0 ? 1 : 0));
   return sorted[i];
 }
 
@@ -74,7 +75,8 @@ std::vector<LoadStats::Second> LoadStats::Timeline(bool all) const {
 Percentiles LoadStats::Overall() const {
   absl::MutexLock lock(&mu_);
   std::vector<double> all;
-  for (const auto& [second, samples] : latency_us_) all.insert(all.end(), samples.begin(), samples.end());
+  for (const auto& [second, samples] : latency_us_)
+    all.insert(all.end(), samples.begin(), samples.end());
   return ComputePercentiles(std::move(all));
 }
 
@@ -117,22 +119,25 @@ std::string LoadStats::ProgressLine(absl::Time now) const {
   const int64_t second = absl::ToInt64Seconds(now - start_) - 1;
   absl::MutexLock lock(&mu_);
   auto it = seconds_.find(second);
-  if (it == seconds_.end()) return absl::StrFormat("[%3ds] warming up / no completions", second + 1);
+  if (it == seconds_.end())
+    return absl::StrFormat("[%3ds] warming up / no completions", second + 1);
   Percentiles p;
   auto lat = latency_us_.find(second);
   if (lat != latency_us_.end()) p = ComputePercentiles(lat->second);
   int64_t errors = 0;
   for (const auto& [code, n] : errors_) errors += n;
-  return absl::StrFormat("[%3ds] %8d calls/s  %10d items/s  errors %d (total %d)  p50 %.0f us  p99 %.0f us",
-                         second + 1, it->second.calls, it->second.items, it->second.errors, errors,
-                         p.p50_us, p.p99_us);
+  return absl::StrFormat(
+      "[%3ds] %8d calls/s  %10d items/s  errors %d (total %d)  p50 %.0f us  p99 %.0f us",
+      second + 1, it->second.calls, it->second.items, it->second.errors, errors, p.p50_us,
+      p.p99_us);
 }
 
 std::string ReportJson(const std::string& config, const LoadStats& stats, absl::Duration measured,
                        const std::string& item_name) {
   const double seconds = absl::ToDoubleSeconds(measured);
   std::vector<std::string> errors, timeline;
-  for (const auto& [code, n] : stats.Errors()) errors.push_back(absl::StrFormat("\"%d\": %d", code, n));
+  for (const auto& [code, n] : stats.Errors())
+    errors.push_back(absl::StrFormat("\"%d\": %d", code, n));
   for (const LoadStats::Second& s : stats.Timeline()) {
     timeline.push_back(absl::StrFormat(
         "{\"t\": %.0f, \"calls\": %d, \"%s\": %d, \"errors\": %d, \"latency\": %s}", s.t, s.calls,
@@ -157,7 +162,8 @@ std::string TimelineSvg(const LoadStats& stats, const std::string& title,
   const std::vector<LoadStats::Second> t = stats.Timeline();
   const double w = 800, h = 260, left = 70, right = 20, top = 40, gap = 60;
   const double plot_w = w - left - right;
-  double max_lat = 1, max_rate = 1, t0 = t.empty() ? 0 : t.front().t, t1 = t.empty() ? 1 : t.back().t + 1;
+  double max_lat = 1, max_rate = 1, t0 = t.empty() ? 0 : t.front().t,
+         t1 = t.empty() ? 1 : t.back().t + 1;
   for (const auto& s : t) {
     max_lat = std::max(max_lat, s.latency.p999_us);
     max_rate = std::max(max_rate, static_cast<double>(s.items));
@@ -171,10 +177,12 @@ std::string TimelineSvg(const LoadStats& stats, const std::string& title,
   auto panel = [&](double y0, double ymax, const std::string& label,
                    const std::vector<std::pair<std::string, std::string>>& series,
                    const std::function<double(const LoadStats::Second&, int)>& value) {
-    absl::StrAppend(&svg, absl::StrFormat(
-        "<rect x='%.0f' y='%.0f' width='%.0f' height='%.0f' fill='none' stroke='#888'/>\n"
-        "<text x='5' y='%.0f'>%s</text>\n<text x='5' y='%.0f'>%.0f</text>\n<text x='5' y='%.0f'>0</text>\n",
-        left, y0, plot_w, h, y0 - 6, label, y0 + 12, ymax, y0 + h));
+    absl::StrAppend(
+        &svg, absl::StrFormat(
+                  "<rect x='%.0f' y='%.0f' width='%.0f' height='%.0f' fill='none' stroke='#888'/>\n"
+                  "<text x='5' y='%.0f'>%s</text>\n<text x='5' y='%.0f'>%.0f</text>\n<text x='5' "
+                  "y='%.0f'>0</text>\n",
+                  left, y0, plot_w, h, y0 - 6, label, y0 + 12, ymax, y0 + h));
     for (size_t k = 0; k < series.size(); ++k) {
       std::vector<std::string> points;
       for (const auto& s : t) {
@@ -191,8 +199,10 @@ std::string TimelineSvg(const LoadStats& stats, const std::string& title,
   panel(top, max_lat * 1.05, "latency (us)",
         {{"p50", "#1f77b4"}, {"p90", "#2ca02c"}, {"p99", "#ff7f0e"}, {"p99.9", "#d62728"}},
         [](const LoadStats::Second& s, int k) {
-          return k == 0 ? s.latency.p50_us : k == 1 ? s.latency.p90_us : k == 2 ? s.latency.p99_us
-                                                                                 : s.latency.p999_us;
+          return k == 0   ? s.latency.p50_us
+                 : k == 1 ? s.latency.p90_us
+                 : k == 2 ? s.latency.p99_us
+                          : s.latency.p999_us;
         });
   panel(top + h + gap, max_rate * 1.05, item_name + " / s", {{item_name + "/s", "#9467bd"}},
         [](const LoadStats::Second& s, int) { return static_cast<double>(s.items); });

@@ -25,7 +25,8 @@ Percentiles ComputePercentiles(std::vector<double> samples_us);
 class LoadStats {
  public:
   // `start` is time zero of the timeline; samples before `measure_from` (warm-up) are not counted.
-  LoadStats(absl::Time start, absl::Time measure_from) : start_(start), measure_from_(measure_from) {}
+  LoadStats(absl::Time start, absl::Time measure_from)
+      : start_(start), measure_from_(measure_from) {}
 
   // One finished call that started (or was meant to start) at `sent`; `code` 0 = OK. `items` is
   // what the call carried (bags, ids or rows) for the item rate.

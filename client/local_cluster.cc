@@ -43,7 +43,8 @@ std::string LocalCluster::FindServerDir(const std::string& argv0) {
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(LocalClusterOptions options) {
   if (options.workers < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--workers: ", options.workers, " must be >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--workers: ", options.workers, " must be >= 1"));
   }
   if (options.server_dir.empty()) {
     return absl::NotFoundError("cannot find coordinator_main and worker_main (set --server_dir)");

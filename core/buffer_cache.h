@@ -4,9 +4,9 @@
 // Requests up to `max_block_bytes` (best a power of two) are rounded up to a power of two (at
 // least 256 bytes) and served from buffers of that size released earlier, when there is one;
 // released buffers are kept while the cache holds at most `max_cached_bytes`, and freed beyond
-// that. Larger requests (table shards) are allocated and freed as asked. When an allocation fails, the cached buffers are freed
-// and it is tried once more. Thread-safe. Buffers must be released to the cache they came from,
-// which frees what it holds when destroyed.
+// that. Larger requests (table shards) are allocated and freed as asked. When an allocation fails,
+// the cached buffers are freed and it is tried once more. Thread-safe. Buffers must be released to
+// the cache they came from, which frees what it holds when destroyed.
 #ifndef SHARDSERVE_CORE_BUFFER_CACHE_H_
 #define SHARDSERVE_CORE_BUFFER_CACHE_H_
 

@@ -31,8 +31,12 @@ class ReferenceKernels : public LocalKernels {
   bool host_accessible() const override { return true; }
   void InitThread() override {}
   absl::StatusOr<DeviceBuffer> Allocate(int64_t) override { return absl::UnimplementedError(""); }
-  absl::Status CopyFromHost(const void*, void*, int64_t) override { return absl::UnimplementedError(""); }
-  absl::Status CopyToHost(const void*, void*, int64_t) override { return absl::UnimplementedError(""); }
+  absl::Status CopyFromHost(const void*, void*, int64_t) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status CopyToHost(const void*, void*, int64_t) override {
+    return absl::UnimplementedError("");
+  }
   absl::Status GatherRows(const MatrixView& s, const int64_t* ids, int64_t n, float* out,
                           int64_t out_stride) override {
     for (int64_t i = 0; i < n; ++i) {
@@ -65,7 +69,8 @@ class ReferenceKernels : public LocalKernels {
                             double* out) override {
     for (int64_t i = 0; i < n; ++i) {
       out[i] = 0;
-      for (int64_t j = 0; j < s.cols; ++j) out[i] += std::pow(std::fabs(double{s.data[ids[i] * s.cols + j]}), p);
+      for (int64_t j = 0; j < s.cols; ++j)
+        out[i] += std::pow(std::fabs(double{s.data[ids[i] * s.cols + j]}), p);
     }
     return absl::OkStatus();
   }
@@ -76,12 +81,13 @@ class ReferenceKernels : public LocalKernels {
     }
     return absl::OkStatus();
   }
-  absl::Status Linear(const float* x, int64_t rows, int64_t stride, int64_t col0, const MatrixView& w,
-                      const float* bias, float* out) override {
+  absl::Status Linear(const float* x, int64_t rows, int64_t stride, int64_t col0,
+                      const MatrixView& w, const float* bias, float* out) override {
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t o = 0; o < w.rows; ++o) {
         double acc = bias ? bias[o] : 0.0;
-        for (int64_t k = 0; k < w.cols; ++k) acc += double{x[r * stride + col0 + k]} * w.data[o * w.cols + k];
+        for (int64_t k = 0; k < w.cols; ++k)
+          acc += double{x[r * stride + col0 + k]} * w.data[o * w.cols + k];
         out[r * w.rows + o] = static_cast<float>(acc);
       }
     }
@@ -118,8 +124,10 @@ class CudaConformance : public ::testing::Test {
     gpu_shard_ = MatrixView{device_.floats(), rows, cols};
   }
 
-  std::vector<float> Run(int64_t floats, const std::function<absl::Status(LocalKernels&, const MatrixView&, float*)>& op,
-                         bool on_gpu) {
+  std::vector<float> Run(
+      int64_t floats,
+      const std::function<absl::Status(LocalKernels&, const MatrixView&, float*)>& op,
+      bool on_gpu) {
     std::vector<float> host(floats, -123.0f);
     if (!on_gpu) {
       EXPECT_TRUE(op(cpu_, cpu_shard_, host.data()).ok());
@@ -237,7 +245,8 @@ TEST_F(CudaConformance, RenormKernelsMatchCpu) {
     std::vector<double> cpu(ids.size()), gpu(ids.size());
     ASSERT_TRUE(cpu_.RowPowerSums(cpu_shard_, ids.data(), ids.size(), p, cpu.data()).ok());
     ASSERT_TRUE(gpu_->RowPowerSums(gpu_shard_, ids.data(), ids.size(), p, gpu.data()).ok());
-    for (size_t i = 0; i < ids.size(); ++i) EXPECT_NEAR(cpu[i], gpu[i], 1e-6 * std::max(1.0, cpu[i]));
+    for (size_t i = 0; i < ids.size(); ++i)
+      EXPECT_NEAR(cpu[i], gpu[i], 1e-6 * std::max(1.0, cpu[i]));
   }
   const std::vector<float> scales = {0.5f, 2.0f, 1.0f, -1.0f};
   ASSERT_TRUE(cpu_.ScaleRows(cpu_shard_, ids.data(), ids.size(), scales.data()).ok());
@@ -252,7 +261,8 @@ TEST_F(CudaConformance, LinearMatchesCpuWithAndWithoutBiasAndInputSlices) {
   std::vector<float> x(37 * 16), bias(24);
   for (float& v : x) v = normal_(rng_);
   for (float& v : bias) v = normal_(rng_);
-  for (const float* b : {static_cast<const float*>(nullptr), static_cast<const float*>(bias.data())}) {
+  for (const float* b :
+       {static_cast<const float*>(nullptr), static_cast<const float*>(bias.data())}) {
     auto op = [&](LocalKernels& k, const MatrixView& s, float* out) {
       return k.Linear(x.data(), 37, 16, 5, s, b, out);
     };

@@ -84,7 +84,8 @@ int Main() {
                            : got.status().ToString().c_str());
     };
     std::vector<int64_t> my_ids = Ids(ids[rank]);
-    report("Embedding (col-wise, permuted)", ops.Embedding(**emb, {my_ids, ids[rank].sizes().vec()}),
+    report("Embedding (col-wise, permuted)",
+           ops.Embedding(**emb, {my_ids, ids[rank].sizes().vec()}),
            at::embedding(weight, ids[rank]));
     std::vector<int64_t> my_bags = Ids(bags[rank]);
     for (PoolMode mode : {PoolMode::kSum, PoolMode::kMean, PoolMode::kMax}) {

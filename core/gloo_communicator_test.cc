@@ -133,7 +133,8 @@ TEST(GlooCommunicator, SplitPhaseAllToAllInAnySendOrder) {
       }
       ASSERT_TRUE((*exchange)->Wait().ok());
       for (int q = 0; q < world; ++q) {
-        EXPECT_EQ(BlockFrom(**exchange, out, recv, q), std::vector<int64_t>(recv[q], 100 * q + rank))
+        EXPECT_EQ(BlockFrom(**exchange, out, recv, q),
+                  std::vector<int64_t>(recv[q], 100 * q + rank))
             << "round " << round << ", from " << q;
       }
     }
@@ -175,7 +176,8 @@ void ExchangeRound(GlooCommunicator& comm, int rank, int world, int round,
   if (rank == 0) absl::SleepFor(absl::Milliseconds(30));
   for (int q = 0; q < world; ++q) {
     std::vector<float> expected;
-    for (int64_t i = 0; i < recv[q]; ++i) expected.push_back(1000.0f * q + 100.0f * rank + i + round);
+    for (int64_t i = 0; i < recv[q]; ++i)
+      expected.push_back(1000.0f * q + 100.0f * rank + i + round);
     EXPECT_EQ(BlockFrom(**exchange, out, recv, q), expected)
         << "round " << round << ", " << label << ", from " << q;
     if (got) got(**exchange, q, recv[q]);
@@ -235,7 +237,8 @@ TEST(GlooCommunicator, ExchangesWhoseDirectionsDifferKeepEveryBlockIntact) {
         },
         [&](int rank, GlooCommunicator& comm) {
           for (int round = 0; round < 9; ++round) {
-            // 0, 10 or 20 floats (0, 40 or 80 bytes) from `from` to `to`: rarely the same both ways.
+            // 0, 10 or 20 floats (0, 40 or 80 bytes) from `from` to `to`: rarely the same both
+            // ways.
             ExchangeRound(
                 comm, rank, world, round,
                 [&](int from, int to) -> int64_t { return 10 * ((2 * from + to + round) % 3); },
@@ -262,7 +265,8 @@ TEST(GlooCommunicator, RanksWithDifferentSyncLimitsAgreeOnEveryPath) {
       [&](int rank, GlooCommunicator& comm) {
         for (const int64_t size : {limit - 16, limit - 8, limit - 7, limit, limit + 1, 3 * limit}) {
           const std::string mine(size + rank, static_cast<char>('a' + rank));
-          auto got = comm.AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
+          auto got =
+              comm.AllGatherMessages(absl::MakeConstSpan(mine.data(), mine.size()), kTimeout);
           ASSERT_TRUE(got.ok()) << got.status();
           for (int q = 0; q < world; ++q) {
             EXPECT_EQ(std::string((*got)[q].data(), (*got)[q].size()),
@@ -297,8 +301,9 @@ TEST(GlooCommunicator, SilentPeerMakesHotPathFailWithinSyncTimeout) {
         // Broken from now on: the exchange fails at once.
         std::vector<float> out(4);
         start = absl::Now();
-        auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
-                                            std::vector<int64_t>{2, 2}, DataType::kFloat32, absl::Seconds(30));
+        auto exchange =
+            comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2}, std::vector<int64_t>{2, 2},
+                                DataType::kFloat32, absl::Seconds(30));
         EXPECT_EQ(exchange.status().code(), absl::StatusCode::kUnavailable);
         EXPECT_LT(absl::Now() - start, absl::Milliseconds(100));
       },
@@ -317,8 +322,9 @@ TEST(GlooCommunicator, SilentPeerMakesExchangeFailWithinSyncTimeout) {
         }
         std::vector<float> out(4), mine(2, 1.0f);
         const absl::Time start = absl::Now();
-        auto exchange = comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2},
-                                            std::vector<int64_t>{2, 2}, DataType::kFloat32, absl::Seconds(30));
+        auto exchange =
+            comm.StartAllToAllV(out.data(), std::vector<int64_t>{2, 2}, std::vector<int64_t>{2, 2},
+                                DataType::kFloat32, absl::Seconds(30));
         ASSERT_TRUE(exchange.ok());
         ASSERT_TRUE((*exchange)->Send(0, mine.data(), 2).ok());
         ASSERT_TRUE((*exchange)->Send(1, mine.data(), 2).ok());
@@ -492,8 +498,10 @@ TEST(GlooCommunicator, OneWayLargeBlockInAPairUsesTheSyncPath) {
     // Rank 1 sends 3 MiB to rank 0 and gets nothing back: it may block writing until rank 0 reads.
     const int64_t n = 3 << 18;
     std::vector<float> big(n, 7.0f), out(rank == 0 ? n : 0);
-    const std::vector<int64_t> recv = rank == 0 ? std::vector<int64_t>{0, n} : std::vector<int64_t>{0, 0};
-    const std::vector<int64_t> send = rank == 1 ? std::vector<int64_t>{n, 0} : std::vector<int64_t>{0, 0};
+    const std::vector<int64_t> recv =
+        rank == 0 ? std::vector<int64_t>{0, n} : std::vector<int64_t>{0, 0};
+    const std::vector<int64_t> send =
+        rank == 1 ? std::vector<int64_t>{n, 0} : std::vector<int64_t>{0, 0};
     auto exchange = comm.StartAllToAllV(out.data(), recv, send, DataType::kFloat32, kTimeout);
     ASSERT_TRUE(exchange.ok()) << exchange.status();
     if (rank == 1) ASSERT_TRUE((*exchange)->Send(0, big.data(), n).ok());
@@ -716,7 +724,8 @@ TEST(GlooCommunicator, DeadPeerMakesCollectiveFailFast) {
     }
     std::vector<float> data(1024, 1.0f);
     const absl::Time start = absl::Now();
-    absl::Status status = comm.AllReduce(data.data(), data.size(), ReduceOp::kSum, absl::Seconds(5));
+    absl::Status status =
+        comm.AllReduce(data.data(), data.size(), ReduceOp::kSum, absl::Seconds(5));
     EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
     EXPECT_LT(absl::Now() - start, absl::Seconds(6));
   });

@@ -38,7 +38,8 @@ struct InputLayout {
   static InputLayout Of(InputKind kind, int64_t num, int64_t num_bags, bool has_weights);
 };
 
-// Appends a message's words to `out` (header written, body zeroed) and returns its layout, relative to where it starts in `out`: the caller writes the body.
+// Appends a message's words to `out` (header written, body zeroed) and returns its layout, relative
+// to where it starts in `out`: the caller writes the body.
 InputLayout AppendInputMessage(InputKind kind, int64_t num, int64_t num_bags, bool has_weights,
                                PoolMode mode, std::vector<int64_t>& out);
 

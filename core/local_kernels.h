@@ -1,10 +1,11 @@
 // LocalKernels: the per-device compute the sharded ops run on a rank's own shard.
 //
-// The op algorithms (sharded_ops.h) are written once against this interface and Communicator;
-// a device slots in by implementing both (CpuKernels over LibTorch's CPU ops now, CUDA kernels +
-// cuBLAS later). Memory spaces: "device" pointers (shards, kernel outputs, collective buffers) live
-// in the kernels' memory space; pointers documented as "host" (ids, offsets, weights of samples,
-// linear inputs, norms) are ordinary host memory, since requests arrive on the host.
+// The op algorithms (sharded_ops.h) are written once against this interface and Collectives; a
+// device slots in by implementing both (CpuKernels over LibTorch's CPU ops and Gloo; CudaKernels
+// over CUDA kernels and cuBLAS, with NCCL). Memory spaces: "device" pointers (shards, kernel
+// outputs, collective buffers) live in the kernels' memory space; pointers documented as "host"
+// (ids, offsets, weights of samples, linear inputs, norms) are ordinary host memory, since requests
+// arrive on the host.
 //
 // Implementations are thread-compatible: one executor thread per device calls them, after
 // InitThread(). Calls return INTERNAL when the backend fails (they never throw).

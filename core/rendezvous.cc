@@ -23,8 +23,8 @@ absl::StatusOr<std::string> InProcessRendezvous::Get(absl::string_view key,
   const std::string k(key);
   auto present = [this, &k]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return values_.contains(k); };
   if (!mu_.AwaitWithTimeout(absl::Condition(&present), timeout)) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("rendezvous: key \"", key, "\" not set within ", absl::FormatDuration(timeout)));
+    return absl::DeadlineExceededError(absl::StrCat("rendezvous: key \"", key, "\" not set within ",
+                                                    absl::FormatDuration(timeout)));
   }
   return values_[k];
 }
@@ -62,8 +62,8 @@ absl::StatusOr<std::string> FileRendezvous::Get(absl::string_view key, absl::Dur
       return buffer.str();
     }
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("rendezvous: key \"", key, "\" not set within ",
-                                                      absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rendezvous: key \"", key, "\" not set within ", absl::FormatDuration(timeout)));
     }
     absl::SleepFor(absl::Milliseconds(2));
   }

@@ -1,9 +1,10 @@
 // RendezvousStore: the key-value store ranks use to find each other when a group forms.
 //
-// The coordinator hosts one for the service (later); tests and the in-process demo use
-// InProcessRendezvous; separate processes on one machine can use FileRendezvous. Keys are
-// namespaced by the caller (group and epoch), values are opaque bytes. Implementations are
-// thread-safe. Get waits up to `timeout` for the key and returns DEADLINE_EXCEEDED naming it.
+// The coordinator hosts one for the service (workers reach it as CoordinatorRendezvous, in
+// server/); tests and the in-process demo use InProcessRendezvous; separate processes on one
+// machine can use FileRendezvous. Keys are namespaced by the caller (group and epoch), values are
+// opaque bytes. Implementations are thread-safe. Get waits up to `timeout` for the key and returns
+// DEADLINE_EXCEEDED naming it.
 #ifndef SHARDSERVE_CORE_RENDEZVOUS_H_
 #define SHARDSERVE_CORE_RENDEZVOUS_H_
 

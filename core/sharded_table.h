@@ -1,8 +1,8 @@
 // ShardedTable: one rank's shard of an embedding table or linear layer (TableConfig).
 //
-// The rank's shard is the sub-matrix of its chunk: rows [row_begin, row_begin + shard_rows) and columns
-// [col_begin, col_begin + shard_cols), held in the LocalKernels' memory. A linear layer's bias is
-// small and every rank keeps all of it on the host.
+// The rank's shard is the sub-matrix of its chunk: rows [row_begin, row_begin + shard_rows) and
+// columns [col_begin, col_begin + shard_cols), held in the LocalKernels' memory. A linear layer's
+// bias is small and every rank keeps all of it on the host.
 //
 // ShardedTable is thread-compatible: the executor thread that runs ops on it owns it.
 #ifndef SHARDSERVE_CORE_SHARDED_TABLE_H_

@@ -403,7 +403,8 @@ TEST(StepLoop, ARankOfAnotherBuildOrStepModeFailsTheGroupWithAnErrorThatSaysSo) 
        {"rank 1 speaks an older step protocol",
         "every rank of a group must run the same shardserve build"}},
       {{hello_magic, 1},
-       {"rank 1 speaks step protocol 1", "every rank of a group must run the same shardserve build"}},
+       {"rank 1 speaks step protocol 1",
+        "every rank of a group must run the same shardserve build"}},
       {{hello_magic, kStepProtocol, 1},
        {"rank 1 runs with one_request_per_step on, this rank off",
         "every rank of a group must form steps alike"}},
@@ -591,7 +592,8 @@ TEST(StepLoop, ATableLoadedAnewWhileTheFailingStepRanIsKept) {
   for (int k = 0; k < PartialRenorm::kCols; ++k) norm += row[k] * row[k];
   const double scale = 0.5 / (std::sqrt(norm) + 1e-7);
   ASSERT_EQ(got->Values().size(), static_cast<size_t>(PartialRenorm::kCols));
-  for (int k = 0; k < PartialRenorm::kCols; ++k) EXPECT_NEAR(got->Values()[k], row[k] * scale, 1e-5);
+  for (int k = 0; k < PartialRenorm::kCols; ++k)
+    EXPECT_NEAR(got->Values()[k], row[k] * scale, 1e-5);
 }
 
 // CPU kernels whose row gathers fail, as a device's may (a failed allocation or kernel launch).
@@ -800,7 +802,8 @@ TEST(StepLoop, ResultsCanTravelOnASeparateDataGroup) {
   }
   // The results really take the data group: once rank 1's is aborted, the next step fails.
   f.loops[1]->RunBetweenSteps([data_of_rank_1] { data_of_rank_1->Abort().IgnoreError(); });
-  absl::StatusOr<DenseResult> failed = f.Submit(0, BagRequest(f.emb, {1, 2, 3}, 3, PoolMode::kSum)).get();
+  absl::StatusOr<DenseResult> failed =
+      f.Submit(0, BagRequest(f.emb, {1, 2, 3}, 3, PoolMode::kSum)).get();
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
 }
 

@@ -240,7 +240,8 @@ TEST(Safetensors, RejectsMalformedFilesAndWrongShapes) {
   auto table = ShardedTable::Create(config, 0, kernels);
   absl::Status status = (*table)->LoadCheckpoint(small);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(status.message()), HasSubstr("needs tensor \"weight\" F32 [23,7], has F32 [2,3]"));
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("needs tensor \"weight\" F32 [23,7], has F32 [2,3]"));
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "server/coordinator_rendezvous.h"
 #include "server/grpc_settings.h"
 #include "server/grpc_status.h"
+#include "server/health_names.h"
 #include "server/health_service.h"
 #include "server/tensor_codec.h"
 #ifndef SHARDSERVE_GPU_ONLY
@@ -33,13 +34,6 @@
 #endif
 
 namespace shardserve::server {
-namespace {
-
-std::string TableHealthName(const std::string& table) {
-  return absl::StrCat("shardserve.v1.table/", table);
-}
-
-}  // namespace
 
 // Shard reads for the coordinator's ExportTable.
 class Worker::InternalService final : public v1::internal::WorkerInternal::Service {
@@ -185,8 +179,8 @@ void Worker::UpdateHealth() {
   if (server_ == nullptr) return;
   HealthService& health = data_service_->health();
   const bool serving = loop_->serving() && !group_broken_;
-  health.SetServingStatus("", serving);
-  health.SetServingStatus("shardserve.v1.DataService", serving);
+  health.SetServingStatus(kServerHealthName, serving);
+  health.SetServingStatus(kDataServiceHealthName, serving);
   std::set<std::string> names;
   for (const auto& [name, phase] : tables_.Phases()) {
     if (phase != TableLifecycle::Phase::kLoaded && phase != TableLifecycle::Phase::kServing) {

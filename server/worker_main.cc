@@ -19,7 +19,8 @@ ABSL_FLAG(int, rank, 0, "this worker's rank in the group");
 ABSL_FLAG(bool, rank_from_hostname, false,
           "take the rank from the hostname's trailing -N (a StatefulSet pod's ordinal)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "data API address (port 0: pick a free port)");
-ABSL_FLAG(std::string, advertise_host, "127.0.0.1", "host peers and clients use to reach this worker");
+ABSL_FLAG(std::string, advertise_host, "127.0.0.1",
+          "host peers and clients use to reach this worker");
 ABSL_FLAG(std::string, device, "cpu", "cpu (cuda:N in GPU builds)");
 ABSL_FLAG(int, copy_lanes, 4,
           "cuda:N: threads that copy each host<->device transfer of 2 MiB or more through pinned "
@@ -102,7 +103,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
     return 1;
   }
-  std::fprintf(stderr, "worker rank %d serving on %s\n", options.rank, (*worker)->address().c_str());
+  std::fprintf(stderr, "worker rank %d serving on %s\n", options.rank,
+               (*worker)->address().c_str());
   shardserve::server::WritePortFile(absl::GetFlag(FLAGS_port_file), (*worker)->port());
   shardserve::server::WaitForShutdownSignal();
   (*worker)->Shutdown();
