@@ -4,8 +4,11 @@
 // arrivals; latency is measured from each call's intended send time, so a slow server cannot hide
 // its queueing). Ops Embedding / EmbeddingBag / Linear or a --mix; ids uniform or Zipf(--zipf);
 // unary or --stream (pipelined, --pipeline calls in flight per stream); --warmup_s then
-// --duration_s. Prints a live progress line, then a latency summary and errors by status code;
-// --report writes JSON, --svg a chart of latency percentiles and throughput over time.
+// --duration_s. Prints a live progress line, then a latency summary (of OK calls, and of failed
+// ones) and errors by status code; --report writes JSON (with a timeline in --timeline_ms bins),
+// --svg a chart of latency percentiles and throughput over time. In a closed loop a caller whose
+// call failed waits before its next one (--backoff_ms, doubling up to --max_backoff_ms, reset by
+// a success), so that a failing server is not flooded with retries.
 //
 //   shardserve-load --coordinator=127.0.0.1:50051 --table=demo_embeddings --op=embedding_bag \
 //       --batch=512 --bag=20 --concurrency=4 --duration_s=10
@@ -64,11 +67,72 @@ ABSL_FLAG(std::string, report, "", "write the JSON report here");
 ABSL_FLAG(std::string, svg, "", "write the latency/throughput chart here");
 ABSL_FLAG(bool, progress, true, "live progress line on stderr");
 ABSL_FLAG(uint64_t, seed, 1, "random seed of the generated requests");
+ABSL_FLAG(int, timeline_ms, 1000, "width of the report's timeline bins");
+ABSL_FLAG(int, backoff_ms, 1, "closed loop: a caller's wait after a failed call (0: none)");
+ABSL_FLAG(int, max_backoff_ms, 100, "closed loop: the longest wait after failed calls");
 
 namespace shardserve::client {
 namespace {
 
 enum class Op { kEmbedding, kBag, kLinear };
+
+// Runs functions at given times on one thread of its own (callers back off without holding a
+// gRPC thread).
+class Delayer {
+ public:
+  Delayer() : thread_([this] { Run(); }) {}
+  ~Delayer() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  void At(absl::Time when, std::function<void()> fn) {
+    absl::MutexLock lock(&mu_);
+    due_.emplace(when, std::move(fn));
+  }
+
+ private:
+  void Run() {
+    absl::MutexLock lock(&mu_);
+    while (!stop_ || !due_.empty()) {
+      const absl::Time next = due_.empty() ? absl::Now() + absl::Milliseconds(10)
+                                           : due_.begin()->first;
+      auto news = [this, next]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return (stop_ && due_.empty()) || (!due_.empty() && due_.begin()->first < next);
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&news), next);
+      if (due_.empty() || due_.begin()->first > absl::Now()) continue;
+      std::function<void()> fn = std::move(due_.begin()->second);
+      due_.erase(due_.begin());
+      mu_.Unlock();
+      fn();
+      mu_.Lock();
+    }
+  }
+
+  absl::Mutex mu_;
+  std::multimap<absl::Time, std::function<void()>> due_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+// A caller's wait before its next call: none while calls succeed; after a failure
+// --backoff_ms, doubling with each failure in a row up to --max_backoff_ms.
+class Backoff {
+ public:
+  absl::Duration After(bool ok) {
+    const absl::Duration first = absl::Milliseconds(absl::GetFlag(FLAGS_backoff_ms));
+    const absl::Duration most = absl::Milliseconds(absl::GetFlag(FLAGS_max_backoff_ms));
+    wait_ = ok || first <= absl::ZeroDuration() ? absl::ZeroDuration()
+                                                 : std::min(std::max(wait_ * 2, first), most);
+    return wait_;
+  }
+
+ private:
+  absl::Duration wait_ = absl::ZeroDuration();
+};
 
 // Ids from a uniform or Zipf distribution; Zipf's popular ids are scattered over the table.
 class IdSource {
@@ -109,8 +173,9 @@ struct Workload {
 class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1::StreamResponse> {
  public:
   StreamCaller(const Workload& w, LoadStats& stats, int depth, int64_t first, absl::Time end,
-               absl::Duration deadline, absl::BlockingCounter& done)
-      : w_(w), stats_(stats), depth_(depth), next_(first), end_(end), done_(done) {
+               absl::Duration deadline, absl::BlockingCounter& done, Delayer& delayer)
+      : w_(w), stats_(stats), depth_(depth), next_(first), end_(end), done_(done),
+        delayer_(delayer) {
     context_.set_deadline(absl::ToChronoTime(end + deadline));
   }
 
@@ -135,6 +200,22 @@ class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1:
       if (it != in_flight_.end()) {
         stats_.Record(it->second.first, absl::Now(), response_.code(), it->second.second);
         in_flight_.erase(it);
+      }
+      const absl::Duration wait = backoff_.After(response_.code() == 0);
+      if (wait > absl::ZeroDuration() && !paused_) {
+        // Send nothing more until the wait is over (the answers in flight still come).
+        paused_ = true;
+        AddHold();
+        delayer_.At(absl::Now() + wait, [this] {
+          Actions resumed;
+          {
+            absl::MutexLock lock(&mu_);
+            paused_ = false;
+            resumed = Fill();
+          }
+          Apply(resumed);
+          RemoveHold();
+        });
       }
       actions = Fill();
     }
@@ -173,7 +254,7 @@ class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1:
   // lock: the next write, or closing the writes once nothing is left in flight.
   Actions Fill() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const absl::Time now = absl::Now();
-    while (now < end_ && static_cast<int>(in_flight_.size()) < depth_) {
+    while (!paused_ && now < end_ && static_cast<int>(in_flight_.size()) < depth_) {
       const Op op = w_.schedule[next_ % w_.schedule.size()];
       queue_.push_back(w_.pool.at(op)[next_ % w_.pool.at(op).size()]);
       ++next_;
@@ -185,7 +266,7 @@ class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1:
     if (!queue_.empty()) {
       writing_ = true;
       actions.write = &queue_.front();
-    } else if (now >= end_ && in_flight_.empty()) {
+    } else if (now >= end_ && in_flight_.empty() && !paused_) {
       closed_ = true;
       actions.close = true;
     }
@@ -203,6 +284,7 @@ class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1:
   int64_t next_;  // index of the next request in the workload
   const absl::Time end_;
   absl::BlockingCounter& done_;
+  Delayer& delayer_;
   grpc::ClientContext context_;
   v1::StreamResponse response_;  // the answer being read
   absl::Mutex mu_;
@@ -212,6 +294,8 @@ class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1:
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;  // a write failed
+  bool paused_ ABSL_GUARDED_BY(mu_) = false;  // backing off after a failed call
+  Backoff backoff_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
@@ -322,7 +406,9 @@ int Main(int argc, char** argv) {
   const absl::Time start = absl::Now();
   const absl::Time measure_from = start + absl::Seconds(absl::GetFlag(FLAGS_warmup_s));
   const absl::Time end = measure_from + absl::Seconds(absl::GetFlag(FLAGS_duration_s));
-  LoadStats stats(start, measure_from);
+  LoadStats stats(start, measure_from,
+                  absl::Milliseconds(std::max(1, absl::GetFlag(FLAGS_timeline_ms))));
+  Delayer delayer;
   const absl::Duration deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   std::atomic<bool> done{false};
   std::thread progress([&] {
@@ -397,6 +483,7 @@ int Main(int argc, char** argv) {
         int64_t items = 0;
       };
       std::atomic<int> live{callers};
+      std::vector<Backoff> backoffs(callers);  // each touched by its caller's chain only
       std::function<void(int, int64_t)> issue = [&](int c, int64_t i) {
         if (absl::Now() >= end) {
           --live;
@@ -410,7 +497,12 @@ int Main(int argc, char** argv) {
         chain->context.set_deadline(absl::ToChronoTime(chain->sent + deadline));
         auto callback = [&, c, i, chain](grpc::Status status) {
           stats.Record(chain->sent, absl::Now(), status.error_code(), chain->items);
-          issue(c, i + 1);
+          const absl::Duration wait = backoffs[c].After(status.ok());
+          if (wait > absl::ZeroDuration()) {
+            delayer.At(absl::Now() + wait, [&issue, c, i] { issue(c, i + 1); });
+          } else {
+            issue(c, i + 1);
+          }
         };
         v1::DataService::Stub& stub = *stubs[c % stubs.size()];
         switch (r.op_case()) {
@@ -431,7 +523,8 @@ int Main(int argc, char** argv) {
     if (stream) {
       absl::BlockingCounter streams_done(callers);
       for (int c = 0; c < callers; ++c) {
-        (new StreamCaller(w, stats, depth, c * int64_t{7919}, end, deadline, streams_done))
+        (new StreamCaller(w, stats, depth, c * int64_t{7919}, end, deadline, streams_done,
+                          delayer))
             ->Begin(*stubs[c % stubs.size()]);
       }
       streams_done.Wait();
@@ -460,6 +553,10 @@ int Main(int argc, char** argv) {
   }
   for (const auto& [code, n] : stats.Errors())
     std::printf("  errors with status %d: %lld\n", code, static_cast<long long>(n));
+  if (const Percentiles f = stats.Failed(); f.count > 0) {
+    std::printf("  failed calls' latency: p50 %.0f us, p99 %.0f us, max %.0f us\n", f.p50_us,
+                f.p99_us, f.max_us);
+  }
   const std::string config = absl::StrFormat(
       "\"impl\": \"shardserve\", \"op\": \"%s\", \"loop\": \"%s\", \"concurrency\": %d, \"qps\": "
       "%.1f, "

@@ -44,32 +44,38 @@ Percentiles ComputePercentiles(std::vector<double> samples) {
 
 void LoadStats::Record(absl::Time sent, absl::Time done, int code, int64_t items) {
   if (done < measure_from_) return;
-  const int64_t second = absl::ToInt64Seconds(done - start_);
+  const int64_t bin = (done - start_) / bin_;
   absl::MutexLock lock(&mu_);
-  Second& s = seconds_[second];
-  s.t = static_cast<double>(second);
+  Bin& s = bins_[bin];
+  s.t = absl::ToDoubleSeconds(bin * bin_);
   ++s.calls;
   if (code == 0) {
     s.items += items;
-    latency_us_[second].push_back(absl::ToDoubleMicroseconds(done - sent));
+    latency_us_[bin].push_back(absl::ToDoubleMicroseconds(done - sent));
   } else {
     ++s.errors;
     ++errors_[code];
+    failed_us_.push_back(absl::ToDoubleMicroseconds(done - sent));
   }
 }
 
-std::vector<LoadStats::Second> LoadStats::Timeline(bool all) const {
+std::vector<LoadStats::Bin> LoadStats::Timeline(bool all) const {
   absl::MutexLock lock(&mu_);
-  std::vector<Second> out;
-  const int64_t last = seconds_.empty() ? 0 : seconds_.rbegin()->first;
-  for (const auto& [second, s] : seconds_) {
-    if (!all && second == last) continue;  // still filling
-    Second copy = s;
-    auto it = latency_us_.find(second);
+  std::vector<Bin> out;
+  const int64_t last = bins_.empty() ? 0 : bins_.rbegin()->first;
+  for (const auto& [bin, s] : bins_) {
+    if (!all && bin == last) continue;  // still filling
+    Bin copy = s;
+    auto it = latency_us_.find(bin);
     if (it != latency_us_.end()) copy.latency = ComputePercentiles(it->second);
     out.push_back(copy);
   }
   return out;
+}
+
+Percentiles LoadStats::Failed() const {
+  absl::MutexLock lock(&mu_);
+  return ComputePercentiles(failed_us_);
 }
 
 Percentiles LoadStats::Overall() const {
@@ -104,32 +110,41 @@ std::map<int, int64_t> LoadStats::Errors() const {
 int64_t LoadStats::calls() const {
   absl::MutexLock lock(&mu_);
   int64_t n = 0;
-  for (const auto& [second, s] : seconds_) n += s.calls;
+  for (const auto& [bin, s] : bins_) n += s.calls;
   return n;
 }
 
 int64_t LoadStats::items() const {
   absl::MutexLock lock(&mu_);
   int64_t n = 0;
-  for (const auto& [second, s] : seconds_) n += s.items;
+  for (const auto& [bin, s] : bins_) n += s.items;
   return n;
 }
 
 std::string LoadStats::ProgressLine(absl::Time now) const {
+  // The last complete second, from the bins that end in it.
   const int64_t second = absl::ToInt64Seconds(now - start_) - 1;
+  const absl::Time from = start_ + absl::Seconds(second), to = from + absl::Seconds(1);
   absl::MutexLock lock(&mu_);
-  auto it = seconds_.find(second);
-  if (it == seconds_.end())
-    return absl::StrFormat("[%3ds] warming up / no completions", second + 1);
-  Percentiles p;
-  auto lat = latency_us_.find(second);
-  if (lat != latency_us_.end()) p = ComputePercentiles(lat->second);
+  int64_t calls = 0, items = 0, errors_now = 0;
+  std::vector<double> latencies;
+  for (auto it = bins_.lower_bound((from - start_) / bin_);
+       it != bins_.end() && start_ + it->first * bin_ < to; ++it) {
+    calls += it->second.calls;
+    items += it->second.items;
+    errors_now += it->second.errors;
+    auto lat = latency_us_.find(it->first);
+    if (lat != latency_us_.end()) {
+      latencies.insert(latencies.end(), lat->second.begin(), lat->second.end());
+    }
+  }
+  if (calls == 0) return absl::StrFormat("[%3ds] warming up / no completions", second + 1);
+  const Percentiles p = ComputePercentiles(std::move(latencies));
   int64_t errors = 0;
   for (const auto& [code, n] : errors_) errors += n;
   return absl::StrFormat(
       "[%3ds] %8d calls/s  %10d items/s  errors %d (total %d)  p50 %.0f us  p99 %.0f us",
-      second + 1, it->second.calls, it->second.items, it->second.errors, errors, p.p50_us,
-      p.p99_us);
+      second + 1, calls, items, errors_now, errors, p.p50_us, p.p99_us);
 }
 
 std::string ReportJson(const std::string& config, const LoadStats& stats, absl::Duration measured,
@@ -138,10 +153,10 @@ std::string ReportJson(const std::string& config, const LoadStats& stats, absl::
   std::vector<std::string> errors, timeline;
   for (const auto& [code, n] : stats.Errors())
     errors.push_back(absl::StrFormat("\"%d\": %d", code, n));
-  for (const LoadStats::Second& s : stats.Timeline()) {
+  for (const LoadStats::Bin& s : stats.Timeline()) {
     timeline.push_back(absl::StrFormat(
-        "{\"t\": %.0f, \"calls\": %d, \"%s\": %d, \"errors\": %d, \"latency\": %s}", s.t, s.calls,
-        item_name, s.items, s.errors, PercentilesJson(s.latency)));
+        "{\"t\": %g, \"calls\": %d, \"%s\": %d, \"errors\": %d, \"latency\": %s}", s.t,
+        s.calls, item_name, s.items, s.errors, PercentilesJson(s.latency)));
   }
   std::vector<std::string> histogram;
   for (const auto& [le, n] : stats.Histogram()) {
@@ -152,21 +167,25 @@ std::string ReportJson(const std::string& config, const LoadStats& stats, absl::
       ", \"calls\": ", stats.calls(),
       absl::StrFormat(", \"calls_per_s\": %.1f, \"%s_per_s\": %.1f", stats.calls() / seconds,
                       item_name, stats.items() / seconds),
-      ", \"latency\": ", PercentilesJson(stats.Overall()), ", \"latency_histogram\": [",
+      ", \"latency\": ", PercentilesJson(stats.Overall()),
+      ", \"failed_latency\": ", PercentilesJson(stats.Failed()),
+      absl::StrFormat(", \"bin_s\": %g", absl::ToDoubleSeconds(stats.bin())),
+      ", \"latency_histogram\": [",
       absl::StrJoin(histogram, ", "), "], \"errors_by_code\": {",
       absl::StrJoin(errors, ", "), "}, \"timeline\": [", absl::StrJoin(timeline, ", "), "]}\n");
 }
 
 std::string TimelineSvg(const LoadStats& stats, const std::string& title,
                         const std::string& item_name) {
-  const std::vector<LoadStats::Second> t = stats.Timeline();
+  const std::vector<LoadStats::Bin> t = stats.Timeline();
+  const double bin_s = absl::ToDoubleSeconds(stats.bin());
   const double w = 800, h = 260, left = 70, right = 20, top = 40, gap = 60;
   const double plot_w = w - left - right;
   double max_lat = 1, max_rate = 1, t0 = t.empty() ? 0 : t.front().t,
-         t1 = t.empty() ? 1 : t.back().t + 1;
+         t1 = t.empty() ? 1 : t.back().t + bin_s;
   for (const auto& s : t) {
     max_lat = std::max(max_lat, s.latency.p999_us);
-    max_rate = std::max(max_rate, static_cast<double>(s.items));
+    max_rate = std::max(max_rate, s.items / bin_s);
   }
   auto x = [&](double v) { return left + (v - t0) / std::max(t1 - t0, 1.0) * plot_w; };
   std::string svg = absl::StrFormat(
@@ -176,7 +195,7 @@ std::string TimelineSvg(const LoadStats& stats, const std::string& title,
       w, top + 2 * h + gap + 30, left, title);
   auto panel = [&](double y0, double ymax, const std::string& label,
                    const std::vector<std::pair<std::string, std::string>>& series,
-                   const std::function<double(const LoadStats::Second&, int)>& value) {
+                   const std::function<double(const LoadStats::Bin&, int)>& value) {
     absl::StrAppend(
         &svg, absl::StrFormat(
                   "<rect x='%.0f' y='%.0f' width='%.0f' height='%.0f' fill='none' stroke='#888'/>\n"
@@ -187,7 +206,7 @@ std::string TimelineSvg(const LoadStats& stats, const std::string& title,
       std::vector<std::string> points;
       for (const auto& s : t) {
         const double v = value(s, static_cast<int>(k));
-        points.push_back(absl::StrFormat("%.1f,%.1f", x(s.t + 0.5), y0 + h - v / ymax * h));
+        points.push_back(absl::StrFormat("%.1f,%.1f", x(s.t + bin_s / 2), y0 + h - v / ymax * h));
       }
       absl::StrAppend(&svg, absl::StrFormat(
           "<polyline fill='none' stroke='%s' stroke-width='2' points='%s'/>\n"
@@ -198,14 +217,14 @@ std::string TimelineSvg(const LoadStats& stats, const std::string& title,
   };
   panel(top, max_lat * 1.05, "latency (us)",
         {{"p50", "#1f77b4"}, {"p90", "#2ca02c"}, {"p99", "#ff7f0e"}, {"p99.9", "#d62728"}},
-        [](const LoadStats::Second& s, int k) {
+        [](const LoadStats::Bin& s, int k) {
           return k == 0   ? s.latency.p50_us
                  : k == 1 ? s.latency.p90_us
                  : k == 2 ? s.latency.p99_us
                           : s.latency.p999_us;
         });
   panel(top + h + gap, max_rate * 1.05, item_name + " / s", {{item_name + "/s", "#9467bd"}},
-        [](const LoadStats::Second& s, int) { return static_cast<double>(s.items); });
+        [bin_s](const LoadStats::Bin& s, int) { return s.items / bin_s; });
   absl::StrAppend(&svg, absl::StrFormat("<text x='%.0f' y='%.0f'>time (s)</text>\n</svg>\n",
                                         left + plot_w / 2, top + 2 * h + gap + 25));
   return svg;

@@ -1,6 +1,7 @@
 // Latency and throughput bookkeeping for load generators (shardserve-load and the baselines it is
-// compared with): thread-safe sample recording, per-second timeline, percentiles, errors by status
-// code, a JSON report and an SVG chart of latency percentiles and throughput over time.
+// compared with): thread-safe sample recording, a timeline in bins (1 s, or finer for fault
+// drills), percentiles of OK and of failed calls, errors by status code, a JSON report and an SVG
+// chart of latency percentiles and throughput over time.
 #ifndef SHARDSERVE_CLIENT_LOAD_STATS_H_
 #define SHARDSERVE_CLIENT_LOAD_STATS_H_
 
@@ -25,21 +26,25 @@ Percentiles ComputePercentiles(std::vector<double> samples_us);
 class LoadStats {
  public:
   // `start` is time zero of the timeline; samples before `measure_from` (warm-up) are not counted.
-  LoadStats(absl::Time start, absl::Time measure_from)
-      : start_(start), measure_from_(measure_from) {}
+  // The timeline counts calls in bins of `bin` by the time they end.
+  LoadStats(absl::Time start, absl::Time measure_from, absl::Duration bin = absl::Seconds(1))
+      : start_(start), measure_from_(measure_from), bin_(bin) {}
 
   // One finished call that started (or was meant to start) at `sent`; `code` 0 = OK. `items` is
   // what the call carried (bags, ids or rows) for the item rate.
   void Record(absl::Time sent, absl::Time done, int code, int64_t items);
 
-  struct Second {
-    double t = 0;
+  struct Bin {
+    double t = 0;  // seconds since start at which the bin begins
     int64_t calls = 0, items = 0, errors = 0;
-    Percentiles latency;
+    Percentiles latency;  // of the OK calls
   };
-  // Per-second timeline of the measured period (complete seconds only, unless `all`).
-  std::vector<Second> Timeline(bool all = false) const;
+  // The timeline of the measured period (complete bins only, unless `all`).
+  std::vector<Bin> Timeline(bool all = false) const;
+  absl::Duration bin() const { return bin_; }
   Percentiles Overall() const;
+  // Latency of the failed calls (how long a caller waited to learn of the failure).
+  Percentiles Failed() const;
   // Latency histogram of the measured OK calls: buckets with upper bounds growing by 2^(1/4)
   // from 10 us; (upper bound in us, count) for non-empty buckets.
   std::vector<std::pair<double, int64_t>> Histogram() const;
@@ -52,10 +57,12 @@ class LoadStats {
  private:
   const absl::Time start_;
   const absl::Time measure_from_;
+  const absl::Duration bin_;
   mutable absl::Mutex mu_;
-  // By second since start_: latencies of OK calls, and counters.
+  // By bin since start_: latencies of OK calls, and counters.
   std::map<int64_t, std::vector<double>> latency_us_ ABSL_GUARDED_BY(mu_);
-  std::map<int64_t, Second> seconds_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, Bin> bins_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> failed_us_ ABSL_GUARDED_BY(mu_);
   std::map<int, int64_t> errors_ ABSL_GUARDED_BY(mu_);
 };
 

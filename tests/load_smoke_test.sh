@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # shardserve-load against a real local cluster: closed loop (unary and stream) and open loop runs
-# finish, report calls without errors, and write a JSON report and an SVG chart.
+# finish, report calls without errors, and write a JSON report and an SVG chart; callers whose
+# calls fail back off, and the failed calls' latency is reported.
 set -euo pipefail
 root="${TEST_SRCDIR:?}/shardserve"
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
@@ -44,4 +45,21 @@ $load --op=mix --batch=4 --bag=3 --dist=zipf --stream --pipeline=4 --concurrency
 check "$tmp/stream.json"
 $load --op=embedding --batch=4 --bag=2 --qps=300 --report="$tmp/open.json"
 check "$tmp/open.json"
+# Every call fails (no such table): each caller backs off 10, 20, 40, 80, 100, 100... ms, so one
+# second of 4 callers makes a few dozen calls, not tens of thousands; all are counted as failed,
+# with their latency.
+"$root/client/shardserve-load" --target="$coordinator" --rows=1000 --table=nope --op=embedding_bag \
+  --batch=2 --bag=2 --concurrency=4 --warmup_s=0 --duration_s=1 --progress=false --backoff_ms=10 \
+  --max_backoff_ms=100 --timeline_ms=100 --report="$tmp/failing.json" >/dev/null || true
+python3 - "$tmp/failing.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+calls = r["calls"]
+assert 8 <= calls <= 120, ("callers did not back off", calls)
+assert r["errors_by_code"] == {"5": calls}, r["errors_by_code"]
+assert r["failed_latency"]["count"] == calls, r["failed_latency"]
+assert r["failed_latency"]["p50_us"] > 0, r["failed_latency"]
+assert r["bin_s"] == 0.1 and len(r["timeline"]) >= 5, (r["bin_s"], len(r["timeline"]))
+print("failing run:", calls, "calls, failed p50", r["failed_latency"]["p50_us"], "us")
+PY
 echo "load smoke test passed"
