@@ -40,6 +40,7 @@ class LocalCluster {
 
   std::string coordinator_address() const;
   std::string worker_address(int rank) const;
+  pid_t worker_pid(int rank) const { return workers_[rank]; }  // -1 when not running
   int workers() const { return options_.workers; }
 
   // Sends `signal` and waits for the worker to exit; returns its wait status (waitpid's).

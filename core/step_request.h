@@ -32,6 +32,7 @@ struct StepRequest {
   // (ResponseSink::Deliver).
   void* caller = nullptr;
   uint64_t caller_id = 0;
+  int64_t answer_bytes = 0;  // what the caller reserved for the answer (its bound on them)
 
   // Rows this request adds to a step (ids, bags' ids, or input rows), for the row budget.
   int64_t Rows() const;

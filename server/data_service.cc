@@ -1,9 +1,11 @@
 #include "server/data_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "core/status_macros.h"
 #include "grpcpp/alarm.h"
@@ -25,12 +27,20 @@ using Tag = CompletionTag;
 
 }  // namespace
 
+// Bytes an answer to `request` on `table` takes on the wire (its floats and a little framing).
+int64_t AnswerBytes(const core::StepRequest& request, const core::TableConfig& table) {
+  const int64_t width = request.op == core::StepRequest::Op::kLinear ? table.num_rows
+                                                                     : table.num_cols;
+  return request.AnswerRows() * width * static_cast<int64_t>(sizeof(float)) + 64;
+}
+
 // Who a queued request answers: a unary call, or a stream (by the request's id).
 class DataService::Caller {
  public:
   virtual ~Caller() = default;
   // On the loop's thread (or Stop's): encodes the answer there, and queues sending it.
-  virtual void Answer(uint64_t id, absl::StatusOr<core::DenseResult> answer) = 0;
+  virtual void Answer(const core::StepRequest& request,
+                      absl::StatusOr<core::DenseResult> answer) = 0;
 };
 
 // Sets off Run for answers handed back (or to stop): an alarm that is already due.
@@ -64,6 +74,7 @@ class DataService::UnaryCall final : public Tag, public Caller {
 
   void Proceed(bool ok) override {
     if (finishing_ || !ok || service_.stopped_) {  // answered, or the server is shutting down
+      if (finishing_) service_.Release(reserved_);
       delete this;
       return;
     }
@@ -85,6 +96,8 @@ class DataService::UnaryCall final : public Tag, public Caller {
       Finish(ToGrpcStatus(step.status()));
       return;
     }
+    reserved_ = (*step)->answer_bytes;
+    service_.Reserve(reserved_);
     (*step)->deadline = DeadlineOf(context_);
     (*step)->caller = static_cast<Caller*>(this);
     if (absl::Status refused = service_.loop_->Submit(*std::move(step)); !refused.ok()) {
@@ -92,7 +105,7 @@ class DataService::UnaryCall final : public Tag, public Caller {
     }
   }
 
-  void Answer(uint64_t, absl::StatusOr<core::DenseResult> answer) override {
+  void Answer(const core::StepRequest&, absl::StatusOr<core::DenseResult> answer) override {
     grpc::Status status;
     if (answer.ok()) {
       response_ = EncodeTensorResponse(*std::move(answer));
@@ -121,6 +134,7 @@ class DataService::UnaryCall final : public Tag, public Caller {
   DataService& service_;
   const Method method_;
   bool finishing_ = false;
+  int64_t reserved_ = 0;  // answer bytes reserved at the service
   grpc::ServerContext context_;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
@@ -136,14 +150,23 @@ class DataService::StreamCall final : public Caller {
     service.RequestStream(&context_, &stream_, cq, cq, static_cast<Tag*>(&accepted_));
   }
 
-  void Answer(uint64_t id, absl::StatusOr<core::DenseResult> answer) override {
-    grpc::ByteBuffer response = EncodeStreamResponse(id, std::move(answer));
-    service_.Queue([this, response = std::move(response)]() mutable {
+  void Answer(const core::StepRequest& request,
+              absl::StatusOr<core::DenseResult> answer) override {
+    grpc::ByteBuffer response = EncodeStreamResponse(request.caller_id, std::move(answer));
+    service_.Queue([this, response = std::move(response),
+                    reserved = request.answer_bytes]() mutable {
       --outstanding_;
-      Respond(std::move(response));
+      Respond(std::move(response), reserved);
       ResumeReading();
       MaybeEnd();
     });
+  }
+
+  // The worker's bound on answers went below its limit: read again, if this stream waits.
+  void Unpause() {
+    if (!waits_for_worker_) return;
+    waits_for_worker_ = false;
+    ResumeReading();
   }
 
  private:
@@ -187,26 +210,42 @@ class DataService::StreamCall final : public Caller {
     if (!parsed.ok()) step = parsed;
     absl::Status refused = step.status();
     if (step.ok()) {
+      const int64_t reserved = (*step)->answer_bytes;
       (*step)->deadline = deadline_;
       (*step)->caller = static_cast<Caller*>(this);
       (*step)->caller_id = id;
+      service_.Reserve(reserved);
       refused = service_.loop_->Submit(*std::move(step));
-      if (refused.ok()) ++outstanding_;
+      if (refused.ok()) {
+        ++outstanding_;
+        reserved_ += reserved;
+      } else {
+        service_.Release(reserved);
+      }
     }
-    if (!refused.ok()) Respond(EncodeStreamResponse(id, refused));
+    if (!refused.ok()) Respond(EncodeStreamResponse(id, refused), 0);
     ReadNext();
     MaybeEnd();  // when stopping, reads end here
   }
 
-  // Reads the next request unless kWindow requests are queued for steps or not yet written:
-  // a client that sends without reading its answers is held back by flow control, not buffered.
+  // Reads the next request unless kWindow requests are queued for steps or not yet written, or
+  // their answers reach this stream's or the worker's bound: a client that sends without reading
+  // its answers is held back by flow control, not buffered.
   void ReadNext() {
     if (service_.stopped_) {
       reads_done_ = true;
       return;
     }
-    if (outstanding_ + static_cast<int64_t>(queue_.size()) >= kWindow) {
+    const DataServiceOptions& bounds = service_.options_;
+    if (reserved_ > 0 &&
+        (outstanding_ + static_cast<int64_t>(queue_.size()) >= kWindow ||
+         reserved_ >= bounds.max_stream_answer_bytes ||
+         service_.answer_bytes_ >= bounds.max_answer_bytes)) {
       read_paused_ = true;
+      if (service_.answer_bytes_ >= bounds.max_answer_bytes && !waits_for_worker_) {
+        waits_for_worker_ = true;
+        service_.paused_.push_back(this);
+      }
       return;
     }
     reading_ = true;
@@ -218,22 +257,34 @@ class DataService::StreamCall final : public Caller {
     ReadNext();
   }
 
-  void Respond(grpc::ByteBuffer response) {
-    if (write_failed_ || service_.stopped_) return;
-    queue_.push_back(std::move(response));
+  // Writes `response` once those before it are written; `reserved` bytes of the worker's bound
+  // are taken back then.
+  void Respond(grpc::ByteBuffer response, int64_t reserved) {
+    if (write_failed_ || service_.stopped_) {
+      Unreserve(reserved);
+      return;
+    }
+    queue_.emplace_back(std::move(response), reserved);
     if (writing_) return;
     writing_ = true;
-    stream_.Write(queue_.front(), static_cast<Tag*>(&written_));
+    stream_.Write(queue_.front().first, static_cast<Tag*>(&written_));
+  }
+
+  void Unreserve(int64_t bytes) {
+    reserved_ -= bytes;
+    service_.Release(bytes);
   }
 
   void WriteDone(bool ok) {
+    Unreserve(queue_.front().second);
     queue_.pop_front();
     if (!ok || service_.stopped_) {
       write_failed_ = true;
+      for (const auto& [unsent, reserved] : queue_) Unreserve(reserved);
       queue_.clear();
     }
     writing_ = !queue_.empty();
-    if (writing_) stream_.Write(queue_.front(), static_cast<Tag*>(&written_));
+    if (writing_) stream_.Write(queue_.front().first, static_cast<Tag*>(&written_));
     ResumeReading();
     MaybeEnd();
   }
@@ -251,6 +302,13 @@ class DataService::StreamCall final : public Caller {
 
   void FinishDone(bool) { delete this; }
 
+  ~StreamCall() override {
+    if (waits_for_worker_) {
+      auto& paused = service_.paused_;
+      paused.erase(std::remove(paused.begin(), paused.end(), this), paused.end());
+    }
+  }
+
   DataService& service_;
   grpc::ServerContext context_;
   grpc::ServerAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer> stream_{&context_};
@@ -260,7 +318,10 @@ class DataService::StreamCall final : public Caller {
   MemberTag<StreamCall> finished_{this, &StreamCall::FinishDone};
   absl::Time deadline_ = absl::InfiniteFuture();
   grpc::ByteBuffer raw_;  // the request being read
-  std::deque<grpc::ByteBuffer> queue_;  // [0] is being written
+  // Answers to write, with the bytes each reserved; [0] is being written.
+  std::deque<std::pair<grpc::ByteBuffer, int64_t>> queue_;
+  int64_t reserved_ = 0;  // answer bytes this stream holds (requests in steps, answers unsent)
+  bool waits_for_worker_ = false;  // in service_.paused_
   bool reading_ = false;
   bool read_paused_ = false;  // kWindow requests in flight: reading resumes below it
   bool writing_ = false;
@@ -270,8 +331,9 @@ class DataService::StreamCall final : public Caller {
   int outstanding_ = 0;  // requests queued for steps, not answered yet
 };
 
-DataService::DataService(const TableLifecycle& tables, const core::InputLimits& limits)
-    : tables_(tables), limits_(limits) {}
+DataService::DataService(const TableLifecycle& tables, const core::InputLimits& limits,
+                         DataServiceOptions options)
+    : tables_(tables), limits_(limits), options_(options) {}
 
 DataService::~DataService() = default;
 
@@ -306,7 +368,15 @@ void DataService::Stop() {
 
 void DataService::Deliver(const core::StepRequest& request,
                           absl::StatusOr<core::DenseResult> answer) {
-  static_cast<Caller*>(request.caller)->Answer(request.caller_id, std::move(answer));
+  static_cast<Caller*>(request.caller)->Answer(request, std::move(answer));
+}
+
+void DataService::Release(int64_t bytes) {
+  answer_bytes_ -= bytes;
+  if (answer_bytes_ >= options_.max_answer_bytes || paused_.empty()) return;
+  std::vector<StreamCall*> paused;
+  paused.swap(paused_);
+  for (StreamCall* stream : paused) stream->Unpause();
 }
 
 void DataService::Flush() {
@@ -318,8 +388,13 @@ template <typename Request>
 absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Request& request) {
   SHARDSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const core::TableConfig> table,
                               tables_.Admit(request.table(), loop_->serving()));
-  return MakeStepRequest(request, *table, limits_);
+  SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::StepRequest> step,
+                              MakeStepRequest(request, *table, limits_));
+  step->answer_bytes = AnswerBytes(*step, *table);
+  return step;
 }
+
+void DataService::Reserve(int64_t bytes) { answer_bytes_ += bytes; }
 
 template <typename Request>
 absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::PrepareRaw(

@@ -8,8 +8,14 @@
 // and gives raw bytes, so that a result goes out without being copied into a response message
 // (EncodeTensorResponse, EncodeStreamResponse); on the wire they are the same messages.
 //
-// A stream reads at most kWindow requests ahead of the answers its client has taken; beyond that
-// it stops reading until the client reads, and HTTP/2 flow control holds the client back.
+// Answers not yet taken by their clients are bounded, so that slow readers cannot grow a worker
+// without end: each admitted call reserves its answer's bytes until the answer has been sent. A
+// stream stops reading (HTTP/2 flow control then holds its client back) while it holds
+// DataServiceOptions::max_stream_answer_bytes, or kWindow requests, or while the worker holds
+// max_answer_bytes over all calls - but always reads when it holds nothing, so no stream
+// starves. Unary calls count toward the worker's bound (streams yield to them) but are not held
+// back by it: their answers go out at once, and other clients are not refused for what slow
+// streams hold.
 //
 // Thread-safety: Deliver and Flush from any thread (the loop's, or Stop's); the rest is driven by
 // the worker in order: UseQueue, SetLoop, Start, Stop.
@@ -38,10 +44,20 @@ using AsyncRawDataService = v1::DataService::WithRawMethod_Embedding<
     v1::DataService::WithRawMethod_EmbeddingBag<v1::DataService::WithRawMethod_Linear<
         v1::DataService::WithRawMethod_Stream<v1::DataService::Service>>>>;
 
+// What a worker's memory holds for clients that are slow to read is these bounds plus gRPC's
+// buffers: each stream's receive window (kStreamWindowBytes) of requests not read yet, and the
+// answers gRPC has taken to send. Eight streams of 256 KiB answers that never read grow a worker
+// by ~35 MiB with bounds of 1 and 4 MiB (by 700 MiB in 3 s, and on, without bounds).
+struct DataServiceOptions {
+  int64_t max_stream_answer_bytes = int64_t{16} << 20;  // per stream
+  int64_t max_answer_bytes = int64_t{256} << 20;        // per worker, over all calls
+};
+
 class DataService final : public AsyncRawDataService, public core::ResponseSink {
  public:
   // Admits calls by `tables`; checks requests against `limits`. Both must outlive it.
-  DataService(const TableLifecycle& tables, const core::InputLimits& limits);
+  DataService(const TableLifecycle& tables, const core::InputLimits& limits,
+              DataServiceOptions options = {});
   ~DataService() override;
 
   // The server's completion queue: set before the server is built, served from Start (once it is
@@ -69,10 +85,14 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   class StreamCall;
   struct Wake;
 
+  // Admits, validates and reserves the answer's bytes (StepRequest::answer_bytes).
   template <typename Request>
   absl::StatusOr<std::unique_ptr<core::StepRequest>> Prepare(const Request& request);
   template <typename Request>
   absl::StatusOr<std::unique_ptr<core::StepRequest>> PrepareRaw(const grpc::ByteBuffer& raw);
+  // Answer bytes held until sent (serving thread); Release gives them back, and lets streams
+  // paused over the worker's bound read again once it is below.
+  void Reserve(int64_t bytes);
 
   void Run();
   void Drain();
@@ -82,9 +102,13 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(answers_mu_);
   bool AnswersSentLocked() const ABSL_SHARED_LOCKS_REQUIRED(answers_mu_);
   void SendAnswers();  // on the serving thread
+  void Release(int64_t bytes);
 
   const TableLifecycle& tables_;
   const core::InputLimits& limits_;
+  const DataServiceOptions options_;
+  int64_t answer_bytes_ = 0;             // reserved over all calls (serving thread)
+  std::vector<StreamCall*> paused_;      // streams waiting for the worker's bound (serving thread)
   core::StepLoop* loop_ = nullptr;
   std::unique_ptr<grpc::ServerCompletionQueue> cq_;
   HealthService health_;  // served from cq_ too

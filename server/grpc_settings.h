@@ -1,5 +1,5 @@
 // The gRPC settings every shardserve process uses, in one place: message size limits (answers
-// and table transfers can be large) for servers and for channels.
+// and table transfers can be large) for servers and for channels, and servers' stream windows.
 #ifndef SHARDSERVE_SERVER_GRPC_SETTINGS_H_
 #define SHARDSERVE_SERVER_GRPC_SETTINGS_H_
 
@@ -16,11 +16,14 @@ namespace shardserve::server {
 // and an answer 2^27 floats (core::InputLimits), both under it.
 inline constexpr int kMaxMessageBytes = 1 << 30;
 
+// The receive window of each stream a server reads (requests the server has not read yet).
+inline constexpr int kStreamWindowBytes = 1 << 20;
+
 // Channel arguments for connections to shardserve servers (message limits).
 grpc::ChannelArguments ChannelArguments();
 // A plaintext channel to `address` with ChannelArguments().
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address);
-// Applies the server-side settings (message limits) to `builder`.
+// Applies the server-side settings (message limits, stream windows) to `builder`.
 void ApplyServerSettings(grpc::ServerBuilder& builder);
 
 }  // namespace shardserve::server

@@ -70,6 +70,9 @@ void AppendVarint(uint64_t value, std::string* out) {
 
 // `fields` (a message's fields numbered below `tensor_field`, already encoded), then
 // `tensor_field` = Tensor{FLOAT32, result.shape, result.values}, the values referenced in place.
+// The largest step buffer an answer keeps alive for the sake of a smaller share of it.
+constexpr size_t kLargestSharedPin = size_t{1} << 20;
+
 grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::DenseResult result) {
   v1::Tensor head;  // every field of the Tensor but its data
   head.set_dtype(v1::FLOAT32);
@@ -90,6 +93,14 @@ grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::De
     return grpc::ByteBuffer(&only, 1);
   }
   // The data slice keeps the values' buffer (or a share of a step's buffer) until gRPC has sent it.
+  // A small share of a large step buffer is copied instead: an answer its client is slow to read
+  // would otherwise keep the whole step's results alive, the other callers' answers included.
+  if (result.shared != nullptr && result.shared->size() * sizeof(float) > kLargestSharedPin &&
+      result.shared->size() > 2 * static_cast<size_t>(result.count)) {
+    const absl::Span<const float> rows = result.Values();
+    result.values.assign(rows.begin(), rows.end());
+    result.shared.reset();
+  }
   grpc::Slice data;
   if (result.shared == nullptr) {
     auto* values = new core::FloatBuffer(std::move(result.values));

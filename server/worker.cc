@@ -122,7 +122,8 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
     w->group_broken_ = true;
     w->UpdateHealth();
   };
-  w->data_service_ = std::make_unique<DataService>(w->tables_, w->options_.step.limits);
+  w->data_service_ =
+      std::make_unique<DataService>(w->tables_, w->options_.step.limits, w->options_.data);
   w->loop_ = std::make_unique<core::StepLoop>(step, *w->kernels_, w->tables_, *w->data_service_);
   w->data_service_->SetLoop(w->loop_.get());
   // Heartbeat replies list every table's spec: they may be large.

@@ -40,6 +40,7 @@ struct WorkerOptions {
   int rank = 0;
   absl::Duration heartbeat_interval = absl::Milliseconds(50);
   core::StepLoop::Options step;
+  DataServiceOptions data;  // bounds on answers not yet taken by their clients
   core::GlooOptions gloo;
   // Fault drill: this worker's Nth AllReduce (counted over its groups) fails after it has run
   // (core::FaultInjectingCollectives). 0: never.

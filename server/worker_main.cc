@@ -32,6 +32,11 @@ ABSL_FLAG(bool, one_request_per_step, false,
 ABSL_FLAG(int, collective_timeout_ms, 10000, "a collective that takes longer fails the step");
 ABSL_FLAG(int64_t, max_queued_mb, 1024,
           "input the step queue may hold; calls beyond it get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_stream_answer_mb, 16,
+          "answers a stream may hold that its client has not read; it stops reading beyond");
+ABSL_FLAG(int64_t, max_answer_mb, 256,
+          "answers the worker may hold that their clients have not taken; beyond it streams stop "
+          "reading until it is below");
 ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
 ABSL_FLAG(int64_t, shared_memory_block_mb, 16,
           "exchange blocks up to this size go through shared memory between workers that can map "
@@ -97,6 +102,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.step.max_queued_bytes = max_queued_mb << 20;
+  const std::pair<const char*, int64_t> answer_bounds[] = {
+      {"--max_stream_answer_mb", absl::GetFlag(FLAGS_max_stream_answer_mb)},
+      {"--max_answer_mb", absl::GetFlag(FLAGS_max_answer_mb)}};
+  for (const auto& [flag, mb] : answer_bounds) {
+    if (mb < 1 || mb > (int64_t{1} << 30)) {
+      std::fprintf(stderr, "%s: %lld must be in [1, 2^30]\n", flag, static_cast<long long>(mb));
+      return 2;
+    }
+  }
+  options.data.max_stream_answer_bytes = absl::GetFlag(FLAGS_max_stream_answer_mb) << 20;
+  options.data.max_answer_bytes = absl::GetFlag(FLAGS_max_answer_mb) << 20;
   absl::StatusOr<std::unique_ptr<shardserve::server::Worker>> worker =
       shardserve::server::Worker::Start(options);
   if (!worker.ok()) {

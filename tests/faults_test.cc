@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
@@ -286,6 +287,85 @@ TEST(Cluster, StreamThatIsNotReadIsHeldBackAndThenAnsweredInFull) {
   EXPECT_TRUE(stream->Finish().ok());
   EXPECT_EQ(std::count(seen.begin() + 1, seen.end(), 1), kRequests);
   EXPECT_EQ(wrong, 0);
+}
+
+// The resident memory of process `pid`, from /proc.
+int64_t RssBytes(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (absl::StartsWith(line, "VmRSS:")) return std::atoll(line.c_str() + 6) * 1024;
+  }
+  return -1;
+}
+
+// Streams whose clients send without reading: each stream stops reading once the answers it holds
+// reach --max_stream_answer_mb, and all of them together once the worker holds --max_answer_mb,
+// so the worker's memory stays bounded (without bounds, eight such streams grew a worker by
+// 2.4 GiB); meanwhile other clients' calls are answered at once; and once read, every answer
+// comes.
+TEST(Cluster, StreamsThatAreNotReadHoldBoundedAnswersAndOtherClientsAreServed) {
+  const std::vector<std::string> bounds = {"--max_stream_answer_mb=2", "--max_answer_mb=8"};
+  auto cluster = StartCluster(2, {{0, bounds}, {1, bounds}});
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 1000, 128, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  const pid_t worker = cluster->worker_pid(0);
+  const int64_t before = RssBytes(worker);
+  // Eight streams of 512 x 20-id bags (256 KiB answers), 400 requests each: 800 MiB of answers.
+  constexpr int kStreams = 8, kRequests = 400;
+  auto stub = DataStub(cluster->worker_address(0));
+  struct Unread {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>> stream;
+    std::thread writer;
+  };
+  std::vector<std::unique_ptr<Unread>> streams;
+  v1::StreamRequest request;
+  std::vector<int64_t> ids(512 * 20);
+  for (size_t k = 0; k < ids.size(); ++k) ids[k] = (k * 7) % 1000;
+  *request.mutable_embedding_bag()->mutable_ids() = client::Int64Tensor({512, 20}, ids);
+  request.mutable_embedding_bag()->set_table("emb");
+  request.mutable_embedding_bag()->set_mode(v1::POOL_MODE_SUM);
+  for (int s = 0; s < kStreams; ++s) {
+    auto u = std::make_unique<Unread>();
+    u->context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    u->stream = stub->Stream(&u->context);
+    u->writer = std::thread([u = u.get(), request]() mutable {
+      for (int i = 1; i <= kRequests; ++i) {
+        request.set_id(i);
+        if (!u->stream->Write(request)) return;
+      }
+      u->stream->WritesDone();
+    });
+    streams.push_back(std::move(u));
+  }
+  // The worker takes what its bounds allow, then holds the writers back.
+  // (With bounds of 1 GiB, as before them, it grew by 700 MiB in these 3 s, and on.)
+  absl::SleepFor(absl::Seconds(3));
+  const int64_t grown = RssBytes(worker) - before;
+  std::fprintf(stderr, "worker grew by %lld MiB\n", static_cast<long long>(grown >> 20));
+  EXPECT_LT(grown, int64_t{100} << 20) << "worker grew by " << (grown >> 20) << " MiB";
+  // Other clients are served meanwhile, promptly.
+  auto once = ConnectOnce(*cluster, absl::Seconds(5));
+  std::mt19937 rng(5);
+  for (int i = 0; i < 10; ++i) {
+    const absl::Time start = absl::Now();
+    Answer a = RandomSumBags(*once, emb, rng, 8, 4);
+    EXPECT_TRUE(a.got.ok()) << a.got.status();
+    EXPECT_TRUE(a.Right());
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(500)) << "call " << i;
+  }
+  // Read now: every answer comes, once.
+  for (auto& u : streams) {
+    int answers = 0;
+    v1::StreamResponse response;
+    while (u->stream->Read(&response)) answers += response.code() == 0 ? 1 : 0;
+    u->writer.join();
+    EXPECT_TRUE(u->stream->Finish().ok());
+    EXPECT_EQ(answers, kRequests);
+  }
 }
 
 TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {

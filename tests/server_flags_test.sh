@@ -17,6 +17,9 @@ expect 'device: cannot parse "tpu"' --coordinator=127.0.0.1:1 --device=tpu
 expect "cuda:0" --coordinator=127.0.0.1:1 --device=cuda:0
 expect "--row_budget must be >= 1" --coordinator=127.0.0.1:1 --row_budget=0
 expect "--max_queued_mb must be in [1, 2^30]" --coordinator=127.0.0.1:1 --max_queued_mb=0
+expect "--max_stream_answer_mb: 0 must be in [1, 2^30]" --coordinator=127.0.0.1:1 \
+  --max_stream_answer_mb=0
+expect "--max_answer_mb: -3 must be in [1, 2^30]" --coordinator=127.0.0.1:1 --max_answer_mb=-3
 expect "--copy_lanes: -1 must be in [0, 64]" --coordinator=127.0.0.1:1 --copy_lanes=-1
 expect "--fail_allreduce: -1 must be >= 0" --coordinator=127.0.0.1:1 --fail_allreduce=-1
 expect "--shared_memory_block_mb: -1 must be in [0, 1024]" --coordinator=127.0.0.1:1 \
