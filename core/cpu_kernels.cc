@@ -248,15 +248,24 @@ absl::Status CpuKernels::PoolBags(const MatrixView& shard, const BagsView& bags,
 
 absl::Status CpuKernels::RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n,
                                       double p, double* norms_pow) {
+  // In float, one element after another, as ATen's CPU norm reduces a float row (what
+  // embedding_renorm_ takes): a power that overflows or underflows float does so here as there,
+  // and for p = 1 and p = inf the sum is torch's bit for bit.
+  const float pf = static_cast<float>(p);
   for (int64_t i = 0; i < n; ++i) {
     const float* row = shard.data + ids[i] * shard.cols;
-    double acc = 0;
-    if (p == 2.0) {
-      for (int64_t j = 0; j < shard.cols; ++j) acc += static_cast<double>(row[j]) * row[j];
+    float acc = 0;
+    if (std::isinf(p)) {
+      for (int64_t j = 0; j < shard.cols; ++j) {
+        const float a = std::fabs(row[j]);
+        if (std::isnan(a) || a > acc) acc = a;  // a NaN stays (a > NaN is false)
+      }
+    } else if (p == 2.0) {
+      for (int64_t j = 0; j < shard.cols; ++j) acc += row[j] * row[j];
     } else if (p == 1.0) {
-      for (int64_t j = 0; j < shard.cols; ++j) acc += std::fabs(static_cast<double>(row[j]));
+      for (int64_t j = 0; j < shard.cols; ++j) acc += std::fabs(row[j]);
     } else {
-      for (int64_t j = 0; j < shard.cols; ++j) acc += std::pow(std::fabs(double{row[j]}), p);
+      for (int64_t j = 0; j < shard.cols; ++j) acc += std::pow(std::fabs(row[j]), pf);
     }
     norms_pow[i] = acc;
   }

@@ -145,22 +145,35 @@ __global__ void PoolBagsKernel(const T* __restrict__ shard, int64_t width,
   }
 }
 
+// In float, as ATen's norm (and CpuKernels) compute it, so that a power overflows or underflows
+// where theirs does; for p = inf the largest |x|, NaN when there is a NaN.
+__device__ __forceinline__ float CombineNormParts(float a, float b, bool max_abs) {
+  if (!max_abs) return a + b;
+  return isnan(a) || a > b ? a : b;
+}
+
 __global__ void RowPowerSumsKernel(const float* __restrict__ shard, int64_t cols,
                                    const int64_t* __restrict__ ids, int64_t n, double p,
                                    double* __restrict__ out) {
-  __shared__ double partial[kThreads];
+  __shared__ float partial[kThreads];
   const int64_t i = blockIdx.x;
   if (i >= n) return;
   const float* row = shard + ids[i] * cols;
-  double acc = 0;
+  const bool max_abs = isinf(p);
+  const float pf = static_cast<float>(p);
+  float acc = 0;
   for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-    const double v = fabs(static_cast<double>(row[j]));
-    acc += p == 2.0 ? v * v : p == 1.0 ? v : pow(v, p);
+    const float v = fabsf(row[j]);
+    const float term = max_abs ? v : p == 2.0 ? v * v : p == 1.0 ? v : powf(v, pf);
+    acc = CombineNormParts(term, acc, max_abs);
   }
   partial[threadIdx.x] = acc;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    if (threadIdx.x < stride) {
+      partial[threadIdx.x] =
+          CombineNormParts(partial[threadIdx.x], partial[threadIdx.x + stride], max_abs);
+    }
     __syncthreads();
   }
   if (threadIdx.x == 0) out[i] = partial[0];

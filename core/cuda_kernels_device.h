@@ -18,7 +18,7 @@ cudaError_t LaunchGatherRows(const float* shard, int64_t cols, const int64_t* id
 cudaError_t LaunchPoolBags(const float* shard, int64_t cols, const int64_t* ids,
                            const int64_t* offsets, const float* weights, int64_t num_bags, int mode,
                            float empty_max, float* out, void* stream);
-// out[i] = sum_j |shard[ids[i], j]|^p.
+// out[i] = sum_j |shard[ids[i], j]|^p, in float (LocalKernels::RowPowerSums); max_j for p = inf.
 cudaError_t LaunchRowPowerSums(const float* shard, int64_t cols, const int64_t* ids, int64_t n,
                                double p, double* out, void* stream);
 // shard[ids[i], :] *= scales[i].

@@ -98,7 +98,9 @@ class LocalKernels {
   virtual absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
                                 float empty_max, float* out) = 0;
 
-  // norms_pow[i] = sum_j |shard[ids[i], j]|^p (host output).
+  // norms_pow[i] = sum_j |shard[ids[i], j]|^p (host output), computed in float as ATen computes a
+  // float row's norm (so it is inf where torch's overflows, 0 where its terms underflow); for
+  // p = inf, max_j |shard[ids[i], j]| (NaN when the row holds a NaN, as torch's norm).
   virtual absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n,
                                     double p, double* norms_pow) = 0;
 

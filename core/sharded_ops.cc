@@ -251,7 +251,18 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const Gathered&
   const double p = config.norm_type;
   SHARDSERVE_RETURN_IF_ERROR(
       kernels_.RowPowerSums(table.shard(), local.data(), n, p, power_sums.data()));
-  if (column_split) {  // each rank holds some columns of every row: sum the partial powers
+  const bool max_abs = std::isinf(p);
+  if (column_split && max_abs) {
+    // Each rank holds some columns of every row: the max-abs norm is the max of the partial ones,
+    // and a NaN must win (torch's norm of a row with a NaN is NaN) whatever the all-reduce's max
+    // does with NaN: NaN travels as +inf, and +inf as the largest double (partials are floats).
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    constexpr double kMax = std::numeric_limits<double>::max();
+    for (double& v : power_sums) v = std::isnan(v) ? kInf : v == kInf ? kMax : v;
+    SHARDSERVE_RETURN_IF_ERROR(
+        control_.AllReduce(power_sums.data(), n, ReduceOp::kMax, options_.collective_timeout));
+    for (double& v : power_sums) v = v == kInf ? std::nan("") : v == kMax ? kInf : v;
+  } else if (column_split) {  // sum the partial powers
     SHARDSERVE_RETURN_IF_ERROR(
         control_.AllReduce(power_sums.data(), n, ReduceOp::kSum, options_.collective_timeout));
   }
@@ -259,12 +270,17 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const Gathered&
   std::vector<float> scales;
   const double max_norm = *config.max_norm;
   for (int64_t i = 0; i < n; ++i) {
-    const double norm = p == 1.0 ? power_sums[i]
-                        : p == 2.0 ? std::sqrt(power_sums[i])
-                                   : std::pow(power_sums[i], 1.0 / p);
+    // The norm in float, as embedding_renorm_ takes it from torch's float norm: where torch's
+    // overflows to inf the row is scaled by 0 (its infinities become NaN), where its terms underflow
+    // to 0 the row is left alone, and a NaN norm leaves the row alone too (NaN > max_norm is
+    // false). The float sum of partial powers is the sum of the ranks' float sums, rounded once.
+    const float sum = static_cast<float>(power_sums[i]);
+    const float norm = p == 1.0 || max_abs ? sum
+                       : p == 2.0          ? std::sqrt(sum)
+                                           : std::pow(sum, 1.0f / static_cast<float>(p));
     if (norm > max_norm) {  // embedding_renorm_'s rule
       rows.push_back(local[i]);
-      scales.push_back(static_cast<float>(max_norm / (norm + 1e-7)));
+      scales.push_back(static_cast<float>(max_norm / (static_cast<double>(norm) + 1e-7)));
     }
   }
   return kernels_.ScaleRows(table.shard(), rows.data(), static_cast<int64_t>(rows.size()),
