@@ -119,8 +119,8 @@ class SeparateMemoryKernels : public LocalKernels {
     return cpu_.GatherRows(shard, ids, n, out, out_stride);
   }
   absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
-                        float empty_max, float* out) override {
-    return cpu_.PoolBags(shard, bags, mode, empty_max, out);
+                        float empty_max, float* out, int32_t* max_from) override {
+    return cpu_.PoolBags(shard, bags, mode, empty_max, out, max_from);
   }
   absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n, double p,
                             double* norms_pow) override {
@@ -621,6 +621,56 @@ TEST(ShardedOps, MaxNormWithInfiniteAndHugeNormTypesMatchesEmbeddingRenorm) {
       }
     }
     CheckCases(static_cast<int>(order.size()), cases);
+  }
+}
+
+// Stored weights with NaNs (both signs, several payloads, a signaling one), infinities and zeros of
+// both signs, for every op and pooling mode, with padding, one-row and empty bags and max_norm, on
+// both sharding dims and every placement order. Lookups and max pools select stored values: they
+// are torch's bit for bit - a one-row bag answers its row, a NaN is the answer where it is the
+// bag's first row's and never otherwise, and of -0.0 and +0.0 the first in the bag wins, however
+// the bag's rows fall on the ranks. Sums, means and linear layers are NaN where torch's are.
+TEST(ShardedOps, NonFiniteWeightsGiveTorchsAnswersForEveryOpAndMode) {
+  const double kInf = std::numeric_limits<double>::infinity();
+  for (const std::vector<int>& order : PlacementOrders()) {
+    std::vector<Case> cases;
+    for (int dim : {0, 1}) {
+      const ShardingSpec spec = Spec(dim, order);
+      for (bool ragged : {false, true}) {
+        for (const EmbeddingShape& shape : std::vector<EmbeddingShape>{
+                 {{5, 4}, 17, 12},
+                 {{6, 7, 6}, 21, 11},
+                 {{8, 6}, 21, 11, 10},
+                 {{6, 5}, 23, 11, std::nullopt, 1.5, 2.0},
+                 {{6, 5}, 23, 11, std::nullopt, 1.5, kInf}}) {
+          cases.push_back(EmbeddingCase(shape, spec, ragged));
+        }
+        for (PoolMode mode : {PoolMode::kSum, PoolMode::kMean, PoolMode::kMax}) {
+          for (const BagShape& shape : std::vector<BagShape>{
+                   {{6, 7}, 21, 11, mode},
+                   {{9, 1}, 21, 11, mode},  // one-row bags
+                   {{12}, 16, 12, mode, 4},
+                   {{12}, 16, 12, mode, 5, true},
+                   {{4, 3}, 16, 14, mode, {}, false, {}, 2.0, 12},
+                   {{5, 4}, 17, 12, mode, {}, false, 1.5, 1.0},
+                   {{5, 4}, 17, 12, mode, {}, false, 1.5, kInf}}) {
+            cases.push_back(BagCase(shape, spec, ragged));
+          }
+        }
+        cases.push_back(BagCase({{5, 5}, 17, 14, PoolMode::kSum, {}, false, {}, 2.0, {}, true},
+                                spec, ragged));
+      }
+      // Linear: dim 0 splits the outputs, dim 1 the inputs.
+      cases.push_back(LinearCase({6, 13}, 13, 9, spec, true));
+      cases.push_back(LinearCase({4, 2, 13}, 13, 9, spec, false, /*bias=*/false));
+    }
+    for (Case& kase : cases) {
+      kase.non_finite = true;
+      kase.label += " non-finite";
+    }
+    CheckCases(static_cast<int>(order.size()), cases);
+    // The same through the paths a GPU worker takes (blocks staged through device memory).
+    if (order.size() == 3) CheckCases(3, cases, /*separate_memory=*/true);
   }
 }
 
