@@ -321,9 +321,9 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const Gathered&
   const double max_norm = *config.max_norm;
   for (int64_t i = 0; i < n; ++i) {
     // The norm in float, as embedding_renorm_ takes it from torch's float norm: where torch's
-    // overflows to inf the row is scaled by 0 (its infinities become NaN), where its terms underflow
-    // to 0 the row is left alone, and a NaN norm leaves the row alone too (NaN > max_norm is
-    // false). The float sum of partial powers is the sum of the ranks' float sums, rounded once.
+    // overflows to inf the row is scaled by 0 (its infinities become NaN), where its terms
+    // underflow to 0 the row is left alone, and so does a NaN norm (NaN > max_norm is false).
+    // The float sum of partial powers is the sum of the ranks' float sums, rounded once.
     const float sum = static_cast<float>(power_sums[i]);
     const float norm = p == 1.0 || max_abs ? sum
                        : p == 2.0          ? std::sqrt(sum)
