@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
   const double copy_gbps = 2.0 * copy_bytes / (copy_ms * 1e6);
   const double pool_ms = MedianMs(iters, [&] {
     Check(shardserve::core::cuda::LaunchPoolBags(table, dim, ids, offsets, nullptr, bags, 0, 0.0f,
-                                                 out, nullptr),
+                                                 nullptr, out, nullptr, nullptr),
           "pool bags");
   });
   const double gathered = 1.0 * bags * bag * dim * 4;

@@ -42,6 +42,7 @@ class LocalCluster {
   std::string worker_address(int rank) const;
   pid_t worker_pid(int rank) const { return workers_[rank]; }  // -1 when not running
   int workers() const { return options_.workers; }
+  pid_t coordinator_pid() const { return coordinator_; }  // -1 when it is not running
 
   // Sends `signal` and waits for the worker to exit; returns its wait status (waitpid's).
   absl::StatusOr<int> KillWorker(int rank, int signal);  // SIGKILL simulates a crash

@@ -100,27 +100,45 @@ namespace {
 // in cpu_kernels_test): each bag starts from 0 and adds its rows in order, as fma(w, row, acc)
 // when weighted (caffe2's EmbeddingLookupIdx, which ATen runs); mean divides by the bag's size;
 // max keeps the first row, then each later element greater than the kept one (so a NaN is kept
-// only where it comes first). Vector widths do not change the result: every element is its own
-// chain of operations. ATen's op costs far more around that arithmetic (tensors made, an output
-// allocated and copied back) than a step's few small bags take to pool.
+// only where it comes first, and of -0.0 and +0.0 the first). Vector widths do not change the
+// result: every element is its own chain of operations. ATen's op costs far more around that
+// arithmetic (tensors made, an output allocated and copied back) than a step's few small bags take
+// to pool.
 enum class Pool { kSum, kWeightedSum, kMax };
 
+// Where a bag's max starts: at its first row (ATen's rule), or, for a bag continued from another
+// shard (BagsView::continued), at `value`, which every later element must exceed.
+struct MaxStart {
+  bool first_row = true;
+  float value = 0.0f;
+};
+
 // One bag over `cols` columns, one element at a time: `data` points at the first of them, rows are
-// `stride` apart; `divisor` is the bag's size in mean mode, else 0 (no division). The portable
+// `stride` apart; `divisor` is the bag's size in mean mode, else 0 (no division); in max mode,
+// `from` (or null) gets the index in the bag of each column's row (-1: max.value). The portable
 // loop, and the columns vectors do not cover.
 void PoolScalar(Pool pool, const float* data, int64_t stride, int64_t cols, const int64_t* ids,
-                const float* weights, int64_t n, float divisor, float* out) {
+                const float* weights, int64_t n, float divisor, const MaxStart& max, float* out,
+                int32_t* from) {
   for (int64_t j = 0; j < cols; ++j) {
-    float acc = pool == Pool::kMax ? data[ids[0] * stride + j] : 0.0f;
-    for (int64_t k = pool == Pool::kMax ? 1 : 0; k < n; ++k) {
-      const float x = data[ids[k] * stride + j];
-      if (pool == Pool::kMax) {
-        acc = x > acc ? x : acc;
-      } else if (pool == Pool::kWeightedSum) {
-        acc = std::fma(weights[k], x, acc);
-      } else {
-        acc += x;
+    if (pool == Pool::kMax) {
+      float acc = max.first_row ? data[ids[0] * stride + j] : max.value;
+      int32_t at = max.first_row ? 0 : -1;
+      for (int64_t k = max.first_row ? 1 : 0; k < n; ++k) {
+        const float x = data[ids[k] * stride + j];
+        if (x > acc) {
+          acc = x;
+          at = static_cast<int32_t>(k);
+        }
       }
+      out[j] = acc;
+      if (from != nullptr) from[j] = at;
+      continue;
+    }
+    float acc = 0.0f;
+    for (int64_t k = 0; k < n; ++k) {
+      const float x = data[ids[k] * stride + j];
+      acc = pool == Pool::kWeightedSum ? std::fma(weights[k], x, acc) : acc + x;
     }
     out[j] = divisor != 0.0f ? acc / divisor : acc;
   }
@@ -129,21 +147,27 @@ void PoolScalar(Pool pool, const float* data, int64_t stride, int64_t cols, cons
 #if defined(__x86_64__)
 constexpr int64_t kPrefetchAhead = 16;  // ids: rows are scattered over a shard larger than caches
 
-// The same over 8 * kRegs columns, in AVX registers. This block's columns of the rows
-// kPrefetchAhead ids on (within the `available` ids from the bag's first) are prefetched.
-template <int kRegs, Pool kPool>
+// The same over 8 * kRegs columns, in AVX registers (kFrom: max mode, noting rows in `from`). This
+// block's columns of the rows kPrefetchAhead ids on (within the `available` ids from the bag's
+// first) are prefetched.
+template <int kRegs, Pool kPool, bool kFrom>
 __attribute__((target("avx2,fma"))) void PoolBlockAvx2(const float* data, int64_t stride,
                                                        const int64_t* ids, const float* weights,
                                                        int64_t n, int64_t available,
-                                                       float divisor, float* out) {
+                                                       float divisor, const MaxStart& max,
+                                                       float* out, int32_t* from) {
   __m256 acc[kRegs];
+  __m256i at[kRegs];
   int64_t k = 0;
+  const bool first_row = kPool == Pool::kMax && max.first_row;
 #pragma GCC unroll 8
   for (int r = 0; r < kRegs; ++r) {
-    acc[r] = kPool == Pool::kMax ? _mm256_loadu_ps(data + ids[0] * stride + 8 * r)
-                                 : _mm256_setzero_ps();
+    acc[r] = first_row              ? _mm256_loadu_ps(data + ids[0] * stride + 8 * r)
+             : kPool == Pool::kMax ? _mm256_set1_ps(max.value)
+                                   : _mm256_setzero_ps();
+    if (kFrom) at[r] = _mm256_set1_epi32(first_row ? 0 : -1);
   }
-  if (kPool == Pool::kMax) k = 1;
+  if (first_row) k = 1;
   for (; k < n; ++k) {
     if (k + kPrefetchAhead < available) {
       const char* ahead = reinterpret_cast<const char*>(data + ids[k + kPrefetchAhead] * stride);
@@ -153,10 +177,17 @@ __attribute__((target("avx2,fma"))) void PoolBlockAvx2(const float* data, int64_
     }
     const float* row = data + ids[k] * stride;
     const __m256 w = kPool == Pool::kWeightedSum ? _mm256_set1_ps(weights[k]) : _mm256_setzero_ps();
+    const __m256 index = kFrom ? _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(k)))
+                               : _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < kRegs; ++r) {
       const __m256 x = _mm256_loadu_ps(row + 8 * r);
-      if (kPool == Pool::kMax) {
+      if (kFrom) {
+        const __m256 greater = _mm256_cmp_ps(x, acc[r], _CMP_GT_OQ);  // false for NaN
+        acc[r] = _mm256_blendv_ps(acc[r], x, greater);
+        at[r] = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(at[r]), index, greater));
+      } else if (kPool == Pool::kMax) {
         acc[r] = _mm256_max_ps(x, acc[r]);  // x > acc ? x : acc, as maxps does with NaN
       } else if (kPool == Pool::kWeightedSum) {
         acc[r] = _mm256_fmadd_ps(w, x, acc[r]);
@@ -169,22 +200,29 @@ __attribute__((target("avx2,fma"))) void PoolBlockAvx2(const float* data, int64_
 #pragma GCC unroll 8
   for (int r = 0; r < kRegs; ++r) {
     _mm256_storeu_ps(out + 8 * r, divisor != 0.0f ? _mm256_div_ps(acc[r], d) : acc[r]);
+    if (kFrom) _mm256_storeu_si256(reinterpret_cast<__m256i*>(from + 8 * r), at[r]);
   }
 }
 
-template <Pool kPool>
+template <Pool kPool, bool kFrom>
 __attribute__((target("avx2,fma"))) void PoolBagAvx2(const float* data, int64_t cols,
                                                      const int64_t* ids, const float* weights,
                                                      int64_t n, int64_t available, float divisor,
-                                                     float* out) {
+                                                     const MaxStart& max, float* out,
+                                                     int32_t* from) {
   int64_t c = 0;
   for (; c + 64 <= cols; c += 64) {
-    PoolBlockAvx2<8, kPool>(data + c, cols, ids, weights, n, available, divisor, out + c);
+    PoolBlockAvx2<8, kPool, kFrom>(data + c, cols, ids, weights, n, available, divisor, max,
+                                   out + c, kFrom ? from + c : nullptr);
   }
   for (; c + 8 <= cols; c += 8) {
-    PoolBlockAvx2<1, kPool>(data + c, cols, ids, weights, n, available, divisor, out + c);
+    PoolBlockAvx2<1, kPool, kFrom>(data + c, cols, ids, weights, n, available, divisor, max,
+                                   out + c, kFrom ? from + c : nullptr);
   }
-  if (c < cols) PoolScalar(kPool, data + c, cols, cols - c, ids, weights, n, divisor, out + c);
+  if (c < cols) {
+    PoolScalar(kPool, data + c, cols, cols - c, ids, weights, n, divisor, max, out + c,
+               kFrom ? from + c : nullptr);
+  }
 }
 
 bool HasVectorPooling() {
@@ -194,26 +232,33 @@ bool HasVectorPooling() {
 
 void PoolBagVectors(Pool pool, const float* data, int64_t cols, const int64_t* ids,
                     const float* weights, int64_t n, int64_t available, float divisor,
-                    float* out) {
+                    const MaxStart& max, float* out, int32_t* from) {
   switch (pool) {
     case Pool::kSum:
-      return PoolBagAvx2<Pool::kSum>(data, cols, ids, weights, n, available, divisor, out);
+      return PoolBagAvx2<Pool::kSum, false>(data, cols, ids, weights, n, available, divisor, max,
+                                            out, nullptr);
     case Pool::kWeightedSum:
-      return PoolBagAvx2<Pool::kWeightedSum>(data, cols, ids, weights, n, available, divisor, out);
+      return PoolBagAvx2<Pool::kWeightedSum, false>(data, cols, ids, weights, n, available,
+                                                    divisor, max, out, nullptr);
     case Pool::kMax:
-      return PoolBagAvx2<Pool::kMax>(data, cols, ids, weights, n, available, divisor, out);
+      if (from != nullptr) {
+        return PoolBagAvx2<Pool::kMax, true>(data, cols, ids, weights, n, available, divisor,
+                                             max, out, from);
+      }
+      return PoolBagAvx2<Pool::kMax, false>(data, cols, ids, weights, n, available, divisor, max,
+                                            out, nullptr);
   }
 }
 #else
 bool HasVectorPooling() { return false; }
 void PoolBagVectors(Pool, const float*, int64_t, const int64_t*, const float*, int64_t, int64_t,
-                    float, float*) {}
+                    float, const MaxStart&, float*, int32_t*) {}
 #endif  // __x86_64__
 
 }  // namespace
 
 absl::Status CpuKernels::PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
-                                  float empty_max, float* out) {
+                                  float empty_max, float* out, int32_t* max_from) {
   if (bags.num_bags == 0 || shard.cols == 0) return absl::OkStatus();
   const bool vectors = options_.vector_instructions && HasVectorPooling();
   const int64_t cols = shard.cols;
@@ -227,20 +272,25 @@ absl::Status CpuKernels::PoolBags(const MatrixView& shard, const BagsView& bags,
   const Pool pool = mode == PoolMode::kMax ? Pool::kMax
                     : bags.weights != nullptr ? Pool::kWeightedSum
                                               : Pool::kSum;
+  int32_t* const from_all = pool == Pool::kMax ? max_from : nullptr;
   for (int64_t b = 0; b < bags.num_bags; ++b) {
     float* bag_out = out + b * cols;
+    int32_t* from = from_all != nullptr ? from_all + b * cols : nullptr;
     const int64_t begin = bags.offsets[b], n = bags.offsets[b + 1] - begin;
     if (n == 0) {
       std::fill(bag_out, bag_out + cols, mode == PoolMode::kMax ? empty_max : 0.0f);
+      if (from != nullptr) std::fill(from, from + cols, -1);
       continue;
     }
     const int64_t* ids = bags.ids + begin;
     const float* weights = bags.weights != nullptr ? bags.weights + begin : nullptr;
     const float divisor = mode == PoolMode::kMean ? static_cast<float>(n) : 0.0f;
+    const MaxStart max{bags.continued == nullptr || bags.continued[b] == 0, empty_max};
     if (vectors) {
-      PoolBagVectors(pool, shard.data, cols, ids, weights, n, num_ids - begin, divisor, bag_out);
+      PoolBagVectors(pool, shard.data, cols, ids, weights, n, num_ids - begin, divisor, max,
+                     bag_out, from);
     } else {
-      PoolScalar(pool, shard.data, cols, cols, ids, weights, n, divisor, bag_out);
+      PoolScalar(pool, shard.data, cols, cols, ids, weights, n, divisor, max, bag_out, from);
     }
   }
   return absl::OkStatus();
@@ -248,15 +298,24 @@ absl::Status CpuKernels::PoolBags(const MatrixView& shard, const BagsView& bags,
 
 absl::Status CpuKernels::RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n,
                                       double p, double* norms_pow) {
+  // In float, one element after another, as ATen's CPU norm reduces a float row (what
+  // embedding_renorm_ takes): a power that overflows or underflows float does so here as there,
+  // and for p = 1 and p = inf the sum is torch's bit for bit.
+  const float pf = static_cast<float>(p);
   for (int64_t i = 0; i < n; ++i) {
     const float* row = shard.data + ids[i] * shard.cols;
-    double acc = 0;
-    if (p == 2.0) {
-      for (int64_t j = 0; j < shard.cols; ++j) acc += static_cast<double>(row[j]) * row[j];
+    float acc = 0;
+    if (std::isinf(p)) {
+      for (int64_t j = 0; j < shard.cols; ++j) {
+        const float a = std::fabs(row[j]);
+        if (std::isnan(a) || a > acc) acc = a;  // a NaN stays (a > NaN is false)
+      }
+    } else if (p == 2.0) {
+      for (int64_t j = 0; j < shard.cols; ++j) acc += row[j] * row[j];
     } else if (p == 1.0) {
-      for (int64_t j = 0; j < shard.cols; ++j) acc += std::fabs(static_cast<double>(row[j]));
+      for (int64_t j = 0; j < shard.cols; ++j) acc += std::fabs(row[j]);
     } else {
-      for (int64_t j = 0; j < shard.cols; ++j) acc += std::pow(std::fabs(double{row[j]}), p);
+      for (int64_t j = 0; j < shard.cols; ++j) acc += std::pow(std::fabs(row[j]), pf);
     }
     norms_pow[i] = acc;
   }

@@ -34,7 +34,7 @@ class CpuKernels : public LocalKernels {
   absl::Status GatherRows(const MatrixView& shard, const int64_t* ids, int64_t n,
                           float* out, int64_t out_stride) override;
   absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
-                        float empty_max, float* out) override;
+                        float empty_max, float* out, int32_t* max_from) override;
   absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n, double p,
                             double* norms_pow) override;
   absl::Status ScaleRows(const MatrixView& shard, const int64_t* ids, int64_t n,

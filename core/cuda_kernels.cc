@@ -319,18 +319,23 @@ absl::Status CudaKernels::GatherRows(const MatrixView& shard, const int64_t* ids
 }
 
 absl::Status CudaKernels::PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
-                                   float empty_max, float* out) {
+                                   float empty_max, float* out, int32_t* max_from) {
   if (bags.num_bags == 0 || shard.cols == 0) return absl::OkStatus();
   const int64_t num_ids = bags.offsets[bags.num_bags];
+  const bool max = mode == PoolMode::kMax;
   SHARDSERVE_ASSIGN_OR_RETURN(void* d_ids, Upload(0, bags.ids, num_ids * sizeof(int64_t)));
   SHARDSERVE_ASSIGN_OR_RETURN(void* d_offsets,
                               Upload(1, bags.offsets, (bags.num_bags + 1) * sizeof(int64_t)));
   SHARDSERVE_ASSIGN_OR_RETURN(void* d_weights, Upload(2, bags.weights, num_ids * sizeof(float)));
+  SHARDSERVE_ASSIGN_OR_RETURN(void* d_continued,
+                              Upload(3, max ? bags.continued : nullptr, bags.num_bags));
   SHARDSERVE_RETURN_IF_ERROR(
       Check(cuda::LaunchPoolBags(shard.data, shard.cols, static_cast<const int64_t*>(d_ids),
                                  static_cast<const int64_t*>(d_offsets),
                                  static_cast<const float*>(d_weights), bags.num_bags,
-                                 static_cast<int>(mode), empty_max, out, stream_),
+                                 static_cast<int>(mode), empty_max,
+                                 static_cast<const uint8_t*>(d_continued), out,
+                                 max ? max_from : nullptr, stream_),
             "pool bags"));
   return Sync("pool bags");
 }

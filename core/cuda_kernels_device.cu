@@ -41,12 +41,31 @@ __device__ __forceinline__ void AddScaled(float4& a, const float4& v, float w) {
   a.z += w * v.z;
   a.w += w * v.w;
 }
-__device__ __forceinline__ void Max(float& a, float v) { a = fmaxf(a, v); }
-__device__ __forceinline__ void Max(float4& a, const float4& v) {
-  a.x = fmaxf(a.x, v.x);
-  a.y = fmaxf(a.y, v.y);
-  a.z = fmaxf(a.z, v.z);
-  a.w = fmaxf(a.w, v.w);
+// Max mode, ATen's CPU rule (LocalKernels::PoolBags): a row's element is kept where it is greater
+// than the one kept (never a NaN: the comparison is false), or where `take` says so (a bag's first
+// row); `at` notes the kept element's index in the bag. Selections, not arithmetic: the kept bits
+// are the stored ones (fmaxf would drop a first row's NaN).
+template <typename T>
+struct IndexOf {
+  using type = int;
+};
+template <>
+struct IndexOf<float4> {
+  using type = int4;
+};
+__device__ __forceinline__ void FillIndex(int& a, int k) { a = k; }
+__device__ __forceinline__ void FillIndex(int4& a, int k) { a = make_int4(k, k, k, k); }
+__device__ __forceinline__ void Max(float& a, int& at, float v, int k, bool take) {
+  if (take || v > a) {
+    a = v;
+    at = k;
+  }
+}
+__device__ __forceinline__ void Max(float4& a, int4& at, const float4& v, int k, bool take) {
+  Max(a.x, at.x, v.x, k, take);
+  Max(a.y, at.y, v.y, k, take);
+  Max(a.z, at.z, v.z, k, take);
+  Max(a.w, at.w, v.w, k, take);
 }
 __device__ __forceinline__ void Divide(float& a, float d) { a /= d; }
 __device__ __forceinline__ void Divide(float4& a, float d) {
@@ -77,21 +96,26 @@ __global__ void GatherRowsKernel(const T* __restrict__ shard, int64_t width,
 // kMode 0 sum, 1 mean, 2 max. A warp pools one bag: its lanes load up to 32 of the bag's ids (and
 // weights) at a time and pass them around by shuffle, then each lane accumulates its columns over
 // kUnroll rows at a time. Every branch that contains a shuffle depends only on the bag, so the
-// whole warp takes it together.
+// whole warp takes it together. In max mode a bag starts at its first row unless `continued`
+// marks it (then at empty_max), and `from` (or null) gets each kept element's index in the bag.
 template <typename T, int kMode, bool kWeighted>
 __global__ void PoolBagsKernel(const T* __restrict__ shard, int64_t width,
                                const int64_t* __restrict__ ids, const int64_t* __restrict__ offsets,
                                const float* __restrict__ weights, int64_t num_bags,
-                               float empty_max, T* __restrict__ out) {
+                               float empty_max, const uint8_t* __restrict__ continued,
+                               T* __restrict__ out, typename IndexOf<T>::type* __restrict__ from) {
   const int64_t b = WarpIndex();
   if (b >= num_bags) return;
   const int lane = threadIdx.x % kWarp;
   const int64_t begin = offsets[b], end = offsets[b + 1];
+  const bool first_row = kMode == 2 && (continued == nullptr || continued[b] == 0);
   for (int64_t chunk = 0; chunk < width; chunk += kWarp) {
     const int64_t j = chunk + lane;
     const bool active = j < width;
     T acc;
-    Fill(acc, kMode == 2 ? -INFINITY : 0.0f);
+    typename IndexOf<T>::type at;
+    Fill(acc, kMode == 2 ? empty_max : 0.0f);
+    FillIndex(at, -1);
     for (int64_t first = begin; first < end; first += kWarp) {
       const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - first));
       const int64_t my_id = lane < count ? ids[first + lane] : 0;
@@ -113,7 +137,8 @@ __global__ void PoolBagsKernel(const T* __restrict__ shard, int64_t width,
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           if (kMode == 2) {
-            Max(acc, v[u]);
+            const int index = static_cast<int>(first - begin) + k + u;
+            Max(acc, at, v[u], index, first_row && index == 0);
           } else if (kWeighted) {
             AddScaled(acc, v[u], w[u]);
           } else {
@@ -127,7 +152,8 @@ __global__ void PoolBagsKernel(const T* __restrict__ shard, int64_t width,
         if (!active) continue;
         const T v = Load(shard + id * width + j);
         if (kMode == 2) {
-          Max(acc, v);
+          const int index = static_cast<int>(first - begin) + k;
+          Max(acc, at, v, index, first_row && index == 0);
         } else if (kWeighted) {
           AddScaled(acc, v, w);
         } else {
@@ -136,31 +162,41 @@ __global__ void PoolBagsKernel(const T* __restrict__ shard, int64_t width,
       }
     }
     if (!active) continue;
-    if (end == begin) {
-      Fill(acc, kMode == 2 ? empty_max : 0.0f);
-    } else if (kMode == 1) {
-      Divide(acc, static_cast<float>(end - begin));
-    }
+    if (kMode == 1 && end > begin) Divide(acc, static_cast<float>(end - begin));
     out[b * width + j] = acc;
+    if (kMode == 2 && from != nullptr) from[b * width + j] = at;
   }
+}
+
+// In float, as ATen's norm (and CpuKernels) compute it, so that a power overflows or underflows
+// where theirs does; for p = inf the largest |x|, NaN when there is a NaN.
+__device__ __forceinline__ float CombineNormParts(float a, float b, bool max_abs) {
+  if (!max_abs) return a + b;
+  return isnan(a) || a > b ? a : b;
 }
 
 __global__ void RowPowerSumsKernel(const float* __restrict__ shard, int64_t cols,
                                    const int64_t* __restrict__ ids, int64_t n, double p,
                                    double* __restrict__ out) {
-  __shared__ double partial[kThreads];
+  __shared__ float partial[kThreads];
   const int64_t i = blockIdx.x;
   if (i >= n) return;
   const float* row = shard + ids[i] * cols;
-  double acc = 0;
+  const bool max_abs = isinf(p);
+  const float pf = static_cast<float>(p);
+  float acc = 0;
   for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-    const double v = fabs(static_cast<double>(row[j]));
-    acc += p == 2.0 ? v * v : p == 1.0 ? v : pow(v, p);
+    const float v = fabsf(row[j]);
+    const float term = max_abs ? v : p == 2.0 ? v * v : p == 1.0 ? v : powf(v, pf);
+    acc = CombineNormParts(term, acc, max_abs);
   }
   partial[threadIdx.x] = acc;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    if (threadIdx.x < stride) {
+      partial[threadIdx.x] =
+          CombineNormParts(partial[threadIdx.x], partial[threadIdx.x + stride], max_abs);
+    }
     __syncthreads();
   }
   if (threadIdx.x == 0) out[i] = partial[0];
@@ -198,23 +234,28 @@ dim3 WarpGrid(int64_t n) { return Grid((n + kWarpsPerBlock - 1) / kWarpsPerBlock
 
 template <typename T>
 void PoolBagsAs(const float* shard, int64_t width, const int64_t* ids, const int64_t* offsets,
-                const float* weights, int64_t num_bags, int mode, float empty_max, float* out,
-                cudaStream_t stream) {
+                const float* weights, int64_t num_bags, int mode, float empty_max,
+                const uint8_t* continued, float* out, int32_t* from, cudaStream_t stream) {
+  using Index = typename IndexOf<T>::type;
   const T* s = reinterpret_cast<const T*>(shard);
   T* o = reinterpret_cast<T*>(out);
+  Index* f = reinterpret_cast<Index*>(from);
   const dim3 grid = WarpGrid(num_bags), block(kWarp * kWarpsPerBlock);
   if (mode == 2) {
     PoolBagsKernel<T, 2, false><<<grid, block, 0, stream>>>(s, width, ids, offsets, nullptr,
-                                                            num_bags, empty_max, o);
+                                                            num_bags, empty_max, continued, o, f);
   } else if (mode == 1) {
     PoolBagsKernel<T, 1, false><<<grid, block, 0, stream>>>(s, width, ids, offsets, nullptr,
-                                                            num_bags, empty_max, o);
+                                                            num_bags, empty_max, nullptr, o,
+                                                            nullptr);
   } else if (weights != nullptr) {
     PoolBagsKernel<T, 0, true><<<grid, block, 0, stream>>>(s, width, ids, offsets, weights,
-                                                           num_bags, empty_max, o);
+                                                           num_bags, empty_max, nullptr, o,
+                                                           nullptr);
   } else {
     PoolBagsKernel<T, 0, false><<<grid, block, 0, stream>>>(s, width, ids, offsets, nullptr,
-                                                            num_bags, empty_max, o);
+                                                            num_bags, empty_max, nullptr, o,
+                                                            nullptr);
   }
 }
 
@@ -246,15 +287,17 @@ cudaError_t LaunchGatherRows(const float* shard, int64_t cols, const int64_t* id
 
 cudaError_t LaunchPoolBags(const float* shard, int64_t cols, const int64_t* ids,
                            const int64_t* offsets, const float* weights, int64_t num_bags, int mode,
-                           float empty_max, float* out, void* stream) {
+                           float empty_max, const uint8_t* continued, float* out, int32_t* from,
+                           void* stream) {
   if (num_bags == 0 || cols == 0) return cudaSuccess;
   return Launch([&] {
-    if (Vectorizable(shard, out, cols)) {
-      PoolBagsAs<float4>(shard, cols / 4, ids, offsets, weights, num_bags, mode, empty_max, out,
-                         S(stream));
+    if (Vectorizable(shard, out, cols) &&
+        (from == nullptr || reinterpret_cast<uintptr_t>(from) % 16 == 0)) {
+      PoolBagsAs<float4>(shard, cols / 4, ids, offsets, weights, num_bags, mode, empty_max,
+                         continued, out, from, S(stream));
     } else {
-      PoolBagsAs<float>(shard, cols, ids, offsets, weights, num_bags, mode, empty_max, out,
-                        S(stream));
+      PoolBagsAs<float>(shard, cols, ids, offsets, weights, num_bags, mode, empty_max, continued,
+                        out, from, S(stream));
     }
   });
 }

@@ -14,11 +14,13 @@ namespace shardserve::core::cuda {
 cudaError_t LaunchGatherRows(const float* shard, int64_t cols, const int64_t* ids, int64_t n,
                              float* out, void* stream);
 // One warp per bag; mode 0 sum (weights optional), 1 mean, 2 max; empty bags give 0, or
-// empty_max in max mode.
+// empty_max in max mode. Max as LocalKernels::PoolBags: `continued` (num_bags flags, or null) and
+// `from` (num_bags x cols indices into the bag, or null) as there.
 cudaError_t LaunchPoolBags(const float* shard, int64_t cols, const int64_t* ids,
                            const int64_t* offsets, const float* weights, int64_t num_bags, int mode,
-                           float empty_max, float* out, void* stream);
-// out[i] = sum_j |shard[ids[i], j]|^p.
+                           float empty_max, const uint8_t* continued, float* out, int32_t* from,
+                           void* stream);
+// out[i] = sum_j |shard[ids[i], j]|^p, in float (LocalKernels::RowPowerSums); max_j for p = inf.
 cudaError_t LaunchRowPowerSums(const float* shard, int64_t cols, const int64_t* ids, int64_t n,
                                double p, double* out, void* stream);
 // shard[ids[i], :] *= scales[i].

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -44,33 +46,51 @@ class ReferenceKernels : public LocalKernels {
     }
     return absl::OkStatus();
   }
+  // Max: the first row (or, for a continued bag, empty_max), then each greater element.
   absl::Status PoolBags(const MatrixView& s, const BagsView& bags, PoolMode mode, float empty_max,
-                        float* out) override {
+                        float* out, int32_t* max_from) override {
     for (int64_t b = 0; b < bags.num_bags; ++b) {
       const int64_t begin = bags.offsets[b], end = bags.offsets[b + 1];
+      const bool first_row = end > begin && (bags.continued == nullptr || !bags.continued[b]);
       for (int64_t j = 0; j < s.cols; ++j) {
-        double acc = mode == PoolMode::kMax ? -INFINITY : 0.0;
-        for (int64_t k = begin; k < end; ++k) {
-          const float v = s.data[bags.ids[k] * s.cols + j];
-          if (mode == PoolMode::kMax) {
-            acc = std::max<double>(acc, v);
-          } else {
-            acc += (bags.weights ? bags.weights[k] : 1.0f) * v;
+        if (mode == PoolMode::kMax) {
+          float acc = first_row ? s.data[bags.ids[begin] * s.cols + j] : empty_max;
+          int32_t at = first_row ? 0 : -1;
+          for (int64_t k = begin + (first_row ? 1 : 0); k < end; ++k) {
+            const float v = s.data[bags.ids[k] * s.cols + j];
+            if (v > acc) {
+              acc = v;
+              at = static_cast<int32_t>(k - begin);
+            }
           }
+          out[b * s.cols + j] = acc;
+          if (max_from != nullptr) max_from[b * s.cols + j] = at;
+          continue;
         }
-        if (begin == end) acc = mode == PoolMode::kMax ? empty_max : 0.0;
-        else if (mode == PoolMode::kMean) acc /= (end - begin);
+        double acc = 0.0;
+        for (int64_t k = begin; k < end; ++k) {
+          acc += (bags.weights ? bags.weights[k] : 1.0f) * s.data[bags.ids[k] * s.cols + j];
+        }
+        if (mode == PoolMode::kMean && end > begin) acc /= (end - begin);
         out[b * s.cols + j] = static_cast<float>(acc);
       }
     }
     return absl::OkStatus();
   }
+  // Powers in float (where torch's overflow or underflow), summed in double; p = inf: the largest
+  // |x|, NaN if any is.
   absl::Status RowPowerSums(const MatrixView& s, const int64_t* ids, int64_t n, double p,
                             double* out) override {
     for (int64_t i = 0; i < n; ++i) {
       out[i] = 0;
-      for (int64_t j = 0; j < s.cols; ++j)
-        out[i] += std::pow(std::fabs(double{s.data[ids[i] * s.cols + j]}), p);
+      for (int64_t j = 0; j < s.cols; ++j) {
+        const float a = std::fabs(s.data[ids[i] * s.cols + j]);
+        if (std::isinf(p)) {
+          if (std::isnan(a) || a > out[i]) out[i] = a;
+        } else {
+          out[i] += std::pow(a, static_cast<float>(p));
+        }
+      }
     }
     return absl::OkStatus();
   }
@@ -146,6 +166,7 @@ class CudaConformance : public ::testing::Test {
     for (size_t i = 0; i < a.size(); ++i) {
       if (a[i] == b[i]) continue;  // also equal infinities (max mode's empty bags), which
                                    // EXPECT_NEAR would compare as NaN
+      if (std::isnan(a[i]) && std::isnan(b[i])) continue;
       EXPECT_NEAR(a[i], b[i], 1e-4 * std::max(1.0f, std::fabs(a[i]))) << "at " << i;
     }
   }
@@ -204,12 +225,67 @@ TEST_F(CudaConformance, PoolBagsMatchesCpuForEveryModeWithEmptyBagsAndWeights) {
         for (float empty_max : {0.0f, -std::numeric_limits<float>::infinity()}) {
           BagsView view{ids.data(), offsets.data(), with_weights ? weights.data() : nullptr, bags};
           auto op = [&](LocalKernels& k, const MatrixView& s, float* out) {
-            return k.PoolBags(s, view, mode, empty_max, out);
+            return k.PoolBags(s, view, mode, empty_max, out, /*max_from=*/nullptr);
           };
           SCOPED_TRACE(testing::Message() << "cols " << c.cols << " misaligned " << c.misaligned
                                           << " mode " << static_cast<int>(mode) << " weights "
                                           << with_weights);
           ExpectNear(Run(bags * c.cols, op, false), Run(bags * c.cols, op, true));
+        }
+      }
+    }
+  }
+}
+
+// Max pooling selects stored values: bit for bit the reference's, with NaNs (several payloads),
+// infinities and zeros of both signs in the shard, bags continued from other shards (which start
+// from empty_max), and the index in the bag of each element's row; on the float4 path and the
+// scalar one (also for an index output that is not 16-byte aligned).
+TEST_F(CudaConformance, MaxPoolingIsBitForBitWithNonFiniteValuesContinuedBagsAndRowIndices) {
+  const uint32_t specials[] = {0x7fc00000, 0xffc00000, 0x7fc12345, 0x7f800000, 0xff800000,
+                               0x00000000, 0x80000000};
+  for (int64_t cols : {1, 33, 128}) {
+    for (bool aligned_from : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "cols " << cols << " aligned_from " << aligned_from);
+      const int64_t rows = 200;
+      MakeShard(rows, cols);
+      for (float& v : host_) {
+        if (rng_() % 4 == 0) std::memcpy(&v, &specials[rng_() % std::size(specials)], 4);
+      }
+      ASSERT_TRUE(gpu_->CopyFromHost(host_.data(), device_.data(), host_.size() * 4).ok());
+      const int64_t num_ids = 900;
+      std::vector<int64_t> ids(num_ids), offsets = {0};
+      for (auto& id : ids) id = rng_() % rows;
+      while (offsets.back() < num_ids) {
+        const int64_t size = rng_() % 4 == 0 ? rng_() % 81 : rng_() % 9;
+        offsets.push_back(std::min<int64_t>(num_ids, offsets.back() + size));
+      }
+      const int64_t bags = offsets.size() - 1;
+      std::vector<uint8_t> continued(bags);
+      for (uint8_t& c : continued) c = rng_() % 2;
+      for (const uint8_t* flags : {static_cast<const uint8_t*>(nullptr),
+                                   static_cast<const uint8_t*>(continued.data())}) {
+        BagsView view{ids.data(), offsets.data(), nullptr, bags};
+        view.continued = flags;
+        const float empty_max = -std::numeric_limits<float>::infinity();
+        std::vector<float> want(bags * cols), got(bags * cols);
+        std::vector<int32_t> want_from(bags * cols), got_from(bags * cols + 1);
+        ASSERT_TRUE(cpu_.PoolBags(cpu_shard_, view, PoolMode::kMax, empty_max, want.data(),
+                                  want_from.data())
+                        .ok());
+        auto out = gpu_->Allocate(bags * cols * 4);
+        auto from = gpu_->Allocate((bags * cols + 1) * 4);
+        ASSERT_TRUE(out.ok() && from.ok());
+        int32_t* d_from = static_cast<int32_t*>(from->data()) + (aligned_from ? 0 : 1);
+        ASSERT_TRUE(
+            gpu_->PoolBags(gpu_shard_, view, PoolMode::kMax, empty_max, out->floats(), d_from)
+                .ok());
+        ASSERT_TRUE(gpu_->CopyToHost(out->data(), got.data(), bags * cols * 4).ok());
+        ASSERT_TRUE(gpu_->CopyToHost(d_from, got_from.data(), bags * cols * 4).ok());
+        for (int64_t i = 0; i < bags * cols; ++i) {
+          ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0)
+              << "at " << i << ": " << got[i] << " vs " << want[i];
+          ASSERT_EQ(got_from[i], want_from[i]) << "at " << i;
         }
       }
     }
@@ -240,13 +316,27 @@ TEST_F(CudaConformance, PlaceColumnsMatchesCpu) {
 
 TEST_F(CudaConformance, RenormKernelsMatchCpu) {
   MakeShard(100, 48);
-  std::vector<int64_t> ids = {3, 99, 0, 42};
-  for (double p : {1.0, 2.0, 3.0}) {
+  // Row 7 holds a NaN, row 8 an infinity: the max-abs norm is NaN and inf there.
+  host_[7 * 48 + 5] = std::nanf("");
+  host_[8 * 48 + 40] = -std::numeric_limits<float>::infinity();
+  ASSERT_TRUE(gpu_->CopyFromHost(host_.data(), device_.data(), host_.size() * 4).ok());
+  std::vector<int64_t> ids = {3, 99, 0, 42, 7, 8};
+  // p = 200: the powers of |x| > 1.56 overflow float (inf), those of small |x| underflow (0).
+  for (double p : {1.0, 2.0, 3.0, 200.0, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(testing::Message() << "p " << p);
     std::vector<double> cpu(ids.size()), gpu(ids.size());
     ASSERT_TRUE(cpu_.RowPowerSums(cpu_shard_, ids.data(), ids.size(), p, cpu.data()).ok());
     ASSERT_TRUE(gpu_->RowPowerSums(gpu_shard_, ids.data(), ids.size(), p, gpu.data()).ok());
-    for (size_t i = 0; i < ids.size(); ++i)
-      EXPECT_NEAR(cpu[i], gpu[i], 1e-6 * std::max(1.0, cpu[i]));
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (std::isnan(cpu[i]) || std::isinf(cpu[i])) {
+        EXPECT_EQ(std::isnan(cpu[i]), std::isnan(gpu[i])) << "row " << ids[i];
+        if (!std::isnan(cpu[i])) {
+          EXPECT_EQ(cpu[i], gpu[i]) << "row " << ids[i];
+        }
+        continue;
+      }
+      EXPECT_NEAR(cpu[i], gpu[i], 1e-5 * std::max(1.0, cpu[i])) << "row " << ids[i];
+    }
   }
   const std::vector<float> scales = {0.5f, 2.0f, 1.0f, -1.0f};
   ASSERT_TRUE(cpu_.ScaleRows(cpu_shard_, ids.data(), ids.size(), scales.data()).ok());

@@ -72,6 +72,9 @@ struct BagsView {
   const int64_t* offsets = nullptr;  // num_bags + 1 entries, offsets[0] == 0
   const float* weights = nullptr;    // per_sample_weights (one per id) or null
   int64_t num_bags = 0;
+  // Max mode: per bag, nonzero where its rows here continue a bag whose first row is on another
+  // shard (row-split tables), or null (no bag is). See PoolBags.
+  const uint8_t* continued = nullptr;
 };
 
 class LocalKernels {
@@ -96,10 +99,18 @@ class LocalKernels {
 
   // out[b, :] = pooled shard rows of bag b: sum (weighted by bags.weights when given), mean or
   // max. An empty bag gives 0, except in max mode, where it gives `empty_max`.
+  // Max is ATen's CPU rule, column by column: the bag's first row, then each later element greater
+  // than the one kept - so a NaN is the result only where it is the first row's, and of -0.0 and
+  // +0.0 (equal) the first wins; a bag marked `continued` starts from `empty_max` instead of its
+  // first row (with -inf: the max of its non-NaN elements, first of equals). Where `max_from` (this
+  // device's memory, num_bags x shard.cols) is given in max mode, max_from[b, j] is the index in
+  // bag b of the row out[b, j] came from, -1 where out[b, j] is `empty_max`.
   virtual absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
-                                float empty_max, float* out) = 0;
+                                float empty_max, float* out, int32_t* max_from) = 0;
 
-  // norms_pow[i] = sum_j |shard[ids[i], j]|^p (host output).
+  // norms_pow[i] = sum_j |shard[ids[i], j]|^p (host output), computed in float as ATen computes a
+  // float row's norm (so it is inf where torch's overflows, 0 where its terms underflow); for
+  // p = inf, max_j |shard[ids[i], j]| (NaN when the row holds a NaN, as torch's norm).
   virtual absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n,
                                     double p, double* norms_pow) = 0;
 

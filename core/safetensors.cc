@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
@@ -21,14 +22,17 @@ namespace shardserve::core {
 namespace {
 
 // A JSON reader just large enough for safetensors headers: objects, arrays, strings, integers
-// (and, in __metadata__, anything else, skipped).
+// (and, in __metadata__, anything else, skipped). Its errors name the checkpoint and where in the
+// header they are (`where`, kept up to date by the caller: which tensor, which field).
 class HeaderParser {
  public:
-  explicit HeaderParser(std::string_view text) : text_(text) {}
+  HeaderParser(std::string_view text, const std::string& path) : text_(text), path_(path) {}
 
+  void set_where(std::string where) { where_ = std::move(where); }
   absl::Status Error(absl::string_view what) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat("safetensors header: ", what, " at byte ", pos_));
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint \"", path_,
+                                                   "\": malformed safetensors header: ", what,
+                                                   " at header byte ", pos_, " (", where_, ")"));
   }
   void Space() {
     while (pos_ < text_.size() && std::isspace(static_cast<unsigned char>(text_[pos_]))) ++pos_;
@@ -109,6 +113,8 @@ class HeaderParser {
 
  private:
   std::string_view text_;
+  const std::string& path_;
+  std::string where_ = "the header object";
   size_t pos_ = 0;
 };
 
@@ -120,22 +126,69 @@ int64_t DtypeSize(const std::string& dtype) {
   return 0;
 }
 
+// What a path that is not a regular file names, for messages.
+const char* KindOf(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a unix socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "a special file";
+}
+
+absl::Status NotARegularFile(absl::string_view what, const std::string& path, mode_t mode) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, " \"", path, "\": is ", KindOf(mode), ", not a regular file"));
+}
+
+absl::Status OpenError(absl::string_view what, const std::string& path, int error) {
+  const std::string message = absl::StrCat(what, " \"", path, "\": ", std::strerror(error));
+  if (error == ENOENT || error == ENOTDIR) return absl::NotFoundError(message);
+  return absl::InvalidArgumentError(message);
+}
+
 }  // namespace
+
+absl::StatusOr<int> OpenRegularFile(const std::string& path, absl::string_view what) {
+  if (path.empty() || path.front() != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " \"", path,
+        "\": must be an absolute path (each process would resolve a relative one against its own "
+        "working directory)"));
+  }
+  // A path that names anything but a regular file is refused before it is opened, so that no
+  // device is opened at all (opening some acts: a tape rewinds, a watchdog arms). This check is not
+  // the one that counts (the path may change before the open); fstat on what was opened is.
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return OpenError(what, path, errno);
+  if (!S_ISREG(st.st_mode)) return NotARegularFile(what, path, st.st_mode);
+  // O_NONBLOCK: should the path have become a FIFO, the open returns at once instead of waiting
+  // for a writer without bound (on a regular file it changes nothing). O_NOCTTY: a terminal never
+  // becomes the process's. Symbolic links are followed (no O_NOFOLLOW): checkpoints are often
+  // links (a Hugging Face cache's snapshots, Kubernetes volumes' ..data), and what they lead to
+  // must be a regular file.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return OpenError(what, path, errno);
+  if (::fstat(fd, &st) != 0) {
+    const int error = errno;
+    ::close(fd);
+    return OpenError(what, path, error);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return NotARegularFile(what, path, st.st_mode);
+  }
+  return fd;
+}
 
 SafetensorsFile::~SafetensorsFile() {
   if (map_ != nullptr) munmap(map_, size_);
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::NotFoundError(absl::StrCat("checkpoint: cannot open \"", path, "\""));
+  SHARDSERVE_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, "checkpoint"));
   struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint \"", path, "\": not a regular file"));
-  }
-  if (st.st_size < 8) {
+  if (fstat(fd, &st) != 0 || st.st_size < 8) {
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat("checkpoint \"", path, "\": too short"));
   }
@@ -158,12 +211,17 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   }
   const char* data = base + 8 + header_len;
   const int64_t data_size = static_cast<int64_t>(file->size_ - 8 - header_len);
-  HeaderParser p(std::string_view(base + 8, header_len));
+  HeaderParser p(std::string_view(base + 8, header_len), path);
   if (!p.Eat('{')) return p.Error("expected '{'");
   if (!p.Eat('}')) {
+    std::string previous;  // the last tensor read, to say where a name that does not parse is
     do {
+      p.set_where(previous.empty() ? "the first tensor's name"
+                                   : absl::StrCat("the name after tensor \"", previous, "\""));
       SHARDSERVE_ASSIGN_OR_RETURN(std::string name, p.String());
+      p.set_where(absl::StrCat("tensor \"", name, "\""));
       if (!p.Eat(':')) return p.Error("expected ':'");
+      previous = name;
       if (name == "__metadata__") {
         SHARDSERVE_RETURN_IF_ERROR(p.SkipValue());
         continue;
@@ -172,7 +230,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       SafetensorsTensor tensor;
       std::vector<int64_t> offsets;
       do {
+        p.set_where(absl::StrCat("tensor \"", name, "\", a field name"));
         SHARDSERVE_ASSIGN_OR_RETURN(std::string field, p.String());
+        p.set_where(absl::StrCat("tensor \"", name, "\", field \"", field, "\""));
         if (!p.Eat(':')) return p.Error("expected ':'");
         if (field == "dtype") {
           SHARDSERVE_ASSIGN_OR_RETURN(tensor.dtype, p.String());
@@ -184,6 +244,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
           SHARDSERVE_RETURN_IF_ERROR(p.SkipValue());
         }
       } while (p.Eat(','));
+      p.set_where(absl::StrCat("tensor \"", name, "\""));
       if (!p.Eat('}')) return p.Error("expected '}'");
       // Elements that could not fit the data are refused as they are counted (no overflow).
       int64_t elements = 1;
@@ -204,6 +265,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       tensor.bytes = offsets[1] - offsets[0];
       file->tensors_[name] = tensor;
     } while (p.Eat(','));
+    p.set_where("the header object");
     if (!p.Eat('}')) return p.Error("expected '}'");
   }
   return file;
@@ -261,9 +323,14 @@ absl::Status WriteSafetensors(const std::string& path,
     pieces.emplace_back(static_cast<const char*>(e.data), e.bytes);
   }
   // Written beside the target and renamed over it: readers never see a partial file, and a failed
-  // write leaves nothing behind.
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // write leaves nothing behind. The temporary file is always a new one (O_EXCL, after removing
+  // what a crashed export may have left under its name): were it opened as found, a FIFO put there
+  // would block the export and then be renamed over the target.
+  static std::atomic<uint64_t> exports{0};
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid(), ".", exports++);
+  ::unlink(tmp.c_str());
+  const int fd =
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("path \"", path, "\": cannot create \"", tmp, "\": ", std::strerror(errno)));

@@ -3,7 +3,8 @@
 //
 // SafetensorsFile maps a file read-only (mmap) and hands out views of its tensors, so a rank
 // copies only its own slice of a large checkpoint. Thread-compatible; views live as long as the
-// SafetensorsFile. Errors: NOT_FOUND (no file), INVALID_ARGUMENT (malformed: says what and where).
+// SafetensorsFile. Errors: NOT_FOUND (no file), INVALID_ARGUMENT (a relative path; a FIFO, socket,
+// directory or device; malformed: says what and where). Opening never waits (OpenRegularFile).
 #ifndef SHARDSERVE_CORE_SAFETENSORS_H_
 #define SHARDSERVE_CORE_SAFETENSORS_H_
 
@@ -15,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace shardserve::core {
 
@@ -24,6 +26,12 @@ struct SafetensorsTensor {
   const char* data = nullptr;
   int64_t bytes = 0;
 };
+
+// Opens `path` for reading if it is a regular file (or a symbolic link to one), without waiting
+// on anything (a FIFO's writer, a device): returns the file descriptor (O_CLOEXEC; the caller
+// closes it), or INVALID_ARGUMENT for a relative path or anything but a regular file (the message
+// says what it is), NOT_FOUND when nothing is there. Messages start with `what` and the path.
+absl::StatusOr<int> OpenRegularFile(const std::string& path, absl::string_view what);
 
 class SafetensorsFile {
  public:

@@ -25,15 +25,65 @@ std::vector<int64_t> Scaled(const std::vector<int64_t>& v, int64_t factor) {
   return out;
 }
 
-// Reduces the W blocks of `size` floats that arrived from every rank (sum, or max) into one.
-FloatBuffer ReduceBlocks(const std::vector<const float*>& blocks, int64_t size, ReduceOp op) {
+// Sums the W blocks of `size` floats that arrived from every rank.
+FloatBuffer ReduceBlocks(const std::vector<const float*>& blocks, int64_t size) {
   FloatBuffer out(blocks[0], blocks[0] + size);
   for (size_t q = 1; q < blocks.size(); ++q) {
     const float* block = blocks[q];
-    if (op == ReduceOp::kMax) {
-      for (int64_t i = 0; i < size; ++i) out[i] = std::max(out[i], block[i]);
-    } else {
-      for (int64_t i = 0; i < size; ++i) out[i] += block[i];
+    for (int64_t i = 0; i < size; ++i) out[i] += block[i];
+  }
+  return out;
+}
+
+// Row-split max-mode bags of one source, reduced from every rank's partial to what ATen's max over
+// the whole bag gives (LocalKernels::PoolBags): the first row's element where that is NaN, else the
+// greatest element, the first of equal ones (-0.0, +0.0) in the bag's order; 0 for a bag with no
+// ids but padding. blocks[q] holds rank q's partial: num_bags x dim values, then as many int32
+// indices into q's part of each bag (its own ids there, in order) of the row each value came from
+// (-1: none). The rank with a bag's first row pooled it from that row (its value is that row's NaN,
+// if it is one), the others from -inf (theirs are never NaN).
+absl::StatusOr<FloatBuffer> ReduceMaxBags(const std::vector<const float*>& blocks,
+                                          const int64_t* ids, const int64_t* offsets,
+                                          int64_t num_bags, int64_t dim, const ShardLayout& layout,
+                                          int64_t pad) {
+  const int64_t size = num_bags * dim;
+  FloatBuffer out(size, 0.0f);
+  std::vector<std::vector<int64_t>> positions(blocks.size());  // of each rank's ids in the bag
+  for (int64_t b = 0; b < num_bags; ++b) {
+    for (std::vector<int64_t>& p : positions) p.clear();
+    int first = -1;
+    for (int64_t j = offsets[b]; j < offsets[b + 1]; ++j) {
+      if (ids[j] == pad) continue;
+      const int owner = layout.OwnerOf(ids[j]);
+      if (first < 0) first = owner;
+      positions[owner].push_back(j);
+    }
+    if (first < 0) continue;
+    // Where in the bag the row of rank q's value at i lies (-1: q has none above -inf).
+    auto position = [&](int q, int64_t i) -> absl::StatusOr<int64_t> {
+      int32_t k;
+      std::memcpy(&k, blocks[q] + size + i, sizeof(k));
+      if (k < 0) return -1;
+      if (k >= static_cast<int64_t>(positions[q].size())) {
+        return absl::InternalError(absl::StrCat("rank ", q, "'s max of bag ", b, " names row ", k,
+                                                " of its ", positions[q].size()));
+      }
+      return positions[q][k];
+    };
+    for (int64_t i = b * dim; i < (b + 1) * dim; ++i) {
+      float best = blocks[first][i];
+      SHARDSERVE_ASSIGN_OR_RETURN(int64_t best_at, position(first, i));
+      for (int q = 0; q < static_cast<int>(blocks.size()) && !std::isnan(best); ++q) {
+        if (q == first) continue;
+        SHARDSERVE_ASSIGN_OR_RETURN(const int64_t at, position(q, i));
+        if (at < 0) continue;
+        const float v = blocks[q][i];
+        if (v > best || (v == best && at < best_at)) {
+          best = v;
+          best_at = at;
+        }
+      }
+      out[i] = best;
     }
   }
   return out;
@@ -147,7 +197,18 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const GatheredI
   const double p = config.norm_type;
   SHARDSERVE_RETURN_IF_ERROR(
       kernels_.RowPowerSums(table.shard(), local.data(), n, p, power_sums.data()));
-  if (column_split) {  // each rank holds some columns of every row: sum the partial powers
+  const bool max_abs = std::isinf(p);
+  if (column_split && max_abs) {
+    // Each rank holds some columns of every row: the max-abs norm is the max of the partial ones,
+    // and a NaN must win (torch's norm of a row with a NaN is NaN) whatever the all-reduce's max
+    // does with NaN: NaN travels as +inf, and +inf as the largest double (partials are floats).
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    constexpr double kMax = std::numeric_limits<double>::max();
+    for (double& v : power_sums) v = std::isnan(v) ? kInf : v == kInf ? kMax : v;
+    SHARDSERVE_RETURN_IF_ERROR(
+        control_.AllReduce(power_sums.data(), n, ReduceOp::kMax, options_.collective_timeout));
+    for (double& v : power_sums) v = v == kInf ? std::nan("") : v == kMax ? kInf : v;
+  } else if (column_split) {  // sum the partial powers
     SHARDSERVE_RETURN_IF_ERROR(
         control_.AllReduce(power_sums.data(), n, ReduceOp::kSum, options_.collective_timeout));
   }
@@ -155,12 +216,17 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const GatheredI
   std::vector<float> scales;
   const double max_norm = *config.max_norm;
   for (int64_t i = 0; i < n; ++i) {
-    const double norm = p == 1.0 ? power_sums[i]
-                        : p == 2.0 ? std::sqrt(power_sums[i])
-                                   : std::pow(power_sums[i], 1.0 / p);
+    // The norm in float, as embedding_renorm_ takes it from torch's float norm: where torch's
+    // overflows to inf the row is scaled by 0 (its infinities become NaN), where its terms
+    // underflow to 0 the row is left alone, and so does a NaN norm (NaN > max_norm is false).
+    // The float sum of partial powers is the sum of the ranks' float sums, rounded once.
+    const float sum = static_cast<float>(power_sums[i]);
+    const float norm = p == 1.0 || max_abs ? sum
+                       : p == 2.0          ? std::sqrt(sum)
+                                           : std::pow(sum, 1.0f / static_cast<float>(p));
     if (norm > max_norm) {  // embedding_renorm_'s rule
       rows.push_back(local[i]);
-      scales.push_back(static_cast<float>(max_norm / (norm + 1e-7)));
+      scales.push_back(static_cast<float>(max_norm / (static_cast<double>(norm) + 1e-7)));
     }
   }
   return kernels_.ScaleRows(table.shard(), rows.data(), static_cast<int64_t>(rows.size()),
@@ -357,7 +423,7 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
       if (src.num_bags == 0) return absl::OkStatus();
       if (!padding.has_value()) {
         return kernels_.PoolBags(shard, BagsView{src.ids, src.offsets, src.weights, src.num_bags},
-                                 src.mode, 0.0f, block);
+                                 src.mode, 0.0f, block, /*max_from=*/nullptr);
       }
       const int64_t pad = *padding;
       LocalBags kept = FilterBags(src.ids, src.offsets, src.weights, src.num_bags,
@@ -365,47 +431,67 @@ absl::StatusOr<DenseResult> ShardedOps::EmbeddingBag(ShardedTable& table,
       return kernels_.PoolBags(shard,
                                BagsView{kept.ids.data(), kept.offsets.data(),
                                         src.weights ? kept.weights.data() : nullptr, src.num_bags},
-                               src.mode, 0.0f, block);
+                               src.mode, 0.0f, block, /*max_from=*/nullptr);
     };
     SHARDSERVE_RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), shard.cols), recv, pool,
                                         /*staging=*/nullptr, &received, &storage));
     SHARDSERVE_ASSIGN_OR_RETURN(result.values, AssembleColumns(layout, mine.num_bags, received));
   } else {
-    // Row chunks: pool each source's bags over the ids this rank owns (sum for sum/mean, max with
-    // -inf for bags with none), send each source its partials, and reduce what comes back.
+    // Row chunks: pool each source's bags over the ids this rank owns, send each source its
+    // partials, and reduce what comes back. Sum for sum/mean. Max, as ATen's over the whole bag,
+    // needs more than a max of maxima (ReduceMaxBags): the rank that owns a bag's first row pools
+    // its part from that row (the one whose NaN is the result), the others theirs from -inf, and
+    // each sends, after its values, the index in its part of the row each came from.
     const int64_t begin = table.row_begin(), end = begin + shard.rows;
     const int64_t pad = padding.value_or(-1);
     auto local_row = [begin, end, pad](int64_t id) {
       return (id >= begin && id < end && id != pad) ? id - begin : -1;
     };
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    auto block_floats = [dim](const InputSource& src) {
+      return src.num_bags * dim * (src.mode == PoolMode::kMax ? 2 : 1);
+    };
     auto pool = [&](int s, float* block) -> absl::Status {
       const InputSource& src = g.sources[s];
       if (src.num_bags == 0) return absl::OkStatus();
       LocalBags kept = FilterBags(src.ids, src.offsets, src.weights, src.num_bags, local_row);
-      const PoolMode mode = src.mode == PoolMode::kMax ? PoolMode::kMax : PoolMode::kSum;
-      return kernels_.PoolBags(shard,
-                               BagsView{kept.ids.data(), kept.offsets.data(),
-                                        src.weights ? kept.weights.data() : nullptr, src.num_bags},
-                               mode, kNegInf, block);
+      BagsView view{kept.ids.data(), kept.offsets.data(),
+                    src.weights ? kept.weights.data() : nullptr, src.num_bags};
+      if (src.mode != PoolMode::kMax) {
+        return kernels_.PoolBags(shard, view, PoolMode::kSum, 0.0f, block, /*max_from=*/nullptr);
+      }
+      std::vector<uint8_t> continued(src.num_bags, 0);
+      for (int64_t b = 0; b < src.num_bags; ++b) {
+        for (int64_t j = src.offsets[b]; j < src.offsets[b + 1]; ++j) {
+          if (src.ids[j] == pad) continue;
+          continued[b] = local_row(src.ids[j]) < 0 ? 1 : 0;
+          break;
+        }
+      }
+      view.continued = continued.data();
+      return kernels_.PoolBags(shard, view, PoolMode::kMax, kNegInf, block,
+                               reinterpret_cast<int32_t*>(block + src.num_bags * dim));
     };
-    const int64_t size = mine.num_bags * dim;
-    SHARDSERVE_RETURN_IF_ERROR(Exchange(Scaled(g.NumBags(), dim), std::vector<int64_t>(world, size),
+    std::vector<int64_t> send(world);
+    for (int q = 0; q < world; ++q) send[q] = block_floats(g.sources[q]);
+    SHARDSERVE_RETURN_IF_ERROR(Exchange(send, std::vector<int64_t>(world, block_floats(mine)),
                                         pool, &staging, &received, &storage));
-    const bool max_mode = mine.mode == PoolMode::kMax;
-    result.values =
-        ReduceBlocks(received, size, max_mode ? ReduceOp::kMax : ReduceOp::kSum);
-    if (mine.mode != PoolMode::kSum) {
-      // Count the ids that took part in each bag (padding excluded) to finish mean and max.
+    if (mine.mode == PoolMode::kMax) {
+      SHARDSERVE_ASSIGN_OR_RETURN(result.values,
+                                  ReduceMaxBags(received, mine.ids, mine.offsets, mine.num_bags,
+                                                dim, table.layout(), pad));
+    } else {
+      result.values = ReduceBlocks(received, mine.num_bags * dim);
+    }
+    if (mine.mode == PoolMode::kMean) {
+      // Divide by the ids that took part in each bag (padding excluded).
       for (int64_t b = 0; b < mine.num_bags; ++b) {
         int64_t count = 0;
         for (int64_t j = mine.offsets[b]; j < mine.offsets[b + 1]; ++j) {
           count += mine.ids[j] != pad ? 1 : 0;
         }
         float* row = &result.values[b * dim];
-        if (max_mode && count == 0) {
-          std::fill(row, row + dim, 0.0f);  // empty bag: every rank sent -inf
-        } else if (!max_mode && count > 0) {
+        if (count > 0) {
           for (int64_t j = 0; j < dim; ++j) row[j] /= static_cast<float>(count);
         }
       }
@@ -453,7 +539,7 @@ absl::StatusOr<DenseResult> ShardedOps::Linear(ShardedTable& table, const Gather
                                  nullptr, block);
         },
         &staging, &received, &storage));
-    result.values = ReduceBlocks(received, size, ReduceOp::kSum);
+    result.values = ReduceBlocks(received, size);
     if (bias != nullptr) {
       for (int64_t r = 0; r < my_rows; ++r) {
         for (int64_t j = 0; j < out_features; ++j) result.values[r * out_features + j] += bias[j];

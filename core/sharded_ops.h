@@ -10,8 +10,9 @@
 // message round); each rank runs the local kernel on its shard for every rank's input; results go
 // back over the data collectives (the kernels' memory) in one split-phase all-to-all, each peer's
 // block sent as soon as it is computed - column blocks for column-split weights (embedding dim 1,
-// linear dim 0), assembled in placement (column) order; partial sums (max for max-mode bags) for
-// row-split ones (embedding-bag and linear dim 1), reduced by the receiver; exactly the owned rows
+// linear dim 0), assembled in placement (column) order; partial sums (for max-mode bags partial
+// maxima and the rows they came from: NaN and signed zeros come out as torch's) for row-split ones
+// (embedding-bag and linear dim 1), reduced by the receiver; exactly the owned rows
 // for row-split embedding. max_norm renorms the stored rows looked up in the step (union over
 // ranks), with norms over full rows.
 //

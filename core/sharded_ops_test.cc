@@ -3,8 +3,12 @@
 // random inputs (seed printed; set SHARDSERVE_TEST_SEED to replay).
 #include "core/sharded_ops.h"
 
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <random>
@@ -88,6 +92,7 @@ struct Case {
   enum class Op { kEmbedding, kBag, kLinear } op = Op::kEmbedding;
   PoolMode mode = PoolMode::kSum;
   bool include_last_offset = false;
+  bool non_finite = false;  // the weight holds NaNs (several payloads), infinities and signed zeros
   std::vector<RankInput> inputs;  // one per rank
 };
 
@@ -115,8 +120,8 @@ class SeparateMemoryKernels : public LocalKernels {
     return cpu_.GatherRows(shard, ids, n, out, out_stride);
   }
   absl::Status PoolBags(const MatrixView& shard, const BagsView& bags, PoolMode mode,
-                        float empty_max, float* out) override {
-    return cpu_.PoolBags(shard, bags, mode, empty_max, out);
+                        float empty_max, float* out, int32_t* max_from) override {
+    return cpu_.PoolBags(shard, bags, mode, empty_max, out, max_from);
   }
   absl::Status RowPowerSums(const MatrixView& shard, const int64_t* ids, int64_t n, double p,
                             double* norms_pow) override {
@@ -214,12 +219,91 @@ std::vector<Outcome> RunCases(int world, const std::vector<Case>& cases,
   return outcomes;
 }
 
+float FloatOfBits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Values a stored weight may hold beyond finite ones: NaNs of both signs and several payloads (a
+// signaling one too), infinities, and zeros of both signs.
+std::vector<float> NonFiniteValues() {
+  return {FloatOfBits(0x7fc00000), FloatOfBits(0xffc00000), FloatOfBits(0x7fc12345),
+          FloatOfBits(0xff812345), FloatOfBits(0x7f800001),
+          std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+          0.0f, -0.0f};
+}
+
+// Rows of four kinds - all +0, N(0, 1), all -0, and -|N(0, 1)| (so that a bag's max is often one
+// of the zeros, whose sign then depends on which came first) - with one value in 6 replaced by one
+// of NonFiniteValues().
+void MakeNonFinite(at::Tensor& w) {
+  const std::vector<float> special = NonFiniteValues();
+  float* data = w.data_ptr<float>();
+  const int64_t rows = w.size(0), cols = w.size(1);
+  std::mt19937_64 rng(TestSeed() + rows * 31 + cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float& v = data[r * cols + j];
+      switch (r % 4) {
+        case 0: v = 0.0f; break;
+        case 2: v = -0.0f; break;
+        case 3: v = -std::fabs(v); break;
+        default: break;
+      }
+      if (rng() % 6 == 0) v = special[rng() % special.size()];
+    }
+  }
+}
+
 // The weight each case starts from (nn.Embedding zeroes the padding row at init).
 at::Tensor InitialWeight(const Case& kase) {
   at::Tensor w = at::randn({kase.config.num_rows, kase.config.num_cols}, Gen(), at::kFloat);
+  const double p = kase.config.norm_type;
+  if (kase.config.max_norm && p > 50 && std::isfinite(p)) {
+    // Rows of |x| ~ 0.5, 1 and 2, whose p-th powers underflow float, stay in range and overflow
+    // it: torch's float norm is then 0 (the row stays), about 1, and inf (the row is scaled by 0).
+    float* data = w.data_ptr<float>();
+    for (int64_t r = 0; r < w.size(0); ++r) {
+      const float magnitude = r % 3 == 0 ? 0.5f : r % 3 == 1 ? 1.0f : 2.0f;
+      for (int64_t j = 0; j < w.size(1); ++j) {
+        float& v = data[r * w.size(1) + j];
+        v = std::copysign(magnitude * (1.0f + 0.001f * std::fabs(v)), v);
+      }
+    }
+  } else if (kase.config.max_norm) {
+    w.mul_(2.0);  // make renorm bite on most rows
+  }
+  if (kase.non_finite) MakeNonFinite(w);
   if (kase.config.padding_idx) w[*kase.config.padding_idx].zero_();
-  if (kase.config.max_norm) w.mul_(2.0);  // make renorm bite on most rows
   return w;
+}
+
+// Whether `have` holds `want`: the same bits, NaNs' included, where `exact`; else NaN where it has
+// NaN (any payload: sums' NaNs are whatever the additions made), the same infinities, and finite
+// values within 1e-5 (absolute and relative).
+testing::AssertionResult SameValues(const at::Tensor& have, const at::Tensor& want, bool exact) {
+  if (have.sizes() != want.sizes()) return testing::AssertionFailure() << "sizes differ";
+  at::Tensor h = have.contiguous(), w = want.contiguous();
+  const float* a = h.data_ptr<float>();
+  const float* b = w.data_ptr<float>();
+  for (int64_t i = 0; i < h.numel(); ++i) {
+    uint32_t x, y;
+    std::memcpy(&x, &a[i], 4);
+    std::memcpy(&y, &b[i], 4);
+    bool same = x == y;
+    if (!exact && !same) {
+      same = std::isnan(b[i]) ? std::isnan(a[i])
+             : std::isinf(b[i]) ? a[i] == b[i]
+                                : std::fabs(a[i] - b[i]) <= 1e-5 + 1e-5 * std::fabs(b[i]);
+    }
+    if (!same) {
+      return testing::AssertionFailure()
+             << "element " << i << ": " << a[i] << " (0x" << absl::StrCat(absl::Hex(x))
+             << ") vs torch's " << b[i] << " (0x" << absl::StrCat(absl::Hex(y)) << ")";
+    }
+  }
+  return testing::AssertionSuccess();
 }
 
 at::Tensor Expected(const Case& kase, const at::Tensor& weight, const at::Tensor& bias,
@@ -283,15 +367,19 @@ void CheckCases(int world, std::vector<Case>& cases, bool separate_memory = fals
       at::Tensor want = Expected(kase, weight, biases[c], kase.inputs[r]);
       at::Tensor have = FromResult(*got);
       ASSERT_EQ(have.sizes(), want.sizes()) << "rank " << r;
-      EXPECT_TRUE(at::allclose(have, want, 1e-5, 1e-5))
-          << "rank " << r << " max abs diff " << (have - want).abs().max().item<float>();
+      // Lookups and max pooling select stored values: those are torch's bit for bit (unless a
+      // renorm made the stored rows, whose norms may round differently from torch's).
+      const bool exact = !kase.config.max_norm && (kase.op == Case::Op::kEmbedding ||
+                                                   (kase.op == Case::Op::kBag &&
+                                                    kase.mode == PoolMode::kMax));
+      EXPECT_TRUE(SameValues(have, want, exact)) << "rank " << r;
       // The stored shard equals the (renormed) full weight's chunk.
       ShardLayout layout(kase.config.spec, kase.config.spec.dim() == 0 ? kase.config.num_rows
                                                                        : kase.config.num_cols);
       at::Tensor chunk = weight.narrow(kase.config.spec.dim(), layout.OffsetOfRank(r),
                                        layout.SizeOfRank(r)).contiguous();
       at::Tensor stored = at::from_blob(outcomes[c].shards[r].data(), chunk.sizes(), at::kFloat);
-      EXPECT_TRUE(at::allclose(stored, chunk, 1e-5, 1e-6)) << "stored shard of rank " << r;
+      EXPECT_TRUE(SameValues(stored, chunk, !kase.config.max_norm)) << "stored shard of rank " << r;
     }
   }
 }
@@ -507,6 +595,85 @@ void RunBagSuite(int dim) {
 TEST(ShardedEmbeddingBag, ColWiseMatchesUnshardedForReferenceShapes) { RunBagSuite(1); }
 
 TEST(ShardedEmbeddingBag, RowWiseMatchesUnshardedForReferenceShapes) { RunBagSuite(0); }
+
+// norm_type = inf (torch's max-abs norm), and a p whose float powers overflow or underflow (so that
+// torch's norm is inf, and the row is scaled by 0, or 0, and the row stays), for lookups and every
+// pooling mode, on both sharding dims: the answers and the renormed stored rows are
+// embedding_renorm_'s on the full weight.
+TEST(ShardedOps, MaxNormWithInfiniteAndHugeNormTypesMatchesEmbeddingRenorm) {
+  const double kInf = std::numeric_limits<double>::infinity();
+  for (const std::vector<int>& order : PlacementOrders()) {
+    std::vector<Case> cases;
+    for (int dim : {0, 1}) {
+      for (double p : {kInf, 200.0}) {
+        const double max_norm = p == kInf ? 1.5 : 0.3;
+        for (bool ragged : {false, true}) {
+          cases.push_back(
+              EmbeddingCase({{6, 5}, 23, 11, std::nullopt, max_norm, p}, Spec(dim, order), ragged));
+          cases.push_back(
+              EmbeddingCase({{7, 3}, 14, 9, -2, max_norm, p}, Spec(dim, order), ragged));
+          for (PoolMode mode : {PoolMode::kSum, PoolMode::kMean, PoolMode::kMax}) {
+            cases.push_back(BagCase({{5, 4}, 19, 13, mode, {}, false, max_norm, p},
+                                    Spec(dim, order), ragged));
+            cases.push_back(BagCase({{12}, 17, 12, mode, 3, false, max_norm, p, 10},
+                                    Spec(dim, order), ragged));
+          }
+        }
+      }
+    }
+    CheckCases(static_cast<int>(order.size()), cases);
+  }
+}
+
+// Stored weights with NaNs (both signs, several payloads, a signaling one), infinities and zeros of
+// both signs, for every op and pooling mode, with padding, one-row and empty bags and max_norm, on
+// both sharding dims and every placement order. Lookups and max pools select stored values: they
+// are torch's bit for bit - a one-row bag answers its row, a NaN is the answer where it is the
+// bag's first row's and never otherwise, and of -0.0 and +0.0 the first in the bag wins, however
+// the bag's rows fall on the ranks. Sums, means and linear layers are NaN where torch's are.
+TEST(ShardedOps, NonFiniteWeightsGiveTorchsAnswersForEveryOpAndMode) {
+  const double kInf = std::numeric_limits<double>::infinity();
+  for (const std::vector<int>& order : PlacementOrders()) {
+    std::vector<Case> cases;
+    for (int dim : {0, 1}) {
+      const ShardingSpec spec = Spec(dim, order);
+      for (bool ragged : {false, true}) {
+        for (const EmbeddingShape& shape : std::vector<EmbeddingShape>{
+                 {{5, 4}, 17, 12},
+                 {{6, 7, 6}, 21, 11},
+                 {{8, 6}, 21, 11, 10},
+                 {{6, 5}, 23, 11, std::nullopt, 1.5, 2.0},
+                 {{6, 5}, 23, 11, std::nullopt, 1.5, kInf}}) {
+          cases.push_back(EmbeddingCase(shape, spec, ragged));
+        }
+        for (PoolMode mode : {PoolMode::kSum, PoolMode::kMean, PoolMode::kMax}) {
+          for (const BagShape& shape : std::vector<BagShape>{
+                   {{6, 7}, 21, 11, mode},
+                   {{9, 1}, 21, 11, mode},  // one-row bags
+                   {{12}, 16, 12, mode, 4},
+                   {{12}, 16, 12, mode, 5, true},
+                   {{4, 3}, 16, 14, mode, {}, false, {}, 2.0, 12},
+                   {{5, 4}, 17, 12, mode, {}, false, 1.5, 1.0},
+                   {{5, 4}, 17, 12, mode, {}, false, 1.5, kInf}}) {
+            cases.push_back(BagCase(shape, spec, ragged));
+          }
+        }
+        cases.push_back(BagCase({{5, 5}, 17, 14, PoolMode::kSum, {}, false, {}, 2.0, {}, true},
+                                spec, ragged));
+      }
+      // Linear: dim 0 splits the outputs, dim 1 the inputs.
+      cases.push_back(LinearCase({6, 13}, 13, 9, spec, true));
+      cases.push_back(LinearCase({4, 2, 13}, 13, 9, spec, false, /*bias=*/false));
+    }
+    for (Case& kase : cases) {
+      kase.non_finite = true;
+      kase.label += " non-finite";
+    }
+    CheckCases(static_cast<int>(order.size()), cases);
+    // The same through the paths a GPU worker takes (blocks staged through device memory).
+    if (order.size() == 3) CheckCases(3, cases, /*separate_memory=*/true);
+  }
+}
 
 void RunLinearSuite(
     int dim,
@@ -885,6 +1052,14 @@ TEST(TableConfig, RejectsBadConfigsAndNormalisesNegativePadding) {
   config.max_norm = -1;
   EXPECT_THAT(std::string(config.Validate().message()), HasSubstr("max_norm: -1"));
   config.max_norm.reset();
+  config.norm_type = std::numeric_limits<double>::infinity();  // torch's max-abs norm
+  EXPECT_TRUE(config.Validate().ok());
+  for (double p : {0.0, -1.0, -std::numeric_limits<double>::infinity(), std::nan("")}) {
+    config.norm_type = p;
+    EXPECT_THAT(std::string(config.Validate().message()),
+                HasSubstr(absl::StrCat("norm_type: ", p, " must be a number > 0")));
+  }
+  config.norm_type = 2.0;
   config.num_cols = 0;
   EXPECT_THAT(std::string(config.Validate().message()), HasSubstr("num_cols: 0 must be >= 1"));
   config.num_cols = INT64_MAX;  // would overflow the chunk and byte arithmetic

@@ -40,9 +40,10 @@ absl::Status TableConfig::Validate() {
           absl::StrCat("max_norm: ", *max_norm, " must be a finite number > 0"));
     }
   }
-  if (!(norm_type > 0) || !std::isfinite(norm_type)) {
+  // inf is the max-abs norm, as torch's norm takes it.
+  if (!(norm_type > 0)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("norm_type: ", norm_type, " must be a finite number > 0"));
+        absl::StrCat("norm_type: ", norm_type, " must be a number > 0 (or inf, the max-abs norm)"));
   }
   return absl::OkStatus();
 }

@@ -1,14 +1,22 @@
+#include <fcntl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "core/cpu_kernels.h"
 #include "core/safetensors.h"
 #include "core/sharded_table.h"
@@ -216,8 +224,10 @@ TEST(Safetensors, RefusesHostileHeaders) {
 }
 
 TEST(Safetensors, RejectsMalformedFilesAndWrongShapes) {
-  EXPECT_EQ(SafetensorsFile::Open(TempPath("nope.safetensors")).status().code(),
-            absl::StatusCode::kNotFound);
+  const std::string missing = TempPath("nope.safetensors");
+  const absl::Status not_found = SafetensorsFile::Open(missing).status();
+  EXPECT_EQ(not_found.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(not_found.message()), HasSubstr(missing));
   const std::string bad = TempPath("bad.safetensors");
   {
     std::ofstream out(bad, std::ios::binary);
@@ -242,6 +252,127 @@ TEST(Safetensors, RejectsMalformedFilesAndWrongShapes) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()),
               HasSubstr("needs tensor \"weight\" F32 [23,7], has F32 [2,3]"));
+}
+
+// A unix socket bound at `path` (the file stays after the socket closes).
+void BindUnixSocket(const std::string& path) {
+  ::unlink(path.c_str());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  ASSERT_LT(path.size(), sizeof(address.sun_path));
+  std::strcpy(address.sun_path, path.c_str());
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0) << path;
+  ::close(fd);
+}
+
+// Runs `open` on a thread of its own and returns its status, failing the test if it has not
+// returned within 5 s (open() of a FIFO used to wait for a writer without bound): then a writer is
+// made to appear, so the thread ends and the test does not hang.
+absl::Status OpenPromptly(const std::function<absl::Status()>& open, const std::string& fifo) {
+  auto done = std::make_shared<absl::Notification>();
+  auto status = std::make_shared<absl::Status>();
+  std::thread thread([=] {
+    *status = open();
+    done->Notify();
+  });
+  if (!done->WaitForNotificationWithTimeout(absl::Seconds(5))) {
+    ADD_FAILURE() << "opening " << fifo << " blocked";
+    const int writer = ::open(fifo.c_str(), O_RDWR | O_NONBLOCK);  // releases the blocked open
+    done->WaitForNotification();
+    if (writer >= 0) ::close(writer);
+  }
+  thread.join();
+  return *status;
+}
+
+// Checkpoint paths that are not regular files - a FIFO, a unix socket, a directory, a device, a
+// link to a FIFO - are refused at once with INVALID_ARGUMENT saying what they are, by the reader
+// the coordinator uses (SafetensorsFile::Open) and by a rank's load (LoadCheckpoint); so are
+// relative paths, which each process would resolve against its own working directory. No call
+// waits on a FIFO's writer.
+TEST(Safetensors, RefusesPathsThatAreNotRegularFilesAtOnce) {
+  // A socket's path must fit sockaddr_un (108 bytes), which the test's directory may not leave.
+  char socket_dir[] = "/tmp/shardserve_test_XXXXXX";
+  ASSERT_NE(::mkdtemp(socket_dir), nullptr);
+  const std::string socket = absl::StrCat(socket_dir, "/ckpt.sock");
+  const std::string fifo = TempPath("ckpt.fifo");
+  const std::string dir = TempPath("ckpt.dir"), link = TempPath("ckpt.link");
+  const std::string file = TempPath("ckpt.safetensors"), file_link = TempPath("ckpt_file.link");
+  ::unlink(fifo.c_str());  // from an earlier run outside Bazel
+  ::rmdir(dir.c_str());
+  ::unlink(link.c_str());
+  ::unlink(file_link.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  BindUnixSocket(socket);
+  ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  ASSERT_EQ(::symlink(fifo.c_str(), link.c_str()), 0);
+  std::vector<float> w(23 * 7, 0.5f);
+  ASSERT_TRUE(WriteSafetensors(file, {{"weight", "F32", {23, 7}, w.data(), 23 * 7 * 4}}).ok());
+  ASSERT_EQ(::symlink(file.c_str(), file_link.c_str()), 0);
+  const std::pair<std::string, std::string> refused[] = {
+      {fifo, "is a FIFO (named pipe), not a regular file"},
+      {link, "is a FIFO (named pipe), not a regular file"},
+      {socket, "is a unix socket, not a regular file"},
+      {dir, "is a directory, not a regular file"},
+      {"/dev/null", "is a character device, not a regular file"},
+      {"ckpt.safetensors", "must be an absolute path"},
+      {"", "must be an absolute path"}};
+  CpuKernels kernels;
+  auto table = ShardedTable::Create(Embedding(1, 2), 0, kernels);
+  ASSERT_TRUE(table.ok());
+  for (const auto& [path, why] : refused) {
+    SCOPED_TRACE(path);
+    const absl::Status opened =
+        OpenPromptly([path = path] { return SafetensorsFile::Open(path).status(); }, fifo);
+    EXPECT_EQ(opened.code(), absl::StatusCode::kInvalidArgument) << opened;
+    EXPECT_THAT(std::string(opened.message()),
+                HasSubstr(absl::StrCat("checkpoint \"", path, "\": ", why)));
+    const absl::Status loaded =
+        OpenPromptly([&, path = path] { return (*table)->LoadCheckpoint(path); }, fifo);
+    EXPECT_EQ(loaded.code(), absl::StatusCode::kInvalidArgument) << loaded;
+    EXPECT_THAT(std::string(loaded.message()), HasSubstr(why));
+  }
+  // A link to a regular file is what it leads to (checkpoint caches are made of links).
+  EXPECT_TRUE((*table)->LoadCheckpoint(file_link).ok());
+  ::unlink(socket.c_str());
+  ::rmdir(socket_dir);
+}
+
+// A malformed header's error names the checkpoint and the tensor and field it is in.
+TEST(Safetensors, MalformedHeadersNameTheFileAndTheField) {
+  auto write = [](const std::string& name, const std::string& header) {
+    const std::string path = TempPath(name);
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    const uint64_t len = header.size();
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out << header << std::string(16, '\0');
+    return path;
+  };
+  const std::pair<std::string, std::string> malformed[] = {
+      {R"([])", "expected '{' at header byte 0 (the header object)"},
+      {R"({1:{}})", "expected a string at header byte 1 (the first tensor's name)"},
+      {R"({"w":{"dtype":5,"shape":[2,2],"data_offsets":[0,16]}})",
+       "expected a string at header byte 14 (tensor \"w\", field \"dtype\")"},
+      {R"({"w":{"dtype":"F32","shape":2,"data_offsets":[0,16]}})",
+       "expected '[' at header byte 28 (tensor \"w\", field \"shape\")"},
+      {R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,x]}})",
+       "expected an integer of at most 64 bits at header byte 52 (tensor \"w\", field "
+       "\"data_offsets\")"},
+      {R"({"w":{"dtype":"F32" "shape":[2,2]}})", "expected '}' at header byte 20 (tensor \"w\")"},
+      {R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"v"})",
+       "expected ':' at header byte 60 (tensor \"v\")"}};
+  int i = 0;
+  for (const auto& [header, why] : malformed) {
+    const std::string path = write(absl::StrCat("malformed", i++, ".safetensors"), header);
+    const absl::Status status = SafetensorsFile::Open(path).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << header;
+    EXPECT_THAT(std::string(status.message()),
+                HasSubstr(absl::StrCat("checkpoint \"", path, "\": malformed safetensors header: ",
+                                       why)))
+        << header;
+  }
 }
 
 }  // namespace

@@ -1,7 +1,13 @@
 // Cross-binary tests of bad input: malformed requests and table specs, hand-made and drawn at
 // random, get clear errors in time, change nothing and take no server down.
+#include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -53,6 +59,90 @@ using client::DenseTensor;
 using client::LocalCluster;
 using ::testing::HasSubstr;
 
+// Paths that name what is not a regular file, for every path field of the API (a checkpoint, an
+// export): a FIFO (whose open() used to wait for a writer without bound), a unix socket, a
+// directory, and a link to the FIFO.
+struct NotRegularFiles {
+  std::string fifo, socket, dir, link;
+};
+
+NotRegularFiles MakeNotRegularFiles(const std::string& dir) {
+  NotRegularFiles paths;
+  paths.fifo = dir + "/pipe.safetensors";
+  paths.dir = dir + "/dir.safetensors";
+  paths.link = dir + "/link.safetensors";
+  EXPECT_EQ(::mkfifo(paths.fifo.c_str(), 0644), 0);
+  EXPECT_EQ(::mkdir(paths.dir.c_str(), 0755), 0);
+  EXPECT_EQ(::symlink(paths.fifo.c_str(), paths.link.c_str()), 0);
+  // A socket's path must fit sockaddr_un (108 bytes), which the test's directory may not leave.
+  char socket_dir[] = "/tmp/shardserve_test_XXXXXX";
+  EXPECT_NE(::mkdtemp(socket_dir), nullptr);
+  paths.socket = absl::StrCat(socket_dir, "/socket.safetensors");
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::snprintf(address.sun_path, sizeof(address.sun_path), "%s", paths.socket.c_str());
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ::close(fd);
+  return paths;
+}
+
+// Whether some process has `fifo` open for reading (a non-blocking open for writing fails with
+// ENXIO while none has).
+bool FifoHasReader(const std::string& fifo) {
+  const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+  if (fd >= 0) ::close(fd);
+  return fd >= 0;
+}
+
+// Threads of process `pid` (its /proc/PID/task entries).
+int ThreadsOf(pid_t pid) {
+  int threads = 0;
+  DIR* tasks = ::opendir(absl::StrCat("/proc/", pid, "/task").c_str());
+  if (tasks == nullptr) return -1;
+  while (const dirent* entry = ::readdir(tasks)) threads += entry->d_name[0] != '.' ? 1 : 0;
+  ::closedir(tasks);
+  return threads;
+}
+
+// A checkpoint path that names a FIFO is refused at once, however often it is asked for: the
+// coordinator's handler threads used to block in open() until a writer appeared (past the call's
+// deadline), one more with every call. Now each call answers INVALID_ARGUMENT within its deadline,
+// no process ever opens the FIFO, and the coordinator's threads do not pile up.
+TEST(Cluster, CheckpointsThatAreFifosAreRefusedAtOnceAndHoldNoThread) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = ConnectOnce(*cluster, absl::Seconds(3));
+  const NotRegularFiles paths = MakeNotRegularFiles(TempDir());
+  v1::TableSpec spec;
+  spec.set_kind(v1::TABLE_KIND_EMBEDDING);
+  spec.set_num_rows(10);
+  spec.set_num_cols(4);
+  spec.mutable_sharding()->set_dim(0);
+  spec.mutable_sharding()->add_placements("rank:0/cpu");
+  spec.mutable_sharding()->add_placements("rank:1/cpu");
+  const int threads_before = ThreadsOf(cluster->coordinator_pid());
+  ASSERT_GT(threads_before, 0);
+  for (int i = 0; i < 12; ++i) {
+    spec.set_name(absl::StrCat("fifo", i));
+    spec.set_checkpoint(i % 2 == 0 ? paths.fifo : paths.link);
+    const absl::Time start = absl::Now();
+    absl::StatusOr<v1::TableInfo> created = c->CreateTable(spec);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "call " << i;
+    EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument) << created.status();
+    EXPECT_THAT(std::string(created.status().message()),
+                HasSubstr(absl::StrCat("\"", spec.checkpoint(),
+                                       "\": is a FIFO (named pipe), not a regular file")));
+  }
+  // gRPC may start a thread or two of its own; each blocked call held one more. (Counted before
+  // FifoHasReader: its open for writing would release a blocked reader.)
+  EXPECT_LE(ThreadsOf(cluster->coordinator_pid()), threads_before + 3);
+  EXPECT_FALSE(FifoHasReader(paths.fifo));
+  auto tables = c->ListTables();
+  ASSERT_TRUE(tables.ok());
+  EXPECT_EQ(tables->size(), 0u);
+}
+
 TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
@@ -64,10 +154,15 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   const std::string before = dir + "/before.safetensors";
   ASSERT_TRUE(c->ExportTable("emb", before).ok());
   // Export paths are on the coordinator's machine: absolute, and never anything but a file.
-  for (const std::string& path : {std::string("relative.safetensors"), dir}) {
+  const NotRegularFiles not_files = MakeNotRegularFiles(dir);
+  for (const std::string& path : {std::string("relative.safetensors"), dir, not_files.fifo,
+                                  not_files.socket, not_files.dir, not_files.link}) {
+    const absl::Time start = absl::Now();
     absl::StatusOr<v1::ExportTableResponse> exported = c->ExportTable("emb", path);
     EXPECT_EQ(exported.status().code(), absl::StatusCode::kInvalidArgument) << path;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << path;
   }
+  EXPECT_FALSE(FifoHasReader(not_files.fifo));
 
   auto code_and_message = [](const absl::StatusOr<DenseTensor>& r) {
     return std::make_pair(r.status().code(), std::string(r.status().message()));
@@ -510,7 +605,8 @@ TEST(Cluster, RandomRequestsGetAnswersOrClearErrorsAndChangeNothing) {
 // Table specs drawn at random - names with forbidden characters, sizes negative, zero or
 // overflowing, unknown kinds, dtypes and sharding dims, placements that do not parse or name
 // missing ranks and devices, NaN and negative norms, padding indices out of range, checkpoints
-// that are missing or are devices - sent to the coordinator: each gets a clear answer, a created
+// that are missing, relative, or are devices, FIFOs, sockets, directories or links to a FIFO -
+// sent to the coordinator: each gets a clear answer in time (nothing waits on a FIFO), a created
 // table serves and drops, and the table that was there before serves on unchanged.
 TEST(Cluster, RandomTableSpecsGetClearAnswersAndLeaveTheClusterServing) {
   auto cluster = StartCluster(2);
@@ -531,8 +627,18 @@ TEST(Cluster, RandomTableSpecsGetClearAnswersAndLeaveTheClusterServing) {
       "", "rank:99999999999999999999/cpu", "rank:0/cpu/x", "rank:1/cpu ", "rank:/cpu", "cpu"};
   static constexpr int64_t kIndices[] = {-1, 0, 2, -100, INT64_MAX, INT64_MIN};
   static constexpr double kNorms[] = {NAN, -1, 0, 0.5, 2, 1e300, INFINITY, -INFINITY};
-  const std::string checkpoints[] = {"", "/nonexistent/x.safetensors", "/dev/zero",
-                                     "/dev/urandom", dir, other.spec.checkpoint()};
+  const NotRegularFiles not_files = MakeNotRegularFiles(dir);
+  const std::string checkpoints[] = {"",
+                                     "/nonexistent/x.safetensors",
+                                     "relative.safetensors",
+                                     "/dev/zero",
+                                     "/dev/urandom",
+                                     dir,
+                                     not_files.fifo,
+                                     not_files.socket,
+                                     not_files.dir,
+                                     not_files.link,
+                                     other.spec.checkpoint()};
   std::map<int, int> codes;
   for (int i = 0; i < 150; ++i) {
     // A valid spec ...
@@ -549,12 +655,13 @@ TEST(Cluster, RandomTableSpecsGetClearAnswersAndLeaveTheClusterServing) {
       spec.set_padding_idx(below(static_cast<int>(2 * spec.num_rows())) - spec.num_rows());
     }
     if (spec.kind() == v1::TABLE_KIND_EMBEDDING && below(3) == 0) spec.set_max_norm(0.5 + below(4));
-    if (below(4) == 0) spec.set_norm_type(1 + below(3));
+    if (below(4) == 0) spec.set_norm_type(below(4) == 0 ? INFINITY : 1 + below(3));
     spec.set_no_bias(below(2) == 0);
     spec.set_seed(rng());
     if (below(8) == 0) spec.set_generation(rng());  // output only: ignored
-    // ... and, mostly, one defect.
-    switch (below(12)) {
+    // ... and, mostly, one defect; first, each of the checkpoints in turn.
+    const bool every_checkpoint = i < static_cast<int>(std::size(checkpoints));
+    switch (every_checkpoint ? 9 : below(12)) {
       case 0:
         spec.set_name(pick(kNames));
         break;
@@ -585,13 +692,17 @@ TEST(Cluster, RandomTableSpecsGetClearAnswersAndLeaveTheClusterServing) {
         if (below(2) == 0) spec.set_norm_type(pick(kNorms));
         break;
       case 9:
-        spec.set_checkpoint(pick(checkpoints));
+        spec.set_checkpoint(every_checkpoint ? checkpoints[i] : pick(checkpoints));
         break;
       default:
         break;
     }
     SCOPED_TRACE(spec.ShortDebugString());
+    const absl::Time start = absl::Now();
     absl::StatusOr<v1::TableInfo> created = c->CreateTable(spec);
+    // Nothing waits: not on a FIFO's writer (a checkpoint that is one used to block until the
+    // deadline and hold a thread on), nor on a socket or device.
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "spec " << i;
     ++codes[static_cast<int>(created.status().code())];
     switch (created.status().code()) {
       case absl::StatusCode::kOk:
@@ -623,6 +734,7 @@ TEST(Cluster, RandomTableSpecsGetClearAnswersAndLeaveTheClusterServing) {
     EXPECT_TRUE(c->DropTable(spec.name()).ok());
   }
   for (const auto& [code, n] : codes) std::printf("status %d: %d specs\n", code, n);
+  EXPECT_FALSE(FifoHasReader(not_files.fifo));
   EXPECT_GT(codes[0], 0);
   EXPECT_GT(codes[static_cast<int>(absl::StatusCode::kInvalidArgument)], 0);
 

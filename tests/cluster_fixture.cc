@@ -3,6 +3,9 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstring>
+#include <iterator>
 #include <cstdlib>
 
 #include "ATen/TensorOperators.h"
@@ -86,8 +89,14 @@ v1::Tensor ToProto(const at::Tensor& t) {
 
 Table MakeTable(const std::string& name, v1::TableKind kind, int64_t rows, int64_t cols, int dim,
                 const std::vector<int>& placement, const std::string& dir) {
+  return MakeTableOf(name, kind, at::randn({rows, cols}), dim, placement, dir);
+}
+
+Table MakeTableOf(const std::string& name, v1::TableKind kind, const at::Tensor& weight, int dim,
+                  const std::vector<int>& placement, const std::string& dir) {
+  const int64_t rows = weight.size(0), cols = weight.size(1);
   Table t;
-  t.weight = at::randn({rows, cols});
+  t.weight = weight.contiguous();
   t.spec.set_name(name);
   t.spec.set_kind(kind);
   t.spec.set_num_rows(rows);
@@ -105,6 +114,23 @@ Table MakeTable(const std::string& name, v1::TableKind kind, int64_t rows, int64
   EXPECT_TRUE(core::WriteSafetensors(path, entries).ok());
   t.spec.set_checkpoint(path);
   return t;
+}
+
+at::Tensor NonFiniteWeight(int64_t rows, int64_t cols, std::mt19937& rng) {
+  const uint32_t special[] = {0x7fc00000, 0xffc00000, 0x7fc12345, 0xff812345, 0x7f800001,
+                              0x7f800000, 0xff800000, 0x00000000, 0x80000000};
+  at::Tensor w = at::randn({rows, cols});
+  float* data = w.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float& v = data[r * cols + j];
+      if (r % 4 == 0) v = 0.0f;
+      if (r % 4 == 2) v = -0.0f;
+      if (r % 4 == 3) v = -std::fabs(v);
+      if (rng() % 6 == 0) std::memcpy(&v, &special[rng() % std::size(special)], sizeof(v));
+    }
+  }
+  return w;
 }
 
 // A seeded table of 2^52 floats over two CPU workers: each worker refuses to allocate its shard.
@@ -151,6 +177,30 @@ void ExpectClose(const absl::StatusOr<DenseTensor>& got, const at::Tensor& want,
   ASSERT_EQ(have.sizes(), want.sizes()) << what;
   EXPECT_TRUE(at::allclose(have, want, 1e-5, 1e-5))
       << what << ": max |diff| " << (have - want).abs().max().item<float>();
+}
+
+void ExpectSameValues(const absl::StatusOr<DenseTensor>& got, const at::Tensor& want, bool exact,
+                      const std::string& what) {
+  ASSERT_TRUE(got.ok()) << what << ": " << got.status();
+  at::Tensor have = FromDense(*got);
+  ASSERT_EQ(have.sizes(), want.sizes()) << what;
+  at::Tensor w = want.contiguous();
+  const float* a = have.data_ptr<float>();
+  const float* b = w.data_ptr<float>();
+  for (int64_t i = 0; i < have.numel(); ++i) {
+    uint32_t x, y;
+    std::memcpy(&x, &a[i], 4);
+    std::memcpy(&y, &b[i], 4);
+    bool same = x == y;
+    if (!exact && !same) {
+      same = std::isnan(b[i]) ? std::isnan(a[i])
+             : std::isinf(b[i]) ? a[i] == b[i]
+                                : std::fabs(a[i] - b[i]) <= 1e-5 + 1e-5 * std::fabs(b[i]);
+    }
+    ASSERT_TRUE(same) << what << ": element " << i << " is " << a[i] << " (0x"
+                      << absl::StrCat(absl::Hex(x)) << "), torch's " << b[i] << " (0x"
+                      << absl::StrCat(absl::Hex(y)) << ")";
+  }
 }
 
 // Runs every op on `t` through `c` and checks it against LibTorch.

@@ -51,6 +51,14 @@ struct Table {
 // sharded along `dim` with placement i on rank placement[i].
 Table MakeTable(const std::string& name, v1::TableKind kind, int64_t rows, int64_t cols, int dim,
                 const std::vector<int>& placement, const std::string& dir);
+// The same with the given weight (a random bias for a linear layer).
+Table MakeTableOf(const std::string& name, v1::TableKind kind, const at::Tensor& weight, int dim,
+                  const std::vector<int>& placement, const std::string& dir);
+
+// A `rows` x `cols` weight that holds what a stored weight may beyond finite values: NaNs of both
+// signs and several payloads (a signaling one too), infinities and zeros of both signs, in rows
+// of four kinds - all +0, N(0, 1), all -0, -|N(0, 1)| - so that bags' maxima are often a zero.
+at::Tensor NonFiniteWeight(int64_t rows, int64_t cols, std::mt19937& rng);
 
 // A seeded table of 2^52 floats over two CPU workers: each worker refuses to allocate its shard.
 v1::TableSpec TooLargeForAnyWorker(const std::string& name);
@@ -70,6 +78,10 @@ Answer LinearOf(client::Client& c, const Table& t, const at::Tensor& x);
 // Expects `got` to be OK and equal to `want` within 1e-5.
 void ExpectClose(const absl::StatusOr<client::DenseTensor>& got, const at::Tensor& want,
                  const std::string& what);
+// Expects `got` to be OK and to hold `want`: the same bits (NaNs' too) where `exact`; else NaN
+// where it has NaN (any payload), the same infinities, and finite values within 1e-5.
+void ExpectSameValues(const absl::StatusOr<client::DenseTensor>& got, const at::Tensor& want,
+                      bool exact, const std::string& what);
 // Runs every op on `t` through `c` and checks it against LibTorch.
 void CheckOps(client::Client& c, const Table& t, const std::string& label);
 

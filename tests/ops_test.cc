@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -19,6 +20,7 @@
 #include "ATen/TensorOperators.h"
 #include "ATen/core/Tensor.h"
 #include "ATen/ops/allclose.h"
+#include "ATen/ops/arange.h"
 #include "ATen/ops/embedding.h"
 #include "ATen/ops/embedding_bag.h"
 #include "ATen/ops/embedding_renorm.h"
@@ -194,6 +196,108 @@ TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
     ASSERT_EQ(b->bytes, shape.out * 4);
     EXPECT_EQ(std::memcmp(w->data, t.weight.data_ptr<float>(), w->bytes), 0);
     EXPECT_EQ(std::memcmp(b->data, t.bias.data_ptr<float>(), b->bytes), 0);
+  }
+}
+
+// Checkpoints whose weights hold NaNs (both signs, several payloads), infinities and zeros of both
+// signs, on both sharding dims and a permuted placement, for every op and pooling mode - padding
+// ids first in bags, one-row and empty bags, per-sample weights, and max_norm with the max-abs
+// norm (norm_type inf) renorming the stored rows call after call - against LibTorch on the full
+// weight: lookups and max pools are torch's bit for bit (they select stored values; the max-abs
+// renorm is exact), sums, means and linear layers are NaN where torch's are and close elsewhere.
+TEST(Cluster, NonFiniteWeightsGiveTorchsAnswersForEveryOpAndMode) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  std::mt19937 rng(static_cast<unsigned>(core::TestSeed()));
+  const std::vector<int> placement = {2, 0, 1};
+  c10::InferenceMode guard;
+  const int64_t rows = 29, cols = 13, pad = 5;
+  auto random_ids = [&](std::vector<int64_t> shape) {
+    at::Tensor ids = at::randint(0, rows, shape, at::kLong);
+    at::Tensor flat = ids.view({-1});
+    for (int64_t i = 0; i < flat.numel(); i += 4) flat[i] = pad;  // often a bag's first
+    return ids;
+  };
+  for (int dim : {0, 1}) {
+    for (bool renorm : {false, true}) {
+      const std::string name = absl::StrCat("emb", dim, renorm ? "_renorm" : "");
+      SCOPED_TRACE(name);
+      Table t = MakeTableOf(name, v1::TABLE_KIND_EMBEDDING, NonFiniteWeight(rows, cols, rng), dim,
+                            placement, dir);
+      t.spec.set_padding_idx(pad);
+      if (renorm) {
+        t.spec.set_max_norm(1.5);
+        t.spec.set_norm_type(std::numeric_limits<double>::infinity());
+      }
+      absl::StatusOr<v1::TableInfo> created = c->CreateTable(t.spec);
+      ASSERT_TRUE(created.ok()) << created.status();
+      at::Tensor weight = t.weight.clone();  // the oracle's, renormed as the stored rows are
+      auto renorm_rows = [&](const at::Tensor& ids) {
+        if (renorm) at::embedding_renorm_(weight, ids.reshape({-1}), 1.5, INFINITY);
+      };
+      for (int round = 0; round < 3; ++round) {
+        at::Tensor ids = random_ids({4, 5});
+        v1::EmbeddingRequest er;
+        er.set_table(name);
+        *er.mutable_ids() = ToProto(ids);
+        renorm_rows(ids);
+        ExpectSameValues(c->Embedding(er), at::embedding(weight, ids), true, "embedding");
+
+        // Bags: one-row, empty, and longer ones, over 1-D ids with offsets.
+        at::Tensor flat = random_ids({14});
+        at::Tensor offsets = at::tensor(std::vector<int64_t>{0, 1, 1, 2, 6, 7, 11}, at::kLong);
+        at::Tensor psw = at::randn({14});
+        for (v1::PoolMode mode : {v1::POOL_MODE_SUM, v1::POOL_MODE_MEAN, v1::POOL_MODE_MAX}) {
+          const int64_t torch_mode = mode == v1::POOL_MODE_SUM    ? 0
+                                     : mode == v1::POOL_MODE_MEAN ? 1
+                                                                  : 2;
+          for (bool weighted : {false, true}) {
+            if (weighted && mode != v1::POOL_MODE_SUM) continue;
+            v1::EmbeddingBagRequest br;
+            br.set_table(name);
+            *br.mutable_ids() = ToProto(flat);
+            *br.mutable_offsets() = ToProto(offsets);
+            if (weighted) *br.mutable_per_sample_weights() = ToProto(psw);
+            br.set_mode(mode);
+            renorm_rows(flat);
+            c10::optional<at::Tensor> per_sample;
+            if (weighted) per_sample = psw;
+            ExpectSameValues(c->EmbeddingBag(br),
+                             std::get<0>(at::embedding_bag(weight, flat, offsets, false,
+                                                           torch_mode, false, per_sample, false,
+                                                           pad)),
+                             mode == v1::POOL_MODE_MAX, absl::StrCat("bag mode ", mode));
+          }
+        }
+        // 2-D max: one-row bags and bags of 5.
+        for (int64_t width : {1, 5}) {
+          at::Tensor two_d = random_ids({6, width});
+          v1::EmbeddingBagRequest mr;
+          mr.set_table(name);
+          *mr.mutable_ids() = ToProto(two_d);
+          mr.set_mode(v1::POOL_MODE_MAX);
+          renorm_rows(two_d);
+          ExpectSameValues(
+              c->EmbeddingBag(mr),
+              std::get<0>(at::embedding_bag(weight, two_d.reshape({-1}),
+                                            at::arange(0, 6 * width, width, at::kLong), false, 2,
+                                            false, c10::nullopt, false, pad)),
+              true, absl::StrCat("bag max 2-D, bags of ", width));
+        }
+      }
+    }
+    // A linear layer split the other way (dim 0 splits the outputs, dim 1 the inputs).
+    const std::string name = absl::StrCat("lin", dim);
+    Table lin = MakeTableOf(name, v1::TABLE_KIND_LINEAR, NonFiniteWeight(9, cols, rng), dim,
+                            placement, dir);
+    ASSERT_TRUE(c->CreateTable(lin.spec).ok());
+    at::Tensor x = at::randn({3, 2, cols});
+    v1::LinearRequest lr;
+    lr.set_table(name);
+    *lr.mutable_input() = ToProto(x);
+    ExpectSameValues(c->Linear(lr), at::linear(x, lin.weight, lin.bias), false, name);
   }
 }
 
