@@ -24,6 +24,7 @@
 #include "grpcpp/server_builder.h"
 #include "server/grpc_settings.h"
 #include "server/grpc_status.h"
+#include "server/table_spec.h"
 #include "server/tensor_codec.h"
 
 namespace shardserve::server {
@@ -34,28 +35,6 @@ std::chrono::system_clock::time_point DeadlineOr(const grpc::ServerContextBase* 
   const auto deadline = context->deadline();
   const auto fallback_deadline = absl::ToChronoTime(absl::Now() + fallback);
   return std::min(deadline, fallback_deadline);
-}
-
-absl::Status CheckCheckpoint(const v1::TableSpec& spec) {
-  SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::SafetensorsFile> file,
-                              core::SafetensorsFile::Open(spec.checkpoint()));
-  const core::SafetensorsTensor* weight = file->Find("weight");
-  if (weight == nullptr || weight->dtype != "F32" ||
-      weight->shape != std::vector<int64_t>{spec.num_rows(), spec.num_cols()}) {
-    return absl::InvalidArgumentError(absl::StrCat("table.checkpoint: \"", spec.checkpoint(),
-                                                   "\" needs tensor \"weight\" F32 [",
-                                                   spec.num_rows(), ",", spec.num_cols(), "]"));
-  }
-  if (spec.kind() == v1::TABLE_KIND_LINEAR && !spec.no_bias()) {
-    const core::SafetensorsTensor* bias = file->Find("bias");
-    if (bias == nullptr || bias->dtype != "F32" ||
-        bias->shape != std::vector<int64_t>{spec.num_rows()}) {
-      return absl::InvalidArgumentError(absl::StrCat("table.checkpoint: \"", spec.checkpoint(),
-                                                     "\" needs tensor \"bias\" F32 [",
-                                                     spec.num_rows(), "]"));
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
