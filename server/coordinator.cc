@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -24,6 +23,7 @@
 #include "grpcpp/server_builder.h"
 #include "server/grpc_settings.h"
 #include "server/grpc_status.h"
+#include "server/table_export.h"
 #include "server/table_spec.h"
 #include "server/tensor_codec.h"
 
@@ -75,7 +75,8 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     if (config->padding_idx) stored.set_padding_idx(*config->padding_idx);  // normalised
     c_.tables_[spec.name()] = stored;
     if (absl::Status s = c_.SaveRegistry(); !s.ok()) {
-      c_.tables_.erase(spec.name());
+      c_.tables_.erase(spec.name());  // a failed save changes nothing
+      --c_.last_generation_;
       return ToGrpcStatus(s);
     }
     // Wait (bounded by the caller's deadline) until every rank has loaded it, or one cannot.
@@ -98,8 +99,14 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
                                                             "\" could not be loaded: ",
                                                             error->message()));
       if (ours()) {
+        const v1::TableSpec created = c_.tables_.at(name);
         c_.tables_.erase(name);
-        if (absl::Status s = c_.SaveRegistry(); !s.ok()) return ToGrpcStatus(s);
+        if (absl::Status s = c_.SaveRegistry(); !s.ok()) {
+          c_.tables_[name] = created;  // still registered, as on disk (state FAILED)
+          return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
+                              absl::StrCat(status.message(), "; and it stays registered: ",
+                                           s.message()));
+        }
       }
       return ToGrpcStatus(status);
     }
@@ -149,7 +156,9 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
   grpc::Status ExportTable(grpc::ServerContext* context, const v1::ExportTableRequest* request,
                            v1::ExportTableResponse* response) override {
     // The path is on this machine: checked before any shard is read (and again when written).
-    if (absl::Status s = core::CheckOutputPath(request->path()); !s.ok()) return ToGrpcStatus(s);
+    if (absl::Status s = CheckExportPath(request->path(), c_.options_.state_dir); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
     v1::TableSpec spec;
     std::vector<std::string> addresses;
     {
@@ -232,6 +241,10 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     std::vector<core::SafetensorsEntry> entries = {
         {"weight", "F32", {rows, cols}, full.data(), rows * cols * 4}};
     if (!bias.empty()) entries.push_back({"bias", "F32", {rows}, bias.data(), rows * 4});
+    // Checked again: the reads took a while, and the directory may have changed meanwhile.
+    if (absl::Status s = CheckExportPath(request->path(), c_.options_.state_dir); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
     if (absl::Status s = core::WriteSafetensors(request->path(), entries); !s.ok()) {
       return ToGrpcStatus(s);
     }
@@ -614,13 +627,8 @@ void Coordinator::Wait() {
 
 absl::Status Coordinator::LoadRegistry() {
   if (options_.state_dir.empty()) return absl::OkStatus();
-  std::ifstream in(options_.state_dir + "/tables.pb", std::ios::binary);
-  if (!in) return absl::OkStatus();  // first start
-  v1::internal::TableRegistry registry;
-  if (!registry.ParseFromIstream(&in)) {
-    return absl::DataLossError(
-        absl::StrCat("coordinator: cannot parse ", options_.state_dir, "/tables.pb"));
-  }
+  SHARDSERVE_ASSIGN_OR_RETURN(store_, RegistryStore::Open(options_.state_dir));
+  SHARDSERVE_ASSIGN_OR_RETURN(v1::internal::TableRegistry registry, store_->Load());
   absl::MutexLock lock(&mu_);
   last_generation_ = std::max<uint64_t>(last_generation_, registry.last_generation());
   for (v1::TableSpec spec : registry.tables()) {
@@ -633,22 +641,11 @@ absl::Status Coordinator::LoadRegistry() {
 }
 
 absl::Status Coordinator::SaveRegistry() {
-  if (options_.state_dir.empty()) return absl::OkStatus();
+  if (store_ == nullptr) return absl::OkStatus();
   v1::internal::TableRegistry registry;
   for (const auto& [name, spec] : tables_) *registry.add_tables() = spec;
   registry.set_last_generation(last_generation_);
-  const std::string path = options_.state_dir + "/tables.pb";
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out || !registry.SerializeToOstream(&out)) {
-      return absl::InternalError(absl::StrCat("coordinator: cannot write ", tmp));
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("coordinator: cannot rename ", tmp));
-  }
-  return absl::OkStatus();
+  return store_->Save(registry);
 }
 
 bool Coordinator::Alive(const Member& m) const {

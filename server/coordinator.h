@@ -24,6 +24,7 @@
 #include "grpcpp/server.h"
 #include "proto/internal.grpc.pb.h"
 #include "proto/shardserve.grpc.pb.h"
+#include "server/registry_store.h"
 
 namespace shardserve::server {
 
@@ -100,6 +101,7 @@ class Coordinator {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::thread ticker_;
+  std::unique_ptr<RegistryStore> store_;  // null without state_dir
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
