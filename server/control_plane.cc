@@ -76,6 +76,13 @@ absl::Status ControlPlane::SaveRegistry() {
   return store_->Save(registry);
 }
 
+absl::Status ControlPlane::RefuseWhileLearning() const {
+  if (!learning_ || store_ != nullptr) return absl::OkStatus();
+  return absl::UnavailableError(
+      "the coordinator started without --state_dir and is learning the tables from the workers' "
+      "heartbeats (until every rank has reported); retry");
+}
+
 // --- Admin ---
 
 absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spec,
@@ -86,6 +93,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
     SHARDSERVE_RETURN_IF_ERROR(CheckCheckpoint(spec));  // (reads the file: not under the lock)
   }
   absl::MutexLock lock(&mu_);
+  SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
   const std::string name = spec.name();
   if (tables_.count(name)) {
     return absl::AlreadyExistsError(absl::StrCat("table \"", name, "\" already exists"));
@@ -146,6 +154,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
 
 absl::Status ControlPlane::DropTable(const std::string& name) {
   absl::MutexLock lock(&mu_);
+  SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
   auto it = tables_.find(name);
   if (it == tables_.end()) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
@@ -161,6 +170,7 @@ absl::Status ControlPlane::DropTable(const std::string& name) {
 
 absl::StatusOr<std::vector<v1::TableInfo>> ControlPlane::ListTables() const {
   absl::MutexLock lock(&mu_);
+  SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
   std::vector<v1::TableInfo> tables;
   for (const auto& [name, spec] : tables_) tables.push_back(InfoOf(spec));
   return tables;
@@ -168,6 +178,7 @@ absl::StatusOr<std::vector<v1::TableInfo>> ControlPlane::ListTables() const {
 
 absl::StatusOr<v1::TableInfo> ControlPlane::DescribeTable(const std::string& name) const {
   absl::MutexLock lock(&mu_);
+  SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
   auto it = tables_.find(name);
   if (it == tables_.end()) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
@@ -240,6 +251,12 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   Reconcile();
   v1::internal::HeartbeatResponse response;
   response.set_world_size(options_.world_size);
+  if (learning_) {
+    // Until every member has reported, this coordinator does not know the group, nor (without a
+    // registry) the tables: the worker goes on as while it could not reach the coordinator.
+    response.set_keep_serving(true);
+    return response;
+  }
   response.set_epoch(epoch_);
   for (int r = 0; r < options_.world_size; ++r) {
     v1::internal::Member* member = response.add_members();
@@ -270,6 +287,18 @@ absl::StatusOr<std::string> ControlPlane::RendezvousGet(const std::string& key,
 
 absl::StatusOr<WorkerRoute> ControlPlane::PickWorker() {
   absl::MutexLock lock(&mu_);
+  if (learning_) {
+    // The group is the workers' until every rank has reported: one that reports a healthy
+    // group may still serve.
+    for (size_t i = 0; i < members_.size(); ++i) {
+      const int rank = static_cast<int>(next_worker_++ % members_.size());
+      const Member& m = members_[rank];
+      if (Alive(m) && m.epoch != 0 && !m.broken) return WorkerRoute{rank, m.address};
+    }
+    return absl::UnavailableError(
+        "group not known yet: the coordinator has just started, and no worker in a group has "
+        "reported");
+  }
   if (!GroupServing()) return absl::UnavailableError("group not formed: waiting for all ranks");
   const int rank = static_cast<int>(next_worker_++ % members_.size());
   return WorkerRoute{rank, members_[rank].address};
@@ -291,6 +320,11 @@ void ControlPlane::Tick() {
 uint64_t ControlPlane::epoch() const {
   absl::MutexLock lock(&mu_);
   return epoch_;
+}
+
+bool ControlPlane::learning() const {
+  absl::MutexLock lock(&mu_);
+  return learning_;
 }
 
 // --- The group ---
@@ -394,6 +428,49 @@ void ControlPlane::ReloadAfterPartialRenorm(int rank, const v1::TableSpec& held)
                held.name().c_str(), static_cast<unsigned long long>(last_generation_), rank);
 }
 
+void ControlPlane::EndLearning() {
+  learning_ = false;
+  if (store_ == nullptr) LearnTables();
+  // One healthy group is what every member reports: the same epoch, joined and not broken. (A
+  // worker that restarted reports epoch 0; one whose group failed, broken.)
+  const uint64_t epoch = members_[0].epoch;
+  bool one_group = epoch != 0, any_group = false;
+  std::string reports;
+  for (size_t r = 0; r < members_.size(); ++r) {
+    const Member& m = members_[r];
+    one_group = one_group && m.epoch == epoch && !m.broken;
+    any_group = any_group || m.epoch != 0;
+    absl::StrAppend(&reports, r ? ", " : "", "rank ", r, ": ", m.epoch, m.broken ? " broken" : "");
+  }
+  if (!one_group) {
+    // (Silent when no worker was in a group: the cluster is starting.)
+    if (any_group) {
+      std::fprintf(stderr, "coordinator: the workers report no healthy group to adopt (%s)\n",
+                   reports.c_str());
+    }
+    return;  // Reconcile forms a new one
+  }
+  StartEpoch(epoch);
+  std::fprintf(stderr, "coordinator: adopted group epoch %llu from the workers (%d ranks)\n",
+               static_cast<unsigned long long>(epoch), options_.world_size);
+}
+
+void ControlPlane::LearnTables() {
+  // The tables every member holds from the same spec, generation included: what the previous
+  // coordinator last told them to hold and all of them loaded. Tables they hold differently (a
+  // creation, drop or reload under way when it stopped) are left to be dropped.
+  for (const auto& [name, spec] : members_[0].loaded_specs) {
+    if (tables_.count(name) || !ConfigFromSpec(spec, options_.world_size).ok()) continue;
+    bool everywhere = true;
+    for (const Member& m : members_) everywhere = everywhere && Holds(m, spec);
+    if (!everywhere) continue;
+    tables_[name] = spec;
+    last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
+    std::fprintf(stderr, "coordinator: learnt table \"%s\" (generation %llu) from the workers\n",
+                 name.c_str(), static_cast<unsigned long long>(spec.generation()));
+  }
+}
+
 void ControlPlane::StartEpoch(uint64_t epoch) {
   epoch_ = epoch;
   epoch_started_ = clock_.Now();
@@ -410,6 +487,7 @@ void ControlPlane::Reconcile() {
   for (const Member& m : members_) {
     if (!Alive(m)) return;  // wait for every rank; a dead one comes back with a new incarnation
   }
+  if (learning_) EndLearning();
   const absl::Time now = clock_.Now();
   bool renew = epoch_ == 0;
   for (int r = 0; r < options_.world_size && !renew; ++r) {

@@ -99,6 +99,7 @@ struct FakeWorker {
     absl::StatusOr<HeartbeatResponse> response = cp.Heartbeat(Request());
     if (!response.ok()) return response;
     last = *response;
+    if (response->keep_serving()) return response;  // as worker.cc: change nothing
     if (response->epoch() != 0 && response->epoch() != joined) {
       joined = response->epoch();
       broken = false;
@@ -290,6 +291,111 @@ TEST_F(ControlPlaneTest, AnEpochNotJoinedByEveryRankWithinTheJoinGraceIsRenewed)
     ASSERT_TRUE(cp->Heartbeat(workers[1].Request()).ok());
   }
   EXPECT_GT(cp->epoch(), first);
+}
+
+// --- A restarted coordinator: the group and the tables come from the workers ---
+
+TEST_F(ControlPlaneTest, ARestartedCoordinatorKeepsWorkersServingAndAdoptsTheirGroup) {
+  const std::string state = NewDir();
+  std::vector<FakeWorker> workers = Workers();
+  uint64_t epoch = 0;
+  {
+    auto before = Make(2, state);
+    Serve(*before, workers, {"emb"});
+    epoch = before->epoch();
+    ASSERT_TRUE(before->Serving().tables.at("emb"));
+  }
+  clock_.Advance(absl::Seconds(20));  // down for a while
+  auto cp = Make(2, state);
+  EXPECT_TRUE(cp->learning());
+  // Only rank 0 has come back: it is told to keep serving, however long rank 1 takes.
+  for (int i = 0; i < 100; ++i) {
+    absl::StatusOr<HeartbeatResponse> r = workers[0].Report(*cp);
+    ASSERT_TRUE(r.ok());
+    EXPECT_TRUE(r->keep_serving());
+    EXPECT_EQ(r->tables_size(), 0);
+    clock_.Advance(absl::Milliseconds(100));
+    cp->Tick();
+  }
+  EXPECT_THAT(workers[0].serving, ElementsAre("emb"));
+  EXPECT_EQ(cp->epoch(), 0u);
+  // Forwarded calls go to the worker that has reported, which still serves.
+  EXPECT_EQ(cp->PickWorker()->rank, 0);
+  EXPECT_EQ(cp->PickWorker()->rank, 0);
+  // With a registry, admin calls work meanwhile.
+  EXPECT_TRUE(cp->ListTables().ok());
+  absl::StatusOr<HeartbeatResponse> r = workers[1].Report(*cp);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->keep_serving());
+  EXPECT_FALSE(cp->learning());
+  EXPECT_EQ(cp->epoch(), epoch);  // adopted, not a new one
+  EXPECT_EQ(r->epoch(), epoch);
+  EXPECT_THAT(r->serving_tables(), ElementsAre("emb"));
+  Settle(*cp, workers);
+  EXPECT_EQ(cp->epoch(), epoch);
+  EXPECT_EQ(workers[0].joined, epoch);
+  EXPECT_TRUE(cp->Serving().group);
+  EXPECT_TRUE(cp->Serving().tables.at("emb"));
+  EXPECT_EQ(cp->DescribeTable("emb")->state(), v1::TABLE_STATE_SERVING);
+}
+
+TEST_F(ControlPlaneTest, ARestartedCoordinatorFormsANewGroupWhenTheWorkersReportNoHealthyOne) {
+  for (const std::string why : {"one rank broken", "different epochs", "one rank restarted"}) {
+    const std::string state = NewDir();
+    std::vector<FakeWorker> workers = Workers();
+    uint64_t epoch = 0;
+    {
+      auto before = Make(2, state);
+      Serve(*before, workers, {"emb"});
+      epoch = before->epoch();
+    }
+    if (why == "one rank broken") workers[1].broken = true;
+    if (why == "different epochs") workers[1].joined = epoch - 1;
+    if (why == "one rank restarted") {
+      workers[1] = FakeWorker{};
+      workers[1].rank = 1;
+      workers[1].incarnation = 777;
+    }
+    clock_.Advance(absl::Seconds(5));
+    auto cp = Make(2, state);
+    Settle(*cp, workers, 6);
+    EXPECT_GT(cp->epoch(), epoch) << why;
+    EXPECT_EQ(workers[0].joined, cp->epoch()) << why;
+    EXPECT_TRUE(cp->Serving().tables.at("emb")) << why;
+  }
+}
+
+TEST_F(ControlPlaneTest, WithoutAStateDirTheTablesEveryRankHoldsAlikeAreLearnt) {
+  std::vector<FakeWorker> workers = Workers();
+  uint64_t epoch = 0, generation = 0;
+  {
+    auto before = Make(2);
+    Serve(*before, workers, {"kept", "mixed"});
+    epoch = before->epoch();
+    generation = before->DescribeTable("kept")->spec().generation();
+  }
+  // "mixed" was being created again when the coordinator stopped: rank 1 holds another generation.
+  workers[1].loaded["mixed"].set_generation(workers[1].loaded["mixed"].generation() + 1);
+  auto cp = Make(2);
+  ASSERT_TRUE(workers[0].Report(*cp).ok());
+  // Until every rank has reported, nothing is known about the tables: admin calls wait.
+  EXPECT_EQ(cp->ListTables().status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cp->DescribeTable("kept").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cp->DropTable("kept").code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cp->CreateTable(Seeded("kept"), clock_.Now()).status().code(),
+            absl::StatusCode::kUnavailable);
+  Settle(*cp, workers);
+  EXPECT_EQ(cp->epoch(), epoch);
+  absl::StatusOr<std::vector<v1::TableInfo>> tables = cp->ListTables();
+  ASSERT_TRUE(tables.ok()) << tables.status();
+  ASSERT_EQ(tables->size(), 1u);
+  EXPECT_EQ((*tables)[0].spec().name(), "kept");
+  EXPECT_EQ((*tables)[0].spec().generation(), generation);
+  EXPECT_EQ((*tables)[0].state(), v1::TABLE_STATE_SERVING);
+  EXPECT_FALSE(workers[0].loaded.count("mixed"));  // told to drop it
+  // New tables get newer generations than the learnt ones.
+  Serve(*cp, workers, {"new"});
+  EXPECT_GT(cp->DescribeTable("new")->spec().generation(), generation);
 }
 
 // --- Tables ---

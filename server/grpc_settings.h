@@ -1,5 +1,6 @@
 // The gRPC settings every shardserve process uses, in one place: message size limits (answers
-// and table transfers can be large) for servers and for channels.
+// and table transfers can be large) for servers and for channels, and the channels' reconnect
+// backoff (short and bounded, so that a peer that comes back is reached again promptly).
 #ifndef SHARDSERVE_SERVER_GRPC_SETTINGS_H_
 #define SHARDSERVE_SERVER_GRPC_SETTINGS_H_
 
@@ -16,7 +17,11 @@ namespace shardserve::server {
 // and an answer 2^27 floats (core::InputLimits), both under it.
 inline constexpr int kMaxMessageBytes = 1 << 30;
 
-// Channel arguments for connections to shardserve servers (message limits).
+// A channel whose peer went away tries again after 100 ms, then backs off to 1 s at most.
+inline constexpr int kInitialReconnectBackoffMs = 100;
+inline constexpr int kMaxReconnectBackoffMs = 1000;
+
+// Channel arguments for connections to shardserve servers (message limits, reconnect backoff).
 grpc::ChannelArguments ChannelArguments();
 // A plaintext channel to `address` with ChannelArguments().
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address);

@@ -688,6 +688,9 @@ void Worker::HeartbeatLoop() {
     v1::internal::HeartbeatResponse response;
     grpc::Status status = coordinator_->Heartbeat(&context, request, &response);
     if (!status.ok()) continue;  // the coordinator may be restarting; keep serving
+    // A coordinator that has just started and not yet heard from every rank does not know the
+    // group: keep it, the tables and what we serve, as while it cannot be reached.
+    if (response.keep_serving()) continue;
     absl::MutexLock lock(&mu_);
     world_size_ = response.world_size();
     target_epoch_ = response.epoch();
