@@ -178,6 +178,16 @@ absl::StatusOr<int> LocalCluster::KillWorker(int rank, int signal) {
   return wait_status;
 }
 
+absl::Status LocalCluster::SignalWorker(int rank, int signal) {
+  if (rank < 0 || rank >= options_.workers || workers_[rank] <= 0) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", rank, " is not running"));
+  }
+  if (::kill(workers_[rank], signal) != 0) {
+    return absl::InternalError(absl::StrCat("kill(", workers_[rank], ", ", signal, ") failed"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status LocalCluster::KillCoordinator(int signal) {
   if (coordinator_ <= 0) return absl::FailedPreconditionError("coordinator is not running");
   ::kill(coordinator_, signal);

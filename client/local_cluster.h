@@ -46,6 +46,8 @@ class LocalCluster {
 
   // Sends `signal` and waits for the worker to exit; returns its wait status (waitpid's).
   absl::StatusOr<int> KillWorker(int rank, int signal);  // SIGKILL simulates a crash
+  // Sends `signal` to a running worker and returns at once (SIGSTOP / SIGCONT delay it).
+  absl::Status SignalWorker(int rank, int signal);
   absl::Status StartWorker(int rank);             // (re)starts a worker that is not running
   absl::Status KillCoordinator(int signal);
   absl::Status StartCoordinator();                // on the same port as before

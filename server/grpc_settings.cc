@@ -1,5 +1,6 @@
 #include "server/grpc_settings.h"
 
+#include "grpc/grpc.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 
@@ -9,6 +10,12 @@ grpc::ChannelArguments ChannelArguments() {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
+  // Reconnect within a second of a peer's return: gRPC's default backoff grows to 120 s, so
+  // workers came back to a restarted coordinator (and the coordinator to a restarted worker)
+  // seconds apart, and late in proportion to the time the peer was gone.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kInitialReconnectBackoffMs);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kInitialReconnectBackoffMs);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kMaxReconnectBackoffMs);
   return args;
 }
 

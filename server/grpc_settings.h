@@ -1,5 +1,7 @@
 // The gRPC settings every shardserve process uses, in one place: message size limits (answers
-// and table transfers can be large) for servers and for channels, and servers' stream windows.
+// and table transfers can be large) for servers and for channels, the channels' reconnect backoff
+// (short and bounded, so that a peer that comes back is reached again promptly), and servers'
+// stream windows.
 #ifndef SHARDSERVE_SERVER_GRPC_SETTINGS_H_
 #define SHARDSERVE_SERVER_GRPC_SETTINGS_H_
 
@@ -19,7 +21,11 @@ inline constexpr int kMaxMessageBytes = 1 << 30;
 // The receive window of each stream a server reads (requests the server has not read yet).
 inline constexpr int kStreamWindowBytes = 1 << 20;
 
-// Channel arguments for connections to shardserve servers (message limits).
+// A channel whose peer went away tries again after 100 ms, then backs off to 1 s at most.
+inline constexpr int kInitialReconnectBackoffMs = 100;
+inline constexpr int kMaxReconnectBackoffMs = 1000;
+
+// Channel arguments for connections to shardserve servers (message limits, reconnect backoff).
 grpc::ChannelArguments ChannelArguments();
 // A plaintext channel to `address` with ChannelArguments().
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address);

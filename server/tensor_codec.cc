@@ -12,11 +12,6 @@
 namespace shardserve::server {
 namespace {
 
-// A dtype's name, or its number where it is not one this build knows (proto3 keeps those).
-std::string DTypeName(v1::DType d) {
-  return v1::DType_IsValid(d) ? v1::DType_Name(d) : absl::StrCat(static_cast<int>(d), " (unknown)");
-}
-
 template <typename T>
 absl::Status Decode(const v1::Tensor& tensor, const std::string& field, v1::DType want,
                     std::vector<T>* values, std::vector<int64_t>* shape) {
@@ -153,63 +148,6 @@ absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite
         absl::StrCat("the request is not a valid ", message->GetTypeName(), " message"));
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int world_size) {
-  core::TableConfig config;
-  if (spec.name().empty()) return absl::InvalidArgumentError("table.name: must not be empty");
-  // Every heartbeat carries every spec: names and paths stay short.
-  if (spec.name().size() > 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("table.name: ", spec.name().size(), " bytes, over the limit of 256"));
-  }
-  if (spec.checkpoint().size() > 4096) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "table.checkpoint: ", spec.checkpoint().size(), " bytes, over the limit of 4096"));
-  }
-  for (char c : spec.name()) {
-    if (c == '\n' || c == '|' || c == '/' || static_cast<unsigned char>(c) < 0x20) {
-      return absl::InvalidArgumentError(absl::StrCat("table.name: \"", spec.name(),
-                                                     "\" contains a forbidden character"));
-    }
-  }
-  config.name = spec.name();
-  if (!v1::TableKind_IsValid(spec.kind()) || spec.kind() == v1::TABLE_KIND_UNSPECIFIED) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "table.kind: ", spec.kind(),
-        spec.kind() == v1::TABLE_KIND_UNSPECIFIED ? " (not set)" : "",
-        " is not one of TABLE_KIND_EMBEDDING, TABLE_KIND_LINEAR"));
-  }
-  config.kind =
-      spec.kind() == v1::TABLE_KIND_LINEAR ? core::TableKind::kLinear : core::TableKind::kEmbedding;
-  config.num_rows = spec.num_rows();
-  config.num_cols = spec.num_cols();
-  if (spec.dtype() != v1::FLOAT32 && spec.dtype() != v1::DTYPE_UNSPECIFIED) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("table.dtype: ", DTypeName(spec.dtype()), " is not supported; use FLOAT32"));
-  }
-  std::vector<std::string> placements(spec.sharding().placements().begin(),
-                                      spec.sharding().placements().end());
-  if (static_cast<int>(placements.size()) != world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("table.sharding.placements: ", placements.size(),
-                     " placements, but the cluster has ", world_size, " ranks"));
-  }
-  SHARDSERVE_ASSIGN_OR_RETURN(config.spec,
-                              core::ShardingSpec::Create(spec.sharding().dim(), placements));
-  if (spec.has_padding_idx()) config.padding_idx = spec.padding_idx();
-  if (spec.has_max_norm()) config.max_norm = spec.max_norm();
-  if (spec.has_norm_type()) config.norm_type = spec.norm_type();
-  config.has_bias = !spec.no_bias();
-  config.source = absl::StrCat(spec.init_case() == v1::TableSpec::kCheckpoint
-                                   ? absl::StrCat("checkpoint ", spec.checkpoint())
-                                   : absl::StrCat("seed ", spec.seed()),
-                               ", generation ", spec.generation());
-  SHARDSERVE_RETURN_IF_ERROR(config.Validate());
-  if (spec.init_case() == v1::TableSpec::INIT_NOT_SET) {
-    return absl::InvalidArgumentError("table.init: set seed or checkpoint");
-  }
-  return config;
 }
 
 absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(

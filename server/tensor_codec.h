@@ -18,6 +18,7 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "proto/shardserve.grpc.pb.h"
 #include "proto/shardserve.pb.h"
+#include "server/table_spec.h"  // ConfigFromSpec, DTypeName
 
 namespace shardserve::server {
 
@@ -42,10 +43,6 @@ grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseRes
 
 // Parses a request that arrived as raw bytes: INVALID_ARGUMENT if they are not a `message`.
 absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message);
-
-
-// Validates a table spec for a cluster of `world_size` ranks and turns it into a TableConfig.
-absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int world_size);
 
 // Decode + validate a data request against its table: the request is ready for StepLoop::Submit.
 absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(

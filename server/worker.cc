@@ -216,6 +216,9 @@ void Worker::HeartbeatLoop() {
     v1::internal::HeartbeatResponse response;
     grpc::Status status = coordinator_->Heartbeat(&context, request, &response);
     if (!status.ok()) continue;  // the coordinator may be restarting; keep serving
+    // A coordinator that has just started and not yet heard from every rank does not know the
+    // group: keep it, the tables and what we serve, as while it cannot be reached.
+    if (response.keep_serving()) continue;
     tables_.Want(response);
     absl::MutexLock lock(&mu_);
     world_size_ = response.world_size();

@@ -38,15 +38,20 @@ std::string TempDir() {
   return path;
 }
 
-std::unique_ptr<LocalCluster> StartCluster(
-    int workers, std::map<int, std::vector<std::string>> rank_flags, int liveness_ms) {
+client::LocalClusterOptions ClusterOptions(int workers, int liveness_ms) {
   client::LocalClusterOptions options;
   options.server_dir = LocalCluster::FindServerDir("");
   options.workers = workers;
   options.work_dir = TempDir();
   options.worker_flags = {"--collective_timeout_ms=3000"};
-  options.rank_flags = std::move(rank_flags);
   options.coordinator_flags = {absl::StrCat("--liveness_ms=", liveness_ms)};
+  return options;
+}
+
+std::unique_ptr<LocalCluster> StartCluster(
+    int workers, std::map<int, std::vector<std::string>> rank_flags, int liveness_ms) {
+  client::LocalClusterOptions options = ClusterOptions(workers, liveness_ms);
+  options.rank_flags = std::move(rank_flags);
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
   return cluster.ok() ? std::move(*cluster) : nullptr;

@@ -25,6 +25,10 @@ namespace shardserve::tests {
 // A fresh directory under the test's temporary directory.
 std::string TempDir();
 
+// The options StartCluster starts a cluster with, in a fresh work directory: for tests that change
+// them (a state directory of their own, more coordinator flags) or read the logs there.
+client::LocalClusterOptions ClusterOptions(int workers, int liveness_ms = 600);
+
 // A coordinator (--liveness_ms) and `workers` workers (--collective_timeout_ms=3000, and
 // `rank_flags` for the ranks named there); null, with a test failure, if they do not start.
 std::unique_ptr<client::LocalCluster> StartCluster(

@@ -32,4 +32,6 @@ expect_from "$coordinator" "--world_size: 0 must be in [1, 4096]" --listen=127.0
 expect_from "$coordinator" "--world_size: 100000 must be in [1, 4096]" --listen=127.0.0.1:0 \
   --world_size=100000
 expect_from "$coordinator" "--liveness_ms: 0 must be >= 1" --listen=127.0.0.1:0 --liveness_ms=0
+expect_from "$coordinator" '--state_dir: cannot use "/nonexistent/state"' --listen=127.0.0.1:0 \
+  --state_dir=/nonexistent/state
 echo "server flags test passed"

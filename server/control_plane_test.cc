@@ -1,0 +1,720 @@
+#include "server/control_plane.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/fake_clock.h"
+#include "server/file_ops.h"
+
+namespace shardserve::server {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using v1::internal::HeartbeatRequest;
+using v1::internal::HeartbeatResponse;
+
+std::string NewDir() {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string path = absl::StrCat(base ? base : "/tmp", "/control_planeXXXXXX");
+  EXPECT_NE(::mkdtemp(path.data()), nullptr);
+  return path;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+v1::TableSpec Seeded(const std::string& name, int world = 2) {
+  v1::TableSpec spec;
+  spec.set_name(name);
+  spec.set_kind(v1::TABLE_KIND_EMBEDDING);
+  spec.set_num_rows(10);
+  spec.set_num_cols(4);
+  spec.mutable_sharding()->set_dim(1);
+  for (int r = 0; r < world; ++r) {
+    spec.mutable_sharding()->add_placements(absl::StrCat("rank:", r, "/cpu"));
+  }
+  spec.set_seed(1);
+  return spec;
+}
+
+// A worker as the control plane sees it: it reports its state in heartbeats and does what the
+// replies say at once (joins the epoch, loads or drops tables, serves what is ready).
+struct FakeWorker {
+  int rank = 0;
+  uint64_t incarnation = 0;
+  uint64_t joined = 0;
+  bool broken = false;
+  bool loads = true;                               // loads the tables it is told to hold
+  std::map<std::string, v1::TableSpec> loaded;
+  std::map<std::string, std::string> load_errors;  // table -> message (RESOURCE_EXHAUSTED)
+  std::set<std::string> serving;
+  HeartbeatResponse last;
+
+  HeartbeatRequest Request() const {
+    HeartbeatRequest request;
+    request.set_rank(rank);
+    request.set_address(absl::StrCat("10.0.0.", rank, ":", 1000 + incarnation % 1000));
+    request.set_device("cpu");
+    request.set_incarnation(incarnation);
+    request.set_epoch(joined);
+    request.set_group_broken(broken);
+    for (const auto& [name, spec] : loaded) {
+      request.add_loaded_tables(name);
+      *request.add_loaded_specs() = spec;
+    }
+    for (const std::string& name : serving) request.add_serving_tables(name);
+    for (const auto& [name, message] : load_errors) {
+      v1::internal::TableLoadError* e = request.add_load_errors();
+      e->set_table(name);
+      e->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+      e->set_message(message);
+      for (const v1::TableSpec& spec : last.tables()) {
+        if (spec.name() == name) e->set_generation(spec.generation());
+      }
+    }
+    return request;
+  }
+
+  absl::StatusOr<HeartbeatResponse> Report(ControlPlane& cp) {
+    absl::StatusOr<HeartbeatResponse> response = cp.Heartbeat(Request());
+    if (!response.ok()) return response;
+    last = *response;
+    if (response->keep_serving()) return response;  // as worker.cc: change nothing
+    if (response->epoch() != 0 && response->epoch() != joined) {
+      joined = response->epoch();
+      broken = false;
+    }
+    std::map<std::string, v1::TableSpec> wanted;
+    for (const v1::TableSpec& spec : response->tables()) wanted[spec.name()] = spec;
+    for (auto it = loaded.begin(); it != loaded.end();) {
+      auto want = wanted.find(it->first);
+      it = want == wanted.end() || want->second.generation() != it->second.generation()
+               ? loaded.erase(it)
+               : std::next(it);
+    }
+    for (const auto& [name, spec] : wanted) {
+      if (loads && !loaded.count(name) && !load_errors.count(name)) loaded[name] = spec;
+    }
+    serving = std::set<std::string>(response->serving_tables().begin(),
+                                    response->serving_tables().end());
+    return response;
+  }
+};
+
+class ControlPlaneTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<ControlPlane> Make(int world = 2, const std::string& state_dir = "",
+                                     FileOps* files = nullptr) {
+    ControlPlaneOptions options;
+    options.world_size = world;
+    options.state_dir = state_dir;
+    options.clock = &clock_;
+    options.files = files;
+    absl::StatusOr<std::unique_ptr<ControlPlane>> cp = ControlPlane::Create(options);
+    EXPECT_TRUE(cp.ok()) << cp.status();
+    return cp.ok() ? std::move(*cp) : nullptr;
+  }
+  std::vector<FakeWorker> Workers(int world = 2) {
+    std::vector<FakeWorker> workers(world);
+    for (int r = 0; r < world; ++r) {
+      workers[r].rank = r;
+      workers[r].incarnation = 100 + r;
+    }
+    return workers;
+  }
+  // Every worker reports `rounds` times, 50 ms apart, the control plane ticking between.
+  void Settle(ControlPlane& cp, std::vector<FakeWorker>& workers, int rounds = 3) {
+    for (int i = 0; i < rounds; ++i) {
+      for (FakeWorker& w : workers) ASSERT_TRUE(w.Report(cp).ok());
+      clock_.Advance(absl::Milliseconds(50));
+      cp.Tick();
+    }
+  }
+  // A group that serves `tables`, created through `cp`.
+  void Serve(ControlPlane& cp, std::vector<FakeWorker>& workers,
+             const std::vector<std::string>& tables) {
+    Settle(cp, workers);
+    for (const std::string& name : tables) {
+      absl::Notification created;
+      std::thread create([&] {
+        EXPECT_TRUE(cp.CreateTable(Seeded(name, workers.size()), absl::InfiniteFuture()).ok());
+        created.Notify();
+      });
+      while (!created.WaitForNotificationWithTimeout(absl::Milliseconds(1))) {
+        Settle(cp, workers, 1);
+      }
+      create.join();
+    }
+    Settle(cp, workers);
+  }
+
+  FakeClock clock_;
+};
+
+// --- Membership and liveness ---
+
+TEST_F(ControlPlaneTest, AHeartbeatOfARankOutOfRangeIsRefused) {
+  auto cp = Make();
+  FakeWorker w;
+  w.rank = 2;
+  w.incarnation = 1;
+  absl::StatusOr<HeartbeatResponse> r = w.Report(*cp);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("out of range [0, 2)"));
+}
+
+TEST_F(ControlPlaneTest, ARankHeldByALiveWorkerIsRefusedToAnotherUntilItFallsSilent) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  FakeWorker impostor = workers[1];
+  impostor.incarnation = 999;
+  EXPECT_EQ(impostor.Report(*cp).status().code(), absl::StatusCode::kAlreadyExists);
+  clock_.Advance(absl::Milliseconds(1500));  // rank 1's worker is silent for a liveness period
+  EXPECT_TRUE(impostor.Report(*cp).ok());
+}
+
+TEST_F(ControlPlaneTest, TheGroupFormsOnceEveryRankReportsAndRoutesRoundRobin) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  ASSERT_TRUE(workers[0].Report(*cp).ok());
+  cp->Tick();
+  EXPECT_EQ(cp->epoch(), 0u);
+  EXPECT_EQ(cp->PickWorker().status().code(), absl::StatusCode::kUnavailable);
+  Settle(*cp, workers);
+  EXPECT_NE(cp->epoch(), 0u);
+  EXPECT_EQ(workers[0].joined, cp->epoch());
+  EXPECT_EQ(workers[0].last.members(1).address(), workers[1].Request().address());
+  EXPECT_TRUE(cp->Serving().group);
+  std::vector<int> ranks;
+  for (int i = 0; i < 3; ++i) ranks.push_back(cp->PickWorker()->rank);
+  EXPECT_THAT(ranks, ::testing::AnyOf(ElementsAre(0, 1, 0), ElementsAre(1, 0, 1)));
+  EXPECT_EQ(cp->PickWorker()->address.empty(), false);
+}
+
+TEST_F(ControlPlaneTest, AWorkerSilentForALivenessPeriodIsDead) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  std::vector<FakeWorker> only0 = {workers[0]};
+  clock_.Advance(absl::Milliseconds(1300));
+  ASSERT_TRUE(only0[0].Report(*cp).ok());
+  cp->Tick();
+  EXPECT_TRUE(cp->Serving().group);  // 1.35 s since rank 1 was heard
+  clock_.Advance(absl::Milliseconds(200));
+  cp->Tick();
+  EXPECT_FALSE(cp->Serving().group);
+  EXPECT_EQ(cp->PickWorker().status().code(), absl::StatusCode::kUnavailable);
+}
+
+// --- Epochs ---
+
+TEST_F(ControlPlaneTest, ARestartedWorkerGetsANewEpoch) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  const uint64_t first = cp->epoch();
+  Settle(*cp, workers);
+  EXPECT_EQ(cp->epoch(), first);  // nothing changed: no new epoch
+  workers[1] = FakeWorker{};
+  workers[1].rank = 1;
+  workers[1].incarnation = 555;  // a new process, once the old one is seen dead
+  EXPECT_EQ(workers[1].Report(*cp).status().code(), absl::StatusCode::kAlreadyExists);
+  clock_.Advance(absl::Milliseconds(1600));
+  Settle(*cp, workers);
+  EXPECT_GT(cp->epoch(), first);
+  EXPECT_EQ(workers[0].joined, cp->epoch());
+  EXPECT_EQ(workers[1].joined, cp->epoch());
+}
+
+TEST_F(ControlPlaneTest, ABrokenGroupReformsAfterOneLivenessPeriod) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  const uint64_t first = cp->epoch();
+  workers[0].broken = true;
+  ASSERT_TRUE(workers[0].Report(*cp).ok());
+  EXPECT_FALSE(cp->Serving().group);
+  // Within the liveness period: the peer might be dead, so the group waits to see.
+  for (int i = 0; i < 14; ++i) {
+    clock_.Advance(absl::Milliseconds(100));
+    ASSERT_TRUE(workers[1].Report(*cp).ok());
+    workers[0].broken = true;
+    ASSERT_TRUE(workers[0].Report(*cp).ok());
+    EXPECT_EQ(cp->epoch(), first) << i;
+  }
+  clock_.Advance(absl::Milliseconds(150));
+  Settle(*cp, workers, 1);
+  EXPECT_GT(cp->epoch(), first);
+  Settle(*cp, workers);
+  EXPECT_TRUE(cp->Serving().group);
+}
+
+TEST_F(ControlPlaneTest, AnEpochNotJoinedByEveryRankWithinTheJoinGraceIsRenewed) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  ASSERT_TRUE(workers[0].Report(*cp).ok());
+  ASSERT_TRUE(workers[1].Report(*cp).ok());
+  const uint64_t first = cp->epoch();
+  ASSERT_NE(first, 0u);
+  // Rank 1 never joins it (its communicator cannot form): rank 0 has, rank 1 reports epoch 0.
+  workers[1].joined = 0;
+  for (int i = 0; i < 70; ++i) {  // 7 s < the join grace of 8 s
+    clock_.Advance(absl::Milliseconds(100));
+    ASSERT_TRUE(workers[0].Report(*cp).ok());
+    ASSERT_TRUE(cp->Heartbeat(workers[1].Request()).ok());
+  }
+  EXPECT_EQ(cp->epoch(), first);
+  for (int i = 0; i < 11; ++i) {
+    clock_.Advance(absl::Milliseconds(100));
+    ASSERT_TRUE(workers[0].Report(*cp).ok());
+    ASSERT_TRUE(cp->Heartbeat(workers[1].Request()).ok());
+  }
+  EXPECT_GT(cp->epoch(), first);
+}
+
+// --- A restarted coordinator: the group and the tables come from the workers ---
+
+TEST_F(ControlPlaneTest, ARestartedCoordinatorKeepsWorkersServingAndAdoptsTheirGroup) {
+  const std::string state = NewDir();
+  std::vector<FakeWorker> workers = Workers();
+  uint64_t epoch = 0;
+  {
+    auto before = Make(2, state);
+    Serve(*before, workers, {"emb"});
+    epoch = before->epoch();
+    ASSERT_TRUE(before->Serving().tables.at("emb"));
+  }
+  clock_.Advance(absl::Seconds(20));  // down for a while
+  auto cp = Make(2, state);
+  EXPECT_TRUE(cp->learning());
+  // Only rank 0 has come back: it is told to keep serving, however long rank 1 takes.
+  for (int i = 0; i < 100; ++i) {
+    absl::StatusOr<HeartbeatResponse> r = workers[0].Report(*cp);
+    ASSERT_TRUE(r.ok());
+    EXPECT_TRUE(r->keep_serving());
+    EXPECT_EQ(r->tables_size(), 0);
+    clock_.Advance(absl::Milliseconds(100));
+    cp->Tick();
+  }
+  EXPECT_THAT(workers[0].serving, ElementsAre("emb"));
+  EXPECT_EQ(cp->epoch(), 0u);
+  // Forwarded calls go to the worker that has reported, which still serves.
+  EXPECT_EQ(cp->PickWorker()->rank, 0);
+  EXPECT_EQ(cp->PickWorker()->rank, 0);
+  // With a registry, admin calls work meanwhile.
+  EXPECT_TRUE(cp->ListTables().ok());
+  absl::StatusOr<HeartbeatResponse> r = workers[1].Report(*cp);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->keep_serving());
+  EXPECT_FALSE(cp->learning());
+  EXPECT_EQ(cp->epoch(), epoch);  // adopted, not a new one
+  EXPECT_EQ(r->epoch(), epoch);
+  EXPECT_THAT(r->serving_tables(), ElementsAre("emb"));
+  Settle(*cp, workers);
+  EXPECT_EQ(cp->epoch(), epoch);
+  EXPECT_EQ(workers[0].joined, epoch);
+  EXPECT_TRUE(cp->Serving().group);
+  EXPECT_TRUE(cp->Serving().tables.at("emb"));
+  EXPECT_EQ(cp->DescribeTable("emb")->state(), v1::TABLE_STATE_SERVING);
+}
+
+TEST_F(ControlPlaneTest, ARestartedCoordinatorFormsANewGroupWhenTheWorkersReportNoHealthyOne) {
+  for (const std::string why : {"one rank broken", "different epochs", "one rank restarted"}) {
+    const std::string state = NewDir();
+    std::vector<FakeWorker> workers = Workers();
+    uint64_t epoch = 0;
+    {
+      auto before = Make(2, state);
+      Serve(*before, workers, {"emb"});
+      epoch = before->epoch();
+    }
+    if (why == "one rank broken") workers[1].broken = true;
+    if (why == "different epochs") workers[1].joined = epoch - 1;
+    if (why == "one rank restarted") {
+      workers[1] = FakeWorker{};
+      workers[1].rank = 1;
+      workers[1].incarnation = 777;
+    }
+    clock_.Advance(absl::Seconds(5));
+    auto cp = Make(2, state);
+    Settle(*cp, workers, 6);
+    EXPECT_GT(cp->epoch(), epoch) << why;
+    EXPECT_EQ(workers[0].joined, cp->epoch()) << why;
+    EXPECT_TRUE(cp->Serving().tables.at("emb")) << why;
+  }
+}
+
+TEST_F(ControlPlaneTest, WithoutAStateDirTheTablesEveryRankHoldsAlikeAreLearnt) {
+  std::vector<FakeWorker> workers = Workers();
+  uint64_t epoch = 0, generation = 0;
+  {
+    auto before = Make(2);
+    Serve(*before, workers, {"kept", "mixed"});
+    epoch = before->epoch();
+    generation = before->DescribeTable("kept")->spec().generation();
+  }
+  // "mixed" was being created again when the coordinator stopped: rank 1 holds another generation.
+  workers[1].loaded["mixed"].set_generation(workers[1].loaded["mixed"].generation() + 1);
+  auto cp = Make(2);
+  ASSERT_TRUE(workers[0].Report(*cp).ok());
+  // Until every rank has reported, nothing is known about the tables: admin calls wait.
+  EXPECT_EQ(cp->ListTables().status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cp->DescribeTable("kept").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cp->DropTable("kept").code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cp->CreateTable(Seeded("kept"), clock_.Now()).status().code(),
+            absl::StatusCode::kUnavailable);
+  Settle(*cp, workers);
+  EXPECT_EQ(cp->epoch(), epoch);
+  absl::StatusOr<std::vector<v1::TableInfo>> tables = cp->ListTables();
+  ASSERT_TRUE(tables.ok()) << tables.status();
+  ASSERT_EQ(tables->size(), 1u);
+  EXPECT_EQ((*tables)[0].spec().name(), "kept");
+  EXPECT_EQ((*tables)[0].spec().generation(), generation);
+  EXPECT_EQ((*tables)[0].state(), v1::TABLE_STATE_SERVING);
+  EXPECT_FALSE(workers[0].loaded.count("mixed"));  // told to drop it
+  // New tables get newer generations than the learnt ones.
+  Serve(*cp, workers, {"new"});
+  EXPECT_GT(cp->DescribeTable("new")->spec().generation(), generation);
+}
+
+// --- Tables ---
+
+TEST_F(ControlPlaneTest, CreateTableWaitsUntilEveryRankServesIt) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  std::atomic<bool> done{false};
+  absl::StatusOr<v1::TableInfo> created;
+  const absl::Time deadline = clock_.Now() + absl::Seconds(10);
+  std::thread create([&] {
+    created = cp->CreateTable(Seeded("t"), deadline);
+    done = true;
+  });
+  // Loaded on rank 0 only: LOADING, and the wait goes on.
+  workers[1].loads = false;
+  while (!cp->DescribeTable("t").ok()) absl::SleepFor(absl::Milliseconds(1));  // registered
+  for (int i = 0; i < 20 && !done; ++i) Settle(*cp, workers, 1);
+  EXPECT_FALSE(done);
+  EXPECT_EQ(cp->DescribeTable("t")->state(), v1::TABLE_STATE_LOADING);
+  EXPECT_THAT(workers[0].last.creating_tables(), ElementsAre("t"));
+  workers[1].loads = true;
+  while (!done) Settle(*cp, workers, 1);
+  create.join();
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(created->shards_size(), 2);
+  EXPECT_EQ(created->shards(1).address(), workers[1].Request().address());
+  EXPECT_EQ(cp->CreateTable(Seeded("t"), clock_.Now()).status().code(),
+            absl::StatusCode::kAlreadyExists);
+}
+
+TEST_F(ControlPlaneTest, CreateTableAnswersLoadingWhenItsDeadlinePasses) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  workers[1].loads = false;
+  absl::StatusOr<v1::TableInfo> created;
+  const absl::Time deadline = clock_.Now() + absl::Seconds(3);
+  std::thread create([&] { created = cp->CreateTable(Seeded("t"), deadline); });
+  while (!cp->DescribeTable("t").ok()) absl::SleepFor(absl::Milliseconds(1));  // registered
+  for (int i = 0; i < 70; ++i) Settle(*cp, workers, 1);  // 3.5 s of fake time
+  create.join();
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->state(), v1::TABLE_STATE_LOADING);
+}
+
+TEST_F(ControlPlaneTest, ARankThatCannotLoadATableFailsItsCreationWhichIsUndone) {
+  const std::string state = NewDir();
+  auto cp = Make(2, state);
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"other"});
+  workers[1].load_errors["t"] = "cannot allocate 1 TiB";
+  absl::StatusOr<v1::TableInfo> created;
+  absl::Notification done;
+  std::thread create([&] {
+    created = cp->CreateTable(Seeded("t"), absl::InfiniteFuture());
+    done.Notify();
+  });
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) Settle(*cp, workers, 1);
+  create.join();
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kResourceExhausted) << created.status();
+  EXPECT_THAT(std::string(created.status().message()),
+              HasSubstr("table \"t\" could not be loaded: rank 1: cannot allocate 1 TiB"));
+  EXPECT_EQ(cp->DescribeTable("t").status().code(), absl::StatusCode::kNotFound);
+  cp.reset();  // and the registry holds what it held before
+  absl::StatusOr<std::vector<v1::TableInfo>> tables = Make(2, state)->ListTables();
+  ASSERT_EQ(tables->size(), 1u);
+  EXPECT_EQ((*tables)[0].spec().name(), "other");
+}
+
+TEST_F(ControlPlaneTest, TableStatesFollowTheRanks) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"t"});
+  EXPECT_EQ(cp->DescribeTable("t")->state(), v1::TABLE_STATE_SERVING);
+  // Loaded everywhere, but the group failed: UNAVAILABLE.
+  workers[0].broken = true;
+  ASSERT_TRUE(cp->Heartbeat(workers[0].Request()).ok());
+  EXPECT_EQ(cp->DescribeTable("t")->state(), v1::TABLE_STATE_UNAVAILABLE);
+  EXPECT_FALSE(cp->Serving().tables.at("t"));
+  // A rank lost it and cannot load it again: FAILED, with its error.
+  workers[0].broken = false;
+  workers[1].loaded.erase("t");
+  workers[1].load_errors["t"] = "checkpoint gone";
+  ASSERT_TRUE(cp->Heartbeat(workers[1].Request()).ok());
+  absl::StatusOr<v1::TableInfo> info = cp->DescribeTable("t");
+  EXPECT_EQ(info->state(), v1::TABLE_STATE_FAILED);
+  EXPECT_THAT(info->error(), HasSubstr("checkpoint gone"));
+  absl::StatusOr<HeartbeatResponse> r = cp->Heartbeat(workers[0].Request());
+  EXPECT_THAT(r->load_errors().at("t"), HasSubstr("checkpoint gone"));
+  // Not loaded on every rank, no error: LOADING.
+  workers[1].load_errors.clear();
+  ASSERT_TRUE(cp->Heartbeat(workers[1].Request()).ok());
+  EXPECT_EQ(cp->DescribeTable("t")->state(), v1::TABLE_STATE_LOADING);
+}
+
+TEST_F(ControlPlaneTest, ADroppedTableIsGoneFromTheRegistryAndTheHeartbeats) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"a", "b"});
+  ASSERT_TRUE(cp->DropTable("a").ok());
+  EXPECT_EQ(cp->DropTable("a").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cp->DescribeTable("a").status().code(), absl::StatusCode::kNotFound);
+  Settle(*cp, workers);
+  ASSERT_EQ(workers[0].last.tables_size(), 1);
+  EXPECT_EQ(workers[0].last.tables(0).name(), "b");
+  EXPECT_FALSE(workers[0].loaded.count("a"));
+  EXPECT_EQ(cp->Serving().tables.count("a"), 0u);
+}
+
+TEST_F(ControlPlaneTest, BadSpecsAndPlacementsOnAnotherDeviceAreRefused) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  v1::TableSpec spec = Seeded("t");
+  spec.set_num_rows(0);
+  EXPECT_EQ(cp->CreateTable(spec, clock_.Now()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  spec = Seeded("t");
+  spec.mutable_sharding()->set_placements(1, "rank:1/cuda:0");  // its worker serves cpu
+  absl::Status s = cp->CreateTable(spec, clock_.Now()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("but that worker serves cpu"));
+  EXPECT_EQ(cp->ListTables()->size(), 0u);
+}
+
+// --- The registry ---
+
+TEST_F(ControlPlaneTest, TablesAndGenerationsSurviveARestart) {
+  const std::string state = NewDir();
+  uint64_t generation = 0;
+  {
+    auto cp = Make(2, state);
+    std::vector<FakeWorker> workers = Workers();
+    Serve(*cp, workers, {"t"});
+    generation = cp->DescribeTable("t")->spec().generation();
+  }
+  clock_.Set(clock_.Now() - absl::Hours(1));  // a clock that went back: generations still grow
+  auto cp = Make(2, state);
+  absl::StatusOr<std::vector<v1::TableInfo>> tables = cp->ListTables();
+  ASSERT_EQ(tables->size(), 1u);
+  EXPECT_EQ((*tables)[0].spec().generation(), generation);
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"u"});
+  EXPECT_GT(cp->DescribeTable("u")->spec().generation(), generation);
+}
+
+// Fails every write from the `after`-th on with ENOSPC (a disk that fills up).
+class FullDisk final : public FileOps {
+ public:
+  int after = 1 << 30;
+  int Open(const std::string& path, int flags, mode_t mode) override {
+    return FileOps::Posix().Open(path, flags, mode);
+  }
+  ssize_t Read(int fd, char* data, size_t size) override {
+    return FileOps::Posix().Read(fd, data, size);
+  }
+  ssize_t Write(int fd, const char* data, size_t size) override {
+    return ++writes_ >= after ? -ENOSPC : FileOps::Posix().Write(fd, data, size);
+  }
+  int Fsync(int fd) override { return FileOps::Posix().Fsync(fd); }
+  int Close(int fd) override { return FileOps::Posix().Close(fd); }
+  int Rename(const std::string& from, const std::string& to) override {
+    return FileOps::Posix().Rename(from, to);
+  }
+  int Unlink(const std::string& path) override { return FileOps::Posix().Unlink(path); }
+
+ private:
+  int writes_ = 0;
+};
+
+TEST_F(ControlPlaneTest, AFailedSaveFailsTheCallAndChangesNothing) {
+  const std::string state = NewDir();
+  FullDisk disk;
+  auto cp = Make(2, state, &disk);
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"kept"});
+  const std::string registry = ReadFile(state + "/tables.pb");
+  disk.after = 0;  // full from now on
+  absl::Status s = cp->CreateTable(Seeded("new"), absl::InfiniteFuture()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr(state + "/tables.pb"));
+  s = cp->DropTable("kept");
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  absl::StatusOr<std::vector<v1::TableInfo>> tables = cp->ListTables();
+  ASSERT_EQ(tables->size(), 1u);
+  EXPECT_EQ((*tables)[0].spec().name(), "kept");
+  EXPECT_EQ(ReadFile(state + "/tables.pb"), registry);
+  Settle(*cp, workers);
+  EXPECT_TRUE(cp->Serving().tables.at("kept"));  // still served
+  EXPECT_EQ(workers[0].last.tables_size(), 1);   // and nothing new was announced
+  // A restart reads the registry as it was.
+  cp.reset();
+  auto again = Make(2, state);
+  EXPECT_EQ(again->ListTables()->size(), 1u);
+}
+
+TEST_F(ControlPlaneTest, AGarbledRegistryFailsTheStartWithDataLoss) {
+  const std::string state = NewDir();
+  std::ofstream(state + "/tables.pb") << "\xff\xff garbage";
+  ControlPlaneOptions options;
+  options.state_dir = state;
+  options.clock = &clock_;
+  absl::StatusOr<std::unique_ptr<ControlPlane>> cp = ControlPlane::Create(options);
+  EXPECT_EQ(cp.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(cp.status().message()), HasSubstr(state + "/tables.pb"));
+}
+
+// --- The rendezvous store ---
+
+TEST_F(ControlPlaneTest, TheRendezvousTakesOnlyTheFormingEpochsKeys) {
+  auto cp = Make();
+  EXPECT_EQ(cp->RendezvousSet("group/epoch-0/x", "v").code(),
+            absl::StatusCode::kFailedPrecondition);  // no group forms yet
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  const std::string prefix = absl::StrCat("group/epoch-", cp->epoch(), "/");
+  EXPECT_TRUE(cp->RendezvousSet(prefix + "rank0", "addr").ok());
+  EXPECT_EQ(*cp->RendezvousGet(prefix + "rank0", absl::ZeroDuration()), "addr");
+  EXPECT_EQ(cp->RendezvousSet("group/epoch-1/x", "v").code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cp->RendezvousGet("other", absl::Seconds(60)).status().code(),
+            absl::StatusCode::kFailedPrecondition);  // at once, not after the wait
+  // Bounded: key and value sizes, and the number of keys.
+  const std::string long_key = prefix + std::string(GroupRendezvous::kMaxKeyBytes, 'k');
+  EXPECT_EQ(cp->RendezvousSet(long_key, "v").code(), absl::StatusCode::kResourceExhausted);
+  const std::string big_value(GroupRendezvous::kMaxValueBytes + 1, 'v');
+  EXPECT_EQ(cp->RendezvousSet(prefix + "big", big_value).code(),
+            absl::StatusCode::kResourceExhausted);
+  absl::Status s;
+  int added = 0;
+  while (added < 10000 && (s = cp->RendezvousSet(prefix + absl::StrCat(added), "v")).ok()) ++added;
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(added + 1, 64 * 2 + 1024);  // "rank0" and these fill the store: 64 W + 1024 keys
+  EXPECT_TRUE(cp->RendezvousSet(prefix + "rank0", "again").ok());  // an existing key: fine
+  // A new epoch drops the old one's keys.
+  workers[1].incarnation = 4242;  // restarted, once the old process is seen dead
+  clock_.Advance(absl::Milliseconds(1600));
+  Settle(*cp, workers);
+  EXPECT_EQ(cp->RendezvousGet(prefix + "rank0", absl::ZeroDuration()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ControlPlaneTest, RendezvousReadsWaitBoundedAndAreBoundedInNumber) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  const std::string prefix = absl::StrCat("group/epoch-", cp->epoch(), "/");
+  // A read waits for the key.
+  absl::StatusOr<std::string> got;
+  std::thread reader([&] { got = cp->RendezvousGet(prefix + "late", absl::Seconds(5)); });
+  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(cp->RendezvousSet(prefix + "late", "here").ok());
+  reader.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "here");
+  // At most 16 W + 64 reads wait; the next is refused at once.
+  std::vector<std::thread> waiting;
+  std::vector<absl::StatusOr<std::string>> results(16 * 2 + 64);
+  for (size_t i = 0; i < results.size(); ++i) {
+    waiting.emplace_back(
+        [&, i] { results[i] = cp->RendezvousGet(prefix + "never", absl::Seconds(5)); });
+  }
+  absl::Status probe;
+  for (int i = 0; i < 5000; ++i) {
+    probe = cp->RendezvousGet(prefix + "never", absl::ZeroDuration()).status();
+    if (probe.code() == absl::StatusCode::kResourceExhausted) break;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(probe.code(), absl::StatusCode::kResourceExhausted) << probe;
+  // A key already there is still read.
+  EXPECT_EQ(*cp->RendezvousGet(prefix + "late", absl::ZeroDuration()), "here");
+  clock_.Advance(absl::Seconds(6));  // their timeout passes
+  for (std::thread& t : waiting) t.join();
+  for (const auto& r : results) {
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  }
+  // A read waiting when the group moves to a new epoch ends at once.
+  std::thread stale([&] { got = cp->RendezvousGet(prefix + "never", absl::Seconds(5)); });
+  absl::SleepFor(absl::Milliseconds(20));
+  workers[0].incarnation = 31337;
+  clock_.Advance(absl::Milliseconds(1600));
+  Settle(*cp, workers, 1);
+  stale.join();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition) << got.status();
+  // And Shutdown ends every wait.
+  const std::string now = absl::StrCat("group/epoch-", cp->epoch(), "/");
+  std::thread last([&] { got = cp->RendezvousGet(now + "never", absl::Seconds(5)); });
+  absl::SleepFor(absl::Milliseconds(20));
+  cp->Shutdown();
+  last.join();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+// --- Export planning ---
+
+TEST_F(ControlPlaneTest, AnExportIsPlannedOnlyForAServingTableAndAPathOutsideTheState) {
+  const std::string state = NewDir();
+  auto cp = Make(2, state);
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"t"});
+  const std::string out = NewDir() + "/t.safetensors";
+  EXPECT_EQ(cp->PlanExport("none", out).status().code(), absl::StatusCode::kNotFound);
+  absl::Status s = cp->PlanExport("t", state + "/tables.pb").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("state directory"));
+  EXPECT_EQ(cp->PlanExport("t", "relative").status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::unique_ptr<TableExport>> plan = cp->PlanExport("t", out);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ((*plan)->reads().size(), 2u);
+  EXPECT_EQ((*plan)->reads()[1].address, workers[1].Request().address());
+  EXPECT_EQ((*plan)->reads()[1].request.generation(),
+            cp->DescribeTable("t")->spec().generation());
+  workers[0].broken = true;
+  ASSERT_TRUE(cp->Heartbeat(workers[0].Request()).ok());
+  EXPECT_EQ(cp->PlanExport("t", out).status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace shardserve::server

@@ -1,0 +1,208 @@
+#include "server/forwarding_service.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "server/grpc_settings.h"
+#include "server/grpc_status.h"
+
+namespace shardserve::server {
+namespace {
+
+// Relays one client stream to one worker's Stream, raw bytes both ways, one message in flight
+// each way: a request goes on as soon as it is read (so the worker pipelines them), an answer as
+// soon as it arrives. The worker's status ends the client's stream (at once, even while the
+// client is still sending); a client that goes away cancels the worker's. Deletes itself once
+// both sides are done.
+class StreamRelay : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  StreamRelay(grpc::CallbackServerContext* context, std::shared_ptr<grpc::Channel> channel)
+      : stub_(std::move(channel)), upstream_(*this) {
+    if (context->deadline() != std::chrono::system_clock::time_point::max()) {
+      client_.set_deadline(context->deadline());
+    }
+    stub_.PrepareBidiStreamingCall(&client_, "/shardserve.v1.DataService/Stream",
+                                   grpc::StubOptions(), &upstream_);
+    // Held while requests may still be forwarded: a write to the worker may start from the
+    // client's side at any time until then.
+    upstream_.AddHold();
+    upstream_.StartRead(&from_worker_);
+    upstream_.StartCall();
+    StartRead(&from_client_);
+  }
+
+  // From the client: forward it, unless the worker's side is closed.
+  void OnReadDone(bool ok) override {
+    bool forward = false;
+    {
+      absl::MutexLock lock(&mu_);
+      forward = ok && !worker_closed_;
+      writing_ = forward;  // keeps the hold (and so the call) while the write starts
+      if (!ok && !hold_released_) {
+        // The client sends no more: tell the worker, while the hold still keeps the call open.
+        upstream_.StartWritesDone();
+      }
+    }
+    if (forward) {
+      upstream_.StartWrite(&from_client_);  // the next read waits for this write
+    } else {
+      StopSending();  // a request the closed worker cannot take is dropped; no more reads
+    }
+  }
+  // To the client.
+  void OnWriteDone(bool ok) override {
+    if (ok) {
+      upstream_.StartRead(&from_worker_);
+    } else {
+      client_.TryCancel();
+    }
+    upstream_.RemoveHold();  // taken when this write started
+  }
+  void OnCancel() override { client_.TryCancel(); }
+  void OnDone() override { Release(); }
+
+ private:
+  class Upstream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    explicit Upstream(StreamRelay& relay) : relay_(relay) {}
+    void OnWriteDone(bool ok) override {
+      bool next = false;
+      {
+        absl::MutexLock lock(&relay_.mu_);
+        relay_.writing_ = false;
+        if (!ok) relay_.worker_closed_ = true;
+        next = !relay_.worker_closed_;
+      }
+      if (next) {
+        relay_.StartRead(&relay_.from_client_);
+      } else {
+        relay_.StopSending();
+      }
+    }
+    void OnReadDone(bool ok) override {
+      if (ok) {
+        AddHold();  // released when the client's write completes
+        relay_.StartWrite(&relay_.from_worker_);
+        return;
+      }
+      // The worker is done: forward nothing more, so that its status can come back now.
+      bool stop = false;
+      {
+        absl::MutexLock lock(&relay_.mu_);
+        relay_.worker_closed_ = true;
+        stop = !relay_.writing_;
+      }
+      if (stop) relay_.StopSending();
+    }
+    void OnDone(const grpc::Status& status) override {
+      relay_.Finish(status);
+      relay_.Release();
+    }
+
+   private:
+    StreamRelay& relay_;
+  };
+
+  // Releases the forwarding hold, once.
+  void StopSending() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (hold_released_) return;
+      hold_released_ = true;
+    }
+    upstream_.RemoveHold();
+  }
+  void Release() {
+    if (--references_ == 0) delete this;
+  }
+
+  grpc::GenericStub stub_;
+  grpc::ClientContext client_;
+  Upstream upstream_;
+  grpc::ByteBuffer from_client_;
+  grpc::ByteBuffer from_worker_;
+  absl::Mutex mu_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;         // a request is on its way to the worker
+  bool worker_closed_ ABSL_GUARDED_BY(mu_) = false;   // the worker takes no more requests
+  bool hold_released_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<int> references_{2};  // the client's side and the worker's side
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> ForwardingService::PickChannel() {
+  absl::StatusOr<WorkerRoute> route = control_.PickWorker();
+  if (!route.ok()) return route.status();
+  absl::MutexLock lock(&mu_);
+  auto& [address, channel] = channels_[route->rank];
+  if (channel == nullptr || address != route->address) {
+    address = route->address;
+    channel = CreateChannel(address);
+  }
+  return channel;
+}
+
+grpc::ServerUnaryReactor* ForwardingService::Forward(grpc::CallbackServerContext* context,
+                                                     const char* method,
+                                                     const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = PickChannel();
+  if (!channel.ok()) {
+    reactor->Finish(ToGrpcStatus(channel.status()));
+    return reactor;
+  }
+  struct Call {
+    explicit Call(std::shared_ptr<grpc::Channel> channel) : stub(std::move(channel)) {}
+    grpc::GenericStub stub;
+    grpc::ClientContext client;
+  };
+  auto* call = new Call(*std::move(channel));
+  // The caller's deadline, and a minute at most: a forwarded call never waits forever.
+  call->client.set_deadline(
+      std::min(context->deadline(), absl::ToChronoTime(absl::Now() + absl::Seconds(60))));
+  call->stub.UnaryCall(&call->client, method, grpc::StubOptions(), request, response,
+                       [reactor, call](grpc::Status status) {
+                         delete call;
+                         reactor->Finish(status);
+                       });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ForwardingService::Embedding(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
+  return Forward(context, "/shardserve.v1.DataService/Embedding", request, response);
+}
+
+grpc::ServerUnaryReactor* ForwardingService::EmbeddingBag(grpc::CallbackServerContext* context,
+                                                          const grpc::ByteBuffer* request,
+                                                          grpc::ByteBuffer* response) {
+  return Forward(context, "/shardserve.v1.DataService/EmbeddingBag", request, response);
+}
+
+grpc::ServerUnaryReactor* ForwardingService::Linear(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* request,
+                                                    grpc::ByteBuffer* response) {
+  return Forward(context, "/shardserve.v1.DataService/Linear", request, response);
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardingService::Stream(
+    grpc::CallbackServerContext* context) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = PickChannel();
+  if (!channel.ok()) {
+    class Refused : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+     public:
+      explicit Refused(const grpc::Status& status) { Finish(status); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(ToGrpcStatus(channel.status()));
+  }
+  return new StreamRelay(context, *std::move(channel));
+}
+
+}  // namespace shardserve::server
