@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import grpc
 import grpc.aio
 
-from . import _codec, _common, _stubs
+from . import _codec, _common, _process, _stubs
 from ._common import Options, RoutingTable, TableInfo
 from .client import _as_kind, _encode_bag, _give_up
 from .errors import (
@@ -66,9 +66,12 @@ class Client:
         direct: bool = True,
         checkpoint_dir: Optional[str] = None,
         channel_options: Optional[Sequence[Any]] = None,
+        tune_malloc: bool = True,
     ) -> None:
         if not coordinator:
             raise InvalidArgumentError("coordinator address is empty")
+        if tune_malloc:
+            _process.tune_malloc()
         self._pb, self._pb_grpc = _stubs.load()
         self.coordinator = coordinator
         self.options = Options(deadline, max_attempts, backoff, direct)

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import grpc
 import numpy as np
 
-from . import _codec, _common, _stubs
+from . import _codec, _common, _process, _stubs
 from ._common import Options, RoutingTable, TableInfo
 from .errors import (
     CancelledError,
@@ -74,6 +74,9 @@ class Client:
             coordinator and every worker read the file by its absolute path, so it must be
             readable there: the same machine, or a file system they all mount at that path.
         channel_options: extra gRPC channel options (message limits are 1 GiB by default).
+        tune_malloc: set glibc's malloc up for large answers, process-wide, as the C++ binaries
+            do (see ``shardserve._process``; about half the client's CPU per 256 KiB answer).
+            ``SHARDSERVE_TUNE_MALLOC=0`` switches it off too.
 
     Data calls take numpy arrays, torch tensors or nested sequences, and return the kind they
     were given (torch in, torch out; otherwise numpy), float32, as PyTorch's op would on the
@@ -91,9 +94,12 @@ class Client:
         direct: bool = True,
         checkpoint_dir: Optional[str] = None,
         channel_options: Optional[Sequence[Any]] = None,
+        tune_malloc: bool = True,
     ) -> None:
         if not coordinator:
             raise InvalidArgumentError("coordinator address is empty")
+        if tune_malloc:
+            _process.tune_malloc()
         self._pb, pb_grpc = _stubs.load()
         self.coordinator = coordinator
         self.options = Options(deadline, max_attempts, backoff, direct)
