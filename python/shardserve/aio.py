@@ -138,19 +138,33 @@ class Client:
 
     # --- admin calls ----------------------------------------------------------------------------
 
-    async def create_table(self, name: str, weight: Any = None, **kwargs: Any) -> TableInfo:
+    async def create_table(
+        self,
+        name: str,
+        weight: Any = None,
+        *,
+        kind: Optional[str] = None,
+        bias: Any = None,
+        rows: Optional[int] = None,
+        cols: Optional[int] = None,
+        seed: Optional[int] = None,
+        checkpoint: Optional[str] = None,
+        sharding_dim: int = 1,
+        placements: Optional[Sequence[str]] = None,
+        world: Optional[int] = None,
+        device: str = "cpu",
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: Optional[float] = None,
+        deadline: Optional[float] = None,
+    ) -> TableInfo:
         """See :meth:`shardserve.Client.create_table` (same arguments)."""
-        deadline = kwargs.pop("deadline", None)
-        args = dict(kind=None, bias=None, rows=None, cols=None, seed=None, checkpoint=None,
-                    sharding_dim=1, placements=None, world=None, device="cpu",
-                    padding_idx=None, max_norm=None, norm_type=None)
-        unknown = set(kwargs) - set(args)
-        if unknown:
-            raise TypeError(f"create_table: unexpected arguments {sorted(unknown)}")
-        args.update(kwargs)
-        rows, cols = args.pop("rows"), args.pop("cols")
-        spec, _ = _common.build_spec(self._pb, name, weight, num_rows=rows, num_cols=cols,
-                                     checkpoint_dir=self.checkpoint_dir, **args)
+        spec, _ = _common.build_spec(
+            self._pb, name, weight, kind=kind, bias=bias, num_rows=rows, num_cols=cols,
+            seed=seed, checkpoint=checkpoint, sharding_dim=sharding_dim, placements=placements,
+            world=world, device=device, padding_idx=padding_idx, max_norm=max_norm,
+            norm_type=norm_type, checkpoint_dir=self.checkpoint_dir,
+        )
         info = await self._admin_call("CreateTable", self._pb.CreateTableRequest(table=spec),
                                       deadline)
         self._routes.forget(name)
@@ -446,12 +460,17 @@ class Stream:
                 self._workers[address] = worker
             request_id = next(self._ids)
             self._pending[request_id] = (call, worker)
-            await worker.send(_codec.encode_stream_request(request_id, call.op_field,
-                                                           call.request))
-        except grpc.RpcError as e:
-            self._failed(call, from_rpc_error(e))  # the stream broke; the reader sees it too
         except Error as e:
             self._failed(call, e)
+            return
+        try:
+            await worker.send(_codec.encode_stream_request(request_id, call.op_field,
+                                                           call.request))
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            # The stream ended under the write; its reader fails what it still holds, and this
+            # request is no longer among those.
+            if self._pending.pop(request_id, None) is not None:
+                self._failed(call, UnavailableError(f"stream to {address} broke: {e}"))
 
     def _on_answer(self, worker: _WorkerStream, answer: bytes) -> None:
         try:

@@ -125,6 +125,40 @@ def test_stream_requests_end_within_deadline_when_a_worker_dies(faulty):
     client.close()
 
 
+def test_aio_stream_requests_end_within_deadline_when_a_worker_dies(faulty):
+    seed_client = shardserve.Client(faulty.address)
+    name, weight = make_table(seed_client)
+    x = torch.randint(0, 100, (16, 5))
+    want = F.embedding_bag(x, weight, mode="sum")
+
+    async def main():
+        async with shardserve.aio.Client(faulty.address, deadline=DEADLINE) as c:
+            async with c.stream() as s:
+                torch.testing.assert_close(await s.embedding_bag(name, x, mode="sum"), want)
+                tasks = [asyncio.ensure_future(s.embedding_bag(name, x, mode="sum"))
+                         for _ in range(100)]
+                await asyncio.sleep(0)
+                faulty.kill_worker(0)
+                t = time.monotonic()
+                tasks += [asyncio.ensure_future(s.embedding_bag(name, x, mode="sum"))
+                          for _ in range(20)]
+                results = await asyncio.wait_for(
+                    asyncio.gather(*tasks, return_exceptions=True), DEADLINE + SLACK)
+                assert time.monotonic() - t < DEADLINE + SLACK
+        failed = 0
+        for r in results:
+            if isinstance(r, BaseException):
+                failed += 1
+                assert isinstance(r, (shardserve.UnavailableError,
+                                      shardserve.DeadlineExceededError)), repr(r)
+            else:
+                torch.testing.assert_close(r, want)
+        assert failed >= 20
+
+    asyncio.run(main())
+    seed_client.close()
+
+
 def test_stopped_worker_is_a_deadline_not_a_hang(faulty):
     client = shardserve.Client(faulty.address, deadline=1.0)
     name, weight = make_table(client)
