@@ -14,7 +14,7 @@ any order, unknown fields skipped, packed or unpacked shapes), not just the serv
 """
 
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -367,10 +367,3 @@ def pool_mode(mode: str) -> int:
         raise InvalidArgumentError(
             f"mode: {mode!r} is not one of 'sum', 'mean', 'max'"
         ) from None
-
-
-def shape_product(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -12,7 +12,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import grpc
 import numpy as np
 
 from . import _safetensors
@@ -330,7 +329,3 @@ def read_export(path: str, delete: bool) -> Dict[str, np.ndarray]:
                 os.unlink(path)
             except OSError:
                 pass
-
-
-def grpc_code_is_retryable(code: grpc.StatusCode) -> bool:
-    return code == grpc.StatusCode.UNAVAILABLE

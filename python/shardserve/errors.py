@@ -33,6 +33,7 @@ __all__ = [
     "UnavailableError",
     "DataLossError",
     "UnauthenticatedError",
+    "code_from_number",
     "error_for_code",
     "from_rpc_error",
 ]
