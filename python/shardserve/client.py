@@ -11,6 +11,7 @@ Thread-safe: share one :class:`Client` across threads; its channels are made onc
 """
 
 import concurrent.futures
+import heapq
 import itertools
 import queue
 import threading
@@ -451,7 +452,8 @@ class StreamFuture(concurrent.futures.Future):
 class _StreamCall:
     """One request of a Stream, across its attempts."""
 
-    __slots__ = ("table", "op_field", "request", "kind", "future", "attempts", "refresh", "last")
+    __slots__ = ("table", "op_field", "request", "kind", "future", "attempts", "refresh", "last",
+                 "request_id", "released")
 
     def __init__(self, table: str, op_field: int, request: bytes, kind: _codec.Kind,
                  future: StreamFuture) -> None:
@@ -463,6 +465,8 @@ class _StreamCall:
         self.attempts = 0
         self.refresh = False
         self.last: Optional[Error] = None
+        self.request_id: Optional[int] = None  # of the attempt in flight
+        self.released = False  # its in-flight slot given back
 
 
 class _WorkerStream:
@@ -523,6 +527,10 @@ class Stream:
             futures = [s.embedding_bag("emb", ids, mode="sum") for ids in batches]
             outputs = [f.result() for f in futures]
 
+    A request whose deadline passes unanswered (a worker that hangs) fails with
+    DEADLINE_EXCEEDED then, whether or not anyone waits on it, so ``concurrent.futures.wait`` and
+    ``as_completed`` work on these futures.
+
     Thread-safe. ``close()`` (or leaving the ``with`` block) waits for the answers in flight.
     """
 
@@ -538,6 +546,10 @@ class Stream:
         self._ids = itertools.count(1)
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._closed = False
+        # Deadlines of the requests sent, for the watchdog thread (started with the first).
+        self._expiry: List[Any] = []  # heap of (deadline, request number, _StreamCall)
+        self._expiry_changed = threading.Condition(self._lock)
+        self._watchdog: Optional[threading.Thread] = None
 
     def __enter__(self) -> "Stream":
         return self
@@ -581,6 +593,7 @@ class Stream:
             if self._closed:
                 return
             self._closed = True
+            self._expiry_changed.notify_all()
             calls = [call for call, _ in self._pending.values()]
         wait = self._deadline if timeout is None else timeout
         concurrent.futures.wait([c.future for c in calls], timeout=wait)
@@ -608,13 +621,44 @@ class Stream:
                 "stream: no room for another request in flight before the deadline"
             )
         future = StreamFuture(deadline_at)
-        self._send(_StreamCall(table, op_field, request, kind, future))
+        call = _StreamCall(table, op_field, request, kind, future)
+        with self._lock:
+            heapq.heappush(self._expiry, (deadline_at, next(self._ids), call))
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                                  name="shardserve-stream-deadlines")
+                self._watchdog.start()
+            self._expiry_changed.notify()
+        self._send(call)
         return future
+
+    def _watch(self) -> None:
+        """Fails the requests whose deadline passed without an answer."""
+        while True:
+            with self._expiry_changed:
+                while not self._closed:
+                    wait = self._expiry[0][0] - time.monotonic() if self._expiry else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._expiry_changed.wait(wait)
+                if self._closed:
+                    return
+                now = time.monotonic()
+                expired = []
+                while self._expiry and self._expiry[0][0] <= now:
+                    call = heapq.heappop(self._expiry)[2]
+                    if not call.future.done():
+                        if call.request_id is not None:
+                            self._pending.pop(call.request_id, None)  # a late answer is dropped
+                        expired.append(call)
+            for call in expired:
+                self._finish(call, error=DeadlineExceededError(
+                    "stream request: the deadline passed without an answer"))
 
     def _send(self, call: _StreamCall) -> None:
         """One attempt of ``call`` (on this thread, or a retry timer's)."""
         if call.future.done():  # its deadline passed while it waited for the retry
-            self._slots.release()
+            self._release(call)
             return
         call.attempts += 1
         try:
@@ -628,6 +672,7 @@ class Stream:
                     worker = _WorkerStream(self, address, self._client._endpoint(address))
                     self._workers[address] = worker
                 self._pending[request_id] = (call, worker)
+                call.request_id = request_id
             worker.send(_codec.encode_stream_request(request_id, call.op_field, call.request))
         except Error as e:
             self._failed(call, e)
@@ -685,4 +730,12 @@ class Stream:
             call.future.set_exception_once(error)
         else:
             call.future.set_result_once(value)
+        self._release(call)
+
+    def _release(self, call: _StreamCall) -> None:
+        """Gives ``call``'s in-flight slot back (once, whichever path ends it)."""
+        with self._lock:
+            if call.released:
+                return
+            call.released = True
         self._slots.release()

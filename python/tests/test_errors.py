@@ -183,22 +183,30 @@ def test_unreachable_coordinator_is_a_deadline_not_a_hang():
 
 
 def test_failed_precondition_while_a_table_is_created_then_it_serves(client):
-    """A lookup of a table that is still being created (not loaded on every rank) is refused
-    with FAILED_PRECONDITION (or, once some rank holds it, UNAVAILABLE "being loaded"), at
-    once; the table serves once created."""
+    """Lookups of a table that is still being created (not loaded on every rank) are refused at
+    once with FAILED_PRECONDITION (or, once some rank holds it, UNAVAILABLE "being loaded");
+    the table serves once created."""
+    import threading
     import time
 
-    try:
-        client.create_table("err_big", seed=3, rows=1_000_000, cols=128, world=2, deadline=0.05)
-    except shardserve.DeadlineExceededError:
-        pass  # the coordinator waits for the load; this deadline ran out first
-    t = time.monotonic()
-    with pytest.raises((shardserve.FailedPreconditionError, shardserve.UnavailableError)) as e:
-        shardserve.Client(client.coordinator, deadline=0.3, max_attempts=1).embedding(
-            "err_big", [1])
-    assert "err_big" in e.value.message and time.monotonic() - t < 1.0
-    while client.describe("err_big").state != "serving":
-        assert time.monotonic() - t < 60, client.describe("err_big")
-        time.sleep(0.05)
+    creating = threading.Thread(target=client.create_table, args=("err_big",),
+                                kwargs=dict(seed=3, rows=1_000_000, cols=128, world=2))
+    creating.start()
+    impatient = shardserve.Client(client.coordinator, deadline=0.5, max_attempts=1)
+    refused = []
+    while creating.is_alive():
+        t = time.monotonic()
+        try:
+            impatient.embedding("err_big", [1])
+            break  # served already
+        except shardserve.NotFoundError:
+            time.sleep(0.01)  # not registered yet
+        except (shardserve.FailedPreconditionError, shardserve.UnavailableError) as e:
+            assert "err_big" in e.message and time.monotonic() - t < 1.0, e
+            refused.append(e.code)
+    creating.join()
+    impatient.close()
+    assert refused, "no lookup came while the 512 MiB table loaded"
+    assert client.describe("err_big").state == "serving"
     assert client.embedding("err_big", [1, 2]).shape == (2, 128)
     client.drop("err_big")

@@ -178,6 +178,31 @@ def test_stopped_worker_is_a_deadline_not_a_hang(faulty):
     client.close()
 
 
+def test_stream_requests_to_a_stopped_worker_end_at_their_deadline(faulty):
+    """Nobody waits on result(): the futures still end at their deadline (the stream's
+    watchdog), so concurrent.futures.wait returns in time."""
+    client = shardserve.Client(faulty.address, deadline=1.0)
+    name, weight = make_table(client)
+    x = torch.randint(0, 100, (4, 2))
+    with client.stream() as s:
+        s.embedding_bag(name, x, mode="sum").result()
+        faulty.kill_worker(1, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            futures = [s.embedding_bag(name, x, mode="sum") for _ in range(50)]
+            done, not_done = concurrent.futures.wait(futures, timeout=1.0 + SLACK)
+            assert not not_done and time.monotonic() - t < 1.0 + SLACK
+            for f in futures:
+                e = f.exception()
+                assert e is None or isinstance(e, (shardserve.DeadlineExceededError,
+                                                   shardserve.UnavailableError)), repr(e)
+            assert any(f.exception() is not None for f in futures)
+        finally:
+            faulty.kill_worker(1, signal.SIGCONT)
+    until_serving(client, x, weight)
+    client.close()
+
+
 def test_worker_that_cannot_load_a_table_fails_precondition(faulty, tmp_path):
     """A restarted worker that cannot load the table (its checkpoint was replaced by a file of
     another shape) leaves it FAILED: calls get FAILED_PRECONDITION at once, saying why."""
