@@ -10,6 +10,8 @@ packages=(
   libtorch-dev libgloo-dev                                                    # LibTorch, Gloo
   libopenblas0-openmp            # an optimised BLAS for LibTorch's CPU matmuls (linear layers)
   python3-torch                  # the PyTorch reference the benchmarks compare against
+  python3-grpcio python3-protobuf python3-numpy python3-pytest  # the Python client and its tests
+  python3-pip python3-setuptools python3-venv                 # pip install ./python (its test)
   redis-server libhiredis-dev    # the do-it-yourself baseline of the end-to-end benchmarks
 )
 

@@ -1,0 +1,331 @@
+"""What the blocking and the asyncio clients share: options, the routing table, table
+descriptions, table specs made from tensors or modules, checkpoints and exports.
+
+Nothing here does I/O on a network; the clients own their channels and their retry loops.
+"""
+
+import itertools
+import os
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _safetensors
+from .errors import InvalidArgumentError
+
+# Like the C++ side's (server/grpc_settings.h): a request may carry 2^26 ids and an answer 2^27
+# floats, far over gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 1 << 30
+
+CHANNEL_OPTIONS: Tuple[Tuple[str, Any], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Our own retry loop (refreshing the placement map between attempts) does what gRPC's
+    # transparent retries would; two layers of retries would overrun the caller's deadline.
+    ("grpc.enable_retries", 0),
+)
+
+DATA_METHODS = {
+    "embedding": "/shardserve.v1.DataService/Embedding",
+    "embedding_bag": "/shardserve.v1.DataService/EmbeddingBag",
+    "linear": "/shardserve.v1.DataService/Linear",
+}
+STREAM_METHOD = "/shardserve.v1.DataService/Stream"
+
+
+def channel_options(extra: Optional[Sequence[Tuple[str, Any]]]) -> List[Tuple[str, Any]]:
+    options = dict(CHANNEL_OPTIONS)
+    options.update(dict(extra or ()))
+    return list(options.items())
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-client settings, shared by :class:`shardserve.Client` and ``shardserve.aio.Client``.
+
+    Attributes:
+        deadline: seconds per call, retries included (the C++ client's default, 10 s).
+        max_attempts: attempts per call, the first included.
+        backoff: seconds before the first retry; doubled after each (up to 64x).
+        direct: send data calls straight to the workers (False: to the coordinator, which
+            forwards each call whole to one worker; one extra hop).
+    """
+
+    deadline: float = 10.0
+    max_attempts: int = 8
+    backoff: float = 0.025
+    direct: bool = True
+
+    def backoff_after(self, attempt: int) -> float:
+        return self.backoff * (1 << min(attempt, 6))
+
+
+class RoutingTable:
+    """Table name -> the data-service addresses that may be a call's entry rank.
+
+    Every worker of a table's group may take any call for it, so a table's route is the list
+    of its workers' addresses (and, once tables have replica groups, those of every replica):
+    calls go round robin over the list. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._routes: Dict[str, Tuple[List[str], "itertools.count[int]"]] = {}
+
+    def pick(self, table: str) -> Optional[str]:
+        """The next address for ``table``, or None when its placement map is not cached."""
+        with self._lock:
+            route = self._routes.get(table)
+        if route is None:
+            return None
+        addresses, counter = route
+        return addresses[next(counter) % len(addresses)]
+
+    def update(self, table: str, addresses: List[str]) -> None:
+        with self._lock:
+            old = self._routes.get(table)
+            # Keep the position in the rotation, so refreshes do not all restart at rank 0.
+            counter = old[1] if old is not None else itertools.count()
+            self._routes[table] = (list(addresses), counter)
+
+    def forget(self, table: str) -> None:
+        with self._lock:
+            self._routes.pop(table, None)
+
+
+# --- table descriptions -----------------------------------------------------------------------
+
+_KIND_NAMES = {1: "linear", 2: "embedding"}
+_KIND_NUMBERS = {"linear": 1, "embedding": 2}
+_STATE_NAMES = {0: "unspecified", 1: "loading", 2: "serving", 3: "unavailable", 4: "failed"}
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One chunk of a table: the rank that holds it, where, and which slice of the sharding dim."""
+
+    rank: int
+    device: str
+    address: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """A table as the cluster holds it (``DescribeTable`` / ``ListTables``).
+
+    ``num_rows``/``num_cols`` are num_embeddings/embedding_dim for embeddings and
+    out_features/in_features for linear layers. ``state`` is one of "loading", "serving",
+    "unavailable", "failed" (then ``error`` says why). ``shards`` are in placement (chunk) order.
+    ``proto`` is the ``shardserve.v1.TableInfo`` message itself.
+    """
+
+    name: str
+    kind: str
+    num_rows: int
+    num_cols: int
+    sharding_dim: int
+    placements: Tuple[str, ...]
+    padding_idx: Optional[int]
+    max_norm: Optional[float]
+    norm_type: Optional[float]
+    bias: bool
+    seed: Optional[int]
+    checkpoint: Optional[str]
+    generation: int
+    state: str
+    error: str
+    shards: Tuple[ShardInfo, ...]
+    proto: Any = field(repr=False, compare=False)
+
+    @property
+    def addresses(self) -> List[str]:
+        """The distinct worker addresses of the table, in placement order."""
+        seen: List[str] = []
+        for shard in self.shards:
+            if shard.address and shard.address not in seen:
+                seen.append(shard.address)
+        return seen
+
+
+def table_info(message: Any) -> TableInfo:
+    spec = message.spec
+    init = spec.WhichOneof("init")
+    return TableInfo(
+        name=spec.name,
+        kind=_KIND_NAMES.get(spec.kind, "unspecified"),
+        num_rows=spec.num_rows,
+        num_cols=spec.num_cols,
+        sharding_dim=spec.sharding.dim,
+        placements=tuple(spec.sharding.placements),
+        padding_idx=spec.padding_idx if spec.HasField("padding_idx") else None,
+        max_norm=spec.max_norm if spec.HasField("max_norm") else None,
+        norm_type=spec.norm_type if spec.HasField("norm_type") else None,
+        bias=spec.kind == 1 and not spec.no_bias,
+        seed=spec.seed if init == "seed" else None,
+        checkpoint=spec.checkpoint if init == "checkpoint" else None,
+        generation=spec.generation,
+        state=_STATE_NAMES.get(message.state, str(message.state)),
+        error=message.error,
+        shards=tuple(
+            ShardInfo(s.rank, s.device, s.address, s.offset, s.size) for s in message.shards
+        ),
+        proto=message,
+    )
+
+
+# --- table specs from tensors and modules -------------------------------------------------------
+
+
+def default_checkpoint_dir() -> str:
+    return os.environ.get("SHARDSERVE_CHECKPOINT_DIR") or os.path.join(
+        tempfile.gettempdir(), "shardserve-checkpoints"
+    )
+
+
+def _module_fields(source: Any) -> Tuple[Optional[str], Dict[str, Any]]:
+    """(kind, spec fields) of an nn.Embedding / nn.EmbeddingBag / nn.Linear, else (None, {})."""
+    cls = type(source).__name__
+    module = type(source).__module__
+    if not module.startswith("torch.nn"):
+        return None, {}
+    if cls in ("Embedding", "EmbeddingBag"):
+        return "embedding", {
+            "weight": source.weight,
+            "padding_idx": getattr(source, "padding_idx", None),
+            "max_norm": source.max_norm,
+            "norm_type": source.norm_type,
+        }
+    if cls == "Linear":
+        return "linear", {"weight": source.weight, "bias": source.bias}
+    return None, {}
+
+
+def _array(value: Any, what: str) -> np.ndarray:
+    from ._codec import to_numpy
+
+    array, _ = to_numpy(value, what)
+    if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise InvalidArgumentError(f"{what}: floating values expected, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype="<f4")
+
+
+def build_spec(
+    pb: Any,
+    name: str,
+    source: Any,
+    *,
+    kind: Optional[str],
+    bias: Any,
+    num_rows: Optional[int],
+    num_cols: Optional[int],
+    seed: Optional[int],
+    checkpoint: Optional[str],
+    sharding_dim: int,
+    placements: Optional[Sequence[str]],
+    world: Optional[int],
+    device: str,
+    padding_idx: Optional[int],
+    max_norm: Optional[float],
+    norm_type: Optional[float],
+    checkpoint_dir: Optional[str],
+) -> Tuple[Any, Optional[str]]:
+    """(TableSpec, path of the checkpoint written for it or None). See Client.create_table."""
+    module_kind, fields = _module_fields(source) if source is not None else (None, {})
+    if module_kind is not None:
+        source = fields["weight"]
+        kind = kind or module_kind
+        if module_kind == "linear":
+            if bias is None:
+                bias = fields["bias"] if fields["bias"] is not None else False
+        else:  # the module's own settings, unless given here
+            if padding_idx is None:
+                padding_idx = fields["padding_idx"]
+            if max_norm is None:
+                max_norm = fields["max_norm"]
+                if norm_type is None and max_norm is not None:
+                    norm_type = fields["norm_type"]
+    kind = kind or "embedding"
+    if kind not in _KIND_NUMBERS:
+        raise InvalidArgumentError(f"kind: {kind!r} is not 'embedding' or 'linear'")
+    if sum(x is not None for x in (source, seed, checkpoint)) != 1:
+        raise InvalidArgumentError(
+            "create_table: give exactly one of a weight (tensor, array or module), seed= or "
+            "checkpoint="
+        )
+    if placements is not None and world is not None:
+        raise InvalidArgumentError("placements and world both place the chunks: give one of them")
+
+    spec = pb.TableSpec(name=name, kind=_KIND_NUMBERS[kind], dtype=pb.FLOAT32)
+    spec.sharding.dim = sharding_dim
+    if placements is None and world is not None:
+        placements = [f"rank:{r}/{device}" for r in range(world)]
+    spec.sharding.placements.extend(placements or ())
+    if padding_idx is not None:
+        spec.padding_idx = int(padding_idx)
+    if max_norm is not None:
+        spec.max_norm = float(max_norm)
+        if norm_type is not None:
+            spec.norm_type = float(norm_type)
+
+    written = None
+    if source is not None:
+        weight = _array(source, "weight")
+        if weight.ndim != 2:
+            raise InvalidArgumentError(f"weight: 2-D expected, got shape {list(weight.shape)}")
+        spec.num_rows, spec.num_cols = weight.shape
+        tensors = {"weight": weight}
+        if kind == "linear":
+            if bias is not None and bias is not False:
+                b = _array(bias, "bias")
+                if b.shape != (weight.shape[0],):
+                    raise InvalidArgumentError(
+                        f"bias: shape [{weight.shape[0]}] expected, got {list(b.shape)}"
+                    )
+                tensors["bias"] = b
+            else:
+                spec.no_bias = True
+        directory = checkpoint_dir or default_checkpoint_dir()
+        os.makedirs(directory, exist_ok=True)
+        # A fresh name per table creation: the old file may still back a table of the same name
+        # (a worker that restarts reloads its shard from it).
+        written = os.path.abspath(
+            os.path.join(directory, f"{name}-{uuid.uuid4().hex[:12]}.safetensors")
+        )
+        _safetensors.write(written, tensors)
+        spec.checkpoint = written
+    else:
+        if num_rows is None or num_cols is None:
+            raise InvalidArgumentError("create_table with seed= or checkpoint= needs rows, cols")
+        spec.num_rows, spec.num_cols = int(num_rows), int(num_cols)
+        if kind == "linear" and bias is False:
+            spec.no_bias = True
+        if seed is not None:
+            spec.seed = int(seed)
+        else:
+            spec.checkpoint = os.path.abspath(checkpoint)
+    return spec, written
+
+
+def export_path(path: Optional[str]) -> Tuple[str, bool]:
+    """(absolute path for ExportTable, whether it is a temporary file to delete after reading)."""
+    if path is not None:
+        return os.path.abspath(path), False
+    name = f"shardserve-export-{uuid.uuid4().hex}.safetensors"
+    return os.path.join(tempfile.gettempdir(), name), True
+
+
+def read_export(path: str, delete: bool) -> Dict[str, np.ndarray]:
+    try:
+        return _safetensors.read(path)
+    finally:
+        if delete:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
