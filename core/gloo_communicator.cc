@@ -733,6 +733,10 @@ bool GlooCommunicator::SharesMemoryWith(int peer) const {
 
 bool GlooCommunicator::HasMail() const { return shm_ != nullptr && shm_->mail; }
 
+void GlooCommunicator::Interrupt() {
+  if (shm_ != nullptr) shm_->interrupted.store(true, std::memory_order_release);
+}
+
 absl::Status GlooCommunicator::Health() const {
   if (!broken_) return absl::OkStatus();
   return absl::UnavailableError(

@@ -101,6 +101,9 @@ class GlooCommunicator : public Collectives, public StepChannel {
   // wakes the peer only if it waits).
   absl::Status AwaitRound() override;
   void ClearUnpark() override;
+  // Waits through shared memory (mail) fail within a 5 ms slice; socket waits end at their
+  // timeout.
+  void Interrupt() override;
 
   // Whether exchange blocks between this rank and `peer` go through shared memory.
   bool SharesMemoryWith(int peer) const;

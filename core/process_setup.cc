@@ -1,6 +1,7 @@
 #include "core/process_setup.h"
 
 #include <malloc.h>
+#include <sys/resource.h>
 
 #include "absl/synchronization/mutex.h"
 
@@ -16,6 +17,13 @@ void SetUpServingProcess() {
   // per 5 MB Embedding call on a worker with them, 32 without). Small allocations stay
   // thread-local in glibc's tcache.
   mallopt(M_ARENA_MAX, 1);
+  // Every connection is a file descriptor: the soft limit (often 1024) would lock clients out
+  // long before memory does. Raise it to the hard limit.
+  struct rlimit files;
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
 }
 
 }  // namespace shardserve::core

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -215,6 +216,9 @@ class SharedOutbox {
       if (__atomic_load_n(Word32(owner, kClosed), __ATOMIC_SEQ_CST) != 0) {
         throw std::runtime_error(absl::StrCat(what, ": rank ", owner, " left the group"));
       }
+      if (interrupted.load(std::memory_order_acquire)) {
+        throw std::runtime_error(absl::StrCat(what, ": interrupted: a peer is known to be gone"));
+      }
       const int32_t ahead = static_cast<int32_t>(static_cast<uint32_t>(theirs >> 32) - operations);
       if (ahead > 0 || (ahead == 0 && theirs != operation)) {
         throw std::runtime_error(absl::StrCat(what, ": rank ", owner, " went on to ",
@@ -258,6 +262,8 @@ class SharedOutbox {
   }
 
   const int rank;
+  // Set from any thread (Interrupt): waits fail within a slice instead of at their timeout.
+  std::atomic<bool> interrupted{false};
   int64_t block_bytes = 0;
   int fd = -1;
   char* outbox = nullptr;

@@ -33,6 +33,10 @@ class StepChannel {
 
   // Breaks the group (as Collectives::Abort, for the same group). Idempotent.
   virtual absl::Status Abort() = 0;
+  // Thread-safe: makes the waits of this rank's current and later calls that wait on a peer fail
+  // (UNAVAILABLE) as soon as the channel can notice, instead of at their timeout - a peer is
+  // known to be gone. Where a channel cannot cut a wait short it ends at its timeout.
+  virtual void Interrupt() {}
 
   // Idle groups: every rank calls Park() when a round found no work on any rank (the same number
   // of times on every rank). It blocks until some rank of the group is unparked, and a rank that

@@ -127,6 +127,50 @@ void StepLoop::SetGroup(StepGroup group, uint64_t epoch) {
   UnparkLocked();
 }
 
+void StepLoop::BreakGroup(const absl::Status& reason) {
+  std::deque<std::unique_ptr<StepRequest>> queued;
+  uint64_t epoch = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (active_group_.channel == nullptr || !serving_) return;
+    break_requested_ = reason;
+    serving_ = false;  // Submit refuses from now on
+    epoch = epoch_;
+    queued.swap(queue_);
+    queued_bytes_ = 0;
+    active_group_.channel->Interrupt();  // a wait on a peer ends at once, where it can
+    UnparkLocked();                      // and an idle wait for a round
+  }
+  const absl::Status status = absl::UnavailableError(
+      absl::StrCat("group epoch ", epoch, " failed: ", reason.message()));
+  {
+    absl::MutexLock lock(&answer_mu_);
+    for (StepRequest* r : in_flight_) {
+      if (r->answered) continue;
+      r->answered = true;
+      sink_.Deliver(*r, status);
+    }
+  }
+  for (auto& r : queued) sink_.Deliver(*r, status);
+  sink_.Flush();
+}
+
+absl::Status StepLoop::GroupStatus() const {
+  absl::MutexLock lock(&mu_);
+  return GroupStatusLocked();
+}
+
+absl::Status StepLoop::GroupStatusLocked() const {
+  if (serving_) return absl::OkStatus();
+  if (!break_requested_.ok() || !last_break_.ok()) {
+    const absl::Status& why = !break_requested_.ok() ? break_requested_ : last_break_;
+    return absl::UnavailableError(absl::StrCat(
+        "group not formed: ", why.message(), "; waiting for the group to form again"));
+  }
+  return absl::UnavailableError(
+      "group not formed: this worker's group is waiting for all its ranks");
+}
+
 uint64_t StepLoop::epoch() const {
   absl::MutexLock lock(&mu_);
   return serving_ ? epoch_ : 0;
@@ -143,8 +187,7 @@ absl::Status StepLoop::Submit(std::unique_ptr<StepRequest> request) {
   absl::MutexLock lock(&mu_);
   const int64_t bytes = request->InputBytes();
   if (stop_ || (!serving_ && pending_group_.channel == nullptr)) {
-    return absl::UnavailableError(
-        "group not formed: this worker's group is waiting for all its ranks");
+    return stop_ ? absl::UnavailableError("worker is shutting down") : GroupStatusLocked();
   }
   if (!queue_.empty() && queued_bytes_ + bytes > options_.max_queued_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -164,6 +207,11 @@ void StepLoop::Run() {
   while (true) {
     sink_.Flush();  // the last round's answers
     Step step;
+    // BreakGroup may answer the step's requests until the step is done with them.
+    struct InFlight {
+      ~InFlight() { loop->SetInFlight({}); }
+      StepLoop* loop;
+    } in_flight{this};
     if (!TakeNews(group, step)) break;
     AnswerStale(step);
     if (!WaitForRound(group, step)) continue;
@@ -211,7 +259,10 @@ bool StepLoop::TakeNews(Group& group, Step& step) {
       active_group_ = group.transports;
       epoch_ = pending_epoch_;
       serving_ = true;
+      break_requested_ = absl::OkStatus();
     }
+    // BreakGroup was called: leave the group now (the queue was failed then).
+    if (!break_requested_.ok()) step.broken = break_requested_;
     // News from here on (Submit's Unpark) is what a wait before the next round waits for.
     if (!group.round_due) group.transports.channel->ClearUnpark();
     int64_t rows = 0;
@@ -224,8 +275,30 @@ bool StepLoop::TakeNews(Group& group, Step& step) {
       queue_.pop_front();
     }
   }
+  SetInFlight(step.batch);
   step.tables = tables_.Tables();
   return true;
+}
+
+void StepLoop::SetInFlight(const std::vector<std::unique_ptr<StepRequest>>& batch) {
+  absl::MutexLock lock(&answer_mu_);
+  in_flight_.clear();
+  for (const auto& r : batch) in_flight_.push_back(r.get());
+}
+
+void StepLoop::Answer(std::unique_ptr<StepRequest>& request,
+                      absl::StatusOr<DenseResult> answer) {
+  {
+    absl::MutexLock lock(&answer_mu_);
+    const bool delivered = request->answered;
+    request->answered = true;
+    if (delivered) {  // by BreakGroup: the loop's own answer is late
+      request.reset();
+      return;
+    }
+  }
+  sink_.Deliver(*request, std::move(answer));
+  request.reset();
 }
 
 // Answers the requests whose deadline passed in the queue, or whose table was dropped meanwhile.
@@ -242,12 +315,12 @@ void StepLoop::AnswerStale(Step& step) {
     } else {
       continue;
     }
-    sink_.Deliver(*r, stale);
-    r.reset();
+    Answer(r, stale);
     answered = true;
   }
   if (!answered) return;
   step.batch.erase(std::remove(step.batch.begin(), step.batch.end(), nullptr), step.batch.end());
+  SetInFlight(step.batch);
   sink_.Flush();  // their answers, before any wait
 }
 
@@ -255,6 +328,7 @@ void StepLoop::AnswerStale(Step& step) {
 // or news (a request, a task, a new group, Stop, the periodic check) comes; then the loop takes
 // the news in first. Returns whether a round is to run now.
 bool StepLoop::WaitForRound(Group& group, Step& step) {
+  if (!step.broken.ok()) return true;  // on to failing the group
   if (group.round_due || group.hello_due || !step.batch.empty() ||
       !group.transports.channel->ParksCheaply()) {
     group.round_due = false;
@@ -325,11 +399,14 @@ void StepLoop::TakeTurn(Group& group, Step& step) {
   if (group.transports.channel->rank() == group.turn || step.batch.empty()) return;
   step.mine.clear();
   absl::MutexLock lock(&mu_);
+  absl::MutexLock answers(&answer_mu_);
   for (auto r = step.batch.rbegin(); r != step.batch.rend(); ++r) {
+    if ((*r)->answered) continue;  // by BreakGroup
     queued_bytes_ += (*r)->InputBytes();
     queue_.push_front(std::move(*r));
   }
   step.batch.clear();
+  in_flight_.clear();
 }
 
 // No rank had work. A group that parks cheaply goes back to waiting for the next round
@@ -388,12 +465,11 @@ void StepLoop::RunOps(Group& group, Step& step) {
       auto m = step.mine.find(it->first);
       if (m != step.mine.end()) {
         for (size_t i : m->second) {
-          sink_.Deliver(*step.batch[i],
-                        absl::UnavailableError(absl::StrCat(
-                            "table \"", it->first.table,
-                            "\" is not the same on every rank of the group right now (it is "
-                            "being created, replaced or dropped); retry")));
-          step.batch[i].reset();
+          Answer(step.batch[i],
+                 absl::UnavailableError(absl::StrCat(
+                     "table \"", it->first.table,
+                     "\" is not the same on every rank of the group right now (it is being "
+                     "created, replaced or dropped); retry")));
         }
       }
       it = work.erase(it);
@@ -449,10 +525,7 @@ void StepLoop::RunOps(Group& group, Step& step) {
         return;
       }
       // Every rank read the same inputs, so every rank fails this op alike: the group goes on.
-      for (size_t i : indices) {
-        sink_.Deliver(*step.batch[i], result.status());
-        step.batch[i].reset();
-      }
+      for (size_t i : indices) Answer(step.batch[i], result.status());
       continue;
     }
     // Split the rows back per request: with several requests, each refers to its rows of the one
@@ -485,8 +558,7 @@ void StepLoop::RunOps(Group& group, Step& step) {
         answer.count = rows * dim;
         cursor += rows * dim;
       }
-      sink_.Deliver(r, std::move(answer));
-      step.batch[i].reset();
+      Answer(step.batch[i], std::move(answer));
     }
   }
 }
@@ -498,12 +570,13 @@ void StepLoop::FailGroup(Group& group, Step& step) {
   const absl::Status status = absl::UnavailableError(
       absl::StrCat("group epoch ", epoch(), " failed: ", step.broken.message()));
   for (auto& r : step.batch) {
-    if (r != nullptr) sink_.Deliver(*r, status);
+    if (r != nullptr) Answer(r, status);
   }
   step.batch.clear();
   {
     absl::MutexLock lock(&mu_);
     active_group_ = StepGroup();
+    last_break_ = status;
   }
   group = Group();
   std::deque<std::unique_ptr<StepRequest>> queued;

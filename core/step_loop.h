@@ -101,8 +101,17 @@ class StepLoop {
 
   // Hands the loop a freshly formed group (replacing any previous one) for `epoch`.
   void SetGroup(StepGroup group, uint64_t epoch);
+  // Breaks the current group now, from any thread, when a peer is known to be gone (the
+  // coordinator says it is silent): the requests of the step in flight and of the queue get
+  // UNAVAILABLE with `reason` at once, new ones are refused, and the loop leaves the group as soon
+  // as its wait ends (at once where ranks share memory, at the collective timeout on sockets),
+  // then waits for a new group.
+  void BreakGroup(const absl::Status& reason);
   uint64_t epoch() const;
   bool serving() const;  // has a group
+  // OK while the loop has a group; otherwise UNAVAILABLE saying why not (waiting for all ranks,
+  // or why the last group broke).
+  absl::Status GroupStatus() const;
 
   // Queues a prepared request. Refuses it (returns the error; the request is dropped and never
   // delivered) with UNAVAILABLE when there is no group, RESOURCE_EXHAUSTED when the queue is full
@@ -133,6 +142,12 @@ class StepLoop {
   void RunOps(Group& group, Step& step);
   void FailGroup(Group& group, Step& step);
 
+  // Delivers `request`'s answer unless BreakGroup did, and frees it.
+  void Answer(std::unique_ptr<StepRequest>& request, absl::StatusOr<DenseResult> answer);
+  // The step's requests, which BreakGroup may answer while the loop waits (none: `batch` empty).
+  void SetInFlight(const std::vector<std::unique_ptr<StepRequest>>& batch);
+
+  absl::Status GroupStatusLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Wakes the loop if it is parked or waiting (news for it: work, a group, a task, Stop).
   void UnparkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -157,6 +172,13 @@ class StepLoop {
   bool running_ ABSL_GUARDED_BY(mu_) = false;
   int64_t busy_steps_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<int64_t> rounds_{0};
+  // BreakGroup's reason, for the loop to leave the group at its next chance (OK: none), and why
+  // the last group broke (for GroupStatus).
+  absl::Status break_requested_ ABSL_GUARDED_BY(mu_);
+  absl::Status last_break_ ABSL_GUARDED_BY(mu_);
+  // The step in flight's requests (taken after mu_ when both are held).
+  absl::Mutex answer_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::vector<StepRequest*> in_flight_ ABSL_GUARDED_BY(answer_mu_);
 };
 
 }  // namespace shardserve::core

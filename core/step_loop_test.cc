@@ -975,6 +975,67 @@ TEST(StepLoop, ParkedGroupNoticesADeadPeer) {
   }
 }
 
+// A peer whose loop is stuck (here, in a long task between steps: as a stopped process would be)
+// while this rank's step waits for it: BreakGroup answers the step's request and the queued ones
+// at once with the reason, refuses new ones, and - where ranks share memory - the loop leaves
+// the group at once too instead of at the collective timeout; a new group serves again.
+TEST(StepLoop, BreakGroupFailsTheStepInFlightAndTheQueueAtOnce) {
+  for (const auto& [kind, gloo] : ParkingKinds()) {
+    SCOPED_TRACE(kind);
+    Fixture f;
+    f.configure = [](int, StepLoop::Options& options) {
+      options.collective_timeout = absl::Seconds(4);
+    };
+    InProcessRendezvous store;
+    f.StartLoops(Connect(Fixture::kWorld, "break-" + kind, store, gloo));
+    for (auto& loop : f.loops) loop->Start();
+    ASSERT_TRUE(f.Submit(0, BagRequest(f.emb, {1, 2}, 2, PoolMode::kSum)).get().ok());
+    absl::Notification stuck;
+    std::thread peer([&] {
+      f.loops[1]->RunBetweenSteps([&] {
+        stuck.Notify();
+        absl::SleepFor(absl::Seconds(2));
+      });
+    });
+    stuck.WaitForNotification();
+    auto in_step = f.Submit(0, BagRequest(f.emb, {1, 2}, 2, PoolMode::kSum));
+    absl::SleepFor(absl::Milliseconds(100));  // rank 0's step waits for rank 1's round
+    auto queued = f.Submit(0, BagRequest(f.emb, {3, 4}, 2, PoolMode::kSum));
+    const absl::Time start = absl::Now();
+    f.loops[0]->BreakGroup(absl::UnavailableError("rank 1 is silent"));
+    for (auto* future : {&in_step, &queued}) {
+      absl::StatusOr<DenseResult> got = future->get();
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+      EXPECT_THAT(std::string(got.status().message()), HasSubstr("rank 1 is silent"));
+    }
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
+    EXPECT_FALSE(f.loops[0]->serving());
+    absl::StatusOr<DenseResult> refused =
+        f.Submit(0, BagRequest(f.emb, {1, 2}, 2, PoolMode::kSum)).get();
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("rank 1 is silent"));
+    EXPECT_THAT(std::string(f.loops[0]->GroupStatus().message()), HasSubstr("rank 1 is silent"));
+    // The loop itself left the group: at once on doorbells (the mail wait is interrupted), at
+    // the collective timeout on sockets.
+    {
+      absl::MutexLock lock(&f.mu);
+      auto left = [&f]() ABSL_SHARED_LOCKS_REQUIRED(f.mu) { return !f.broken[0].ok(); };
+      EXPECT_TRUE(f.mu.AwaitWithTimeout(absl::Condition(&left), absl::Seconds(6)));
+      if (kind == "doorbells") EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+    }
+    peer.join();
+    // A new group serves again.
+    auto fresh = Connect(Fixture::kWorld, "break-again-" + kind, store, gloo);
+    for (int r = 0; r < Fixture::kWorld; ++r) f.loops[r]->SetGroup(Over(std::move(fresh[r])), 2);
+    absl::StatusOr<DenseResult> again;
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      again = f.Submit(0, BagRequest(f.emb, {1, 2}, 2, PoolMode::kSum)).get();
+      if (again.ok()) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    EXPECT_TRUE(again.ok()) << again.status();
+  }
+}
+
 TEST(StepLoop, RunBetweenStepsRunsOnTheLoopThreadWhileServing) {
   Fixture f;
   InProcessRendezvous store;

@@ -33,6 +33,9 @@ struct StepRequest {
   void* caller = nullptr;
   uint64_t caller_id = 0;
   int64_t answer_bytes = 0;  // what the caller reserved for the answer (its bound on them)
+  // Delivered already (by StepLoop::BreakGroup, while the loop's step still waited); the
+  // StepLoop's own, guarded by its answer lock.
+  bool answered = false;
 
   // Rows this request adds to a step (ids, bags' ids, or input rows), for the row budget.
   int64_t Rows() const;

@@ -259,9 +259,13 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   }
   response.set_epoch(epoch_);
   for (int r = 0; r < options_.world_size; ++r) {
+    const Member& other = members_[r];
     v1::internal::Member* member = response.add_members();
     member->set_rank(r);
-    member->set_address(members_[r].address);
+    member->set_address(other.address);
+    if (epoch_ != 0 && other.epoch == epoch_ && other.incarnation != 0 && !Alive(other)) {
+      response.add_silent_ranks(r);
+    }
   }
   for (const auto& [name, spec] : tables_) {
     *response.add_tables() = spec;

@@ -387,7 +387,7 @@ void DataService::Flush() {
 template <typename Request>
 absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Request& request) {
   SHARDSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const core::TableConfig> table,
-                              tables_.Admit(request.table(), loop_->serving()));
+                              tables_.Admit(request.table(), loop_->GroupStatus()));
   SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::StepRequest> step,
                               MakeStepRequest(request, *table, limits_));
   step->answer_bytes = AnswerBytes(*step, *table);

@@ -29,7 +29,18 @@ inline constexpr int kMaxReconnectBackoffMs = 1000;
 grpc::ChannelArguments ChannelArguments();
 // A plaintext channel to `address` with ChannelArguments().
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address);
-// Applies the server-side settings (message limits, stream windows) to `builder`.
+// A connection that has not finished its HTTP/2 handshake by then is closed (gRPC's default,
+// 120 s, let ~20 000 idle TCP connections exhaust a worker's descriptors); one without calls for
+// kMaxConnectionIdleMs is closed too (clients reconnect when they call again); the server pings
+// a connection silent for kKeepaliveTimeMs and closes it if no answer comes in
+// kKeepaliveTimeoutMs (a client that vanished without closing).
+inline constexpr int kHandshakeTimeoutMs = 5000;
+inline constexpr int kMaxConnectionIdleMs = 10 * 60 * 1000;
+inline constexpr int kKeepaliveTimeMs = 60 * 1000;
+inline constexpr int kKeepaliveTimeoutMs = 20 * 1000;
+
+// Applies the server-side settings (message limits, stream windows, connection policies) to
+// `builder`.
 void ApplyServerSettings(grpc::ServerBuilder& builder);
 
 }  // namespace shardserve::server

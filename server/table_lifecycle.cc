@@ -11,7 +11,7 @@ namespace shardserve::server {
 TableLifecycle::TableLifecycle(int rank) : rank_(rank), tables_(core::TableSet::Of({})) {}
 
 absl::StatusOr<std::shared_ptr<const core::TableConfig>> TableLifecycle::Admit(
-    const std::string& name, bool group_formed) const {
+    const std::string& name, const absl::Status& group) const {
   absl::MutexLock lock(&mu_);
   auto it = records_.find(name);
   if (it == records_.end() ||
@@ -25,9 +25,9 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> TableLifecycle::Admit(
         "table \"", name, "\" is being loaded again on every rank: a step failed on rank ", rank_,
         " while it renormed rows (max_norm), which the ranks may now hold differently; retry"));
   }
-  if (!group_formed) {
-    return absl::UnavailableError(absl::StrCat(
-        "table \"", name, "\": group not formed (waiting for all ranks), rank ", rank_));
+  if (!group.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("table \"", name, "\" on rank ", rank_, ": ", group.message()));
   }
   const bool loaded = r.phase == Phase::kLoaded;
   if (loaded && r.serving) return r.config;

@@ -45,12 +45,12 @@ class TableLifecycle : public core::TableSource {
 
   explicit TableLifecycle(int rank);
 
-  // May a call for `name` run on this rank, whose group is formed or not? The table's config if
-  // so; otherwise NOT_FOUND (unknown), FAILED_PRECONDITION (being created, or it could not be
-  // loaded here or on another rank: not worth a retry), UNAVAILABLE (no group; or not on every
-  // rank right now: being loaded again, or dropped - clients retry).
-  absl::StatusOr<std::shared_ptr<const core::TableConfig>> Admit(const std::string& name,
-                                                                 bool group_formed) const;
+  // May a call for `name` run on this rank, whose group is formed (`group` OK) or not (why not)?
+  // The table's config if so; otherwise NOT_FOUND (unknown), FAILED_PRECONDITION (being created,
+  // or it could not be loaded here or on another rank: not worth a retry), UNAVAILABLE (no group;
+  // or not on every rank right now: being loaded again, or dropped - clients retry).
+  absl::StatusOr<std::shared_ptr<const core::TableConfig>> Admit(
+      const std::string& name, const absl::Status& group = absl::OkStatus()) const;
 
   // The coordinator's heartbeat reply: the tables to hold, those served on every rank, those
   // whose CreateTable still waits and those some rank could not load.

@@ -55,7 +55,10 @@ class TableLifecycleTest : public ::testing::Test {
     for (const v1::TableSpec& spec : plan.loads) tables_.Loaded(spec, Load(spec));
   }
   absl::StatusCode AdmitCode(const std::string& name, bool formed = true) {
-    return tables_.Admit(name, formed).status().code();
+    return tables_
+        .Admit(name, formed ? absl::OkStatus() : absl::UnavailableError("group not formed"))
+        .status()
+        .code();
   }
 
   core::CpuKernels kernels_;
@@ -66,22 +69,24 @@ TEST_F(TableLifecycleTest, ATableGoesFromLoadingToLoadedToServing) {
   EXPECT_EQ(AdmitCode("t"), absl::StatusCode::kNotFound);
   tables_.Want(Reply({Spec("t", 1)}, {}, {"t"}));
   EXPECT_EQ(tables_.Phases().at("t"), Phase::kLoading);
-  EXPECT_THAT(std::string(tables_.Admit("t", true).status().message()),
+  EXPECT_THAT(std::string(tables_.Admit("t").status().message()),
               HasSubstr("still loading on rank 0 (it is being created)"));
   EXPECT_EQ(AdmitCode("t"), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(tables_.Tables()->tables.empty());
   Reconcile();
   EXPECT_EQ(tables_.Phases().at("t"), Phase::kLoaded);
   EXPECT_EQ(tables_.Tables()->tables.count("t"), 1u);  // the step loop sees it already
-  EXPECT_THAT(std::string(tables_.Admit("t", true).status().message()),
+  EXPECT_THAT(std::string(tables_.Admit("t").status().message()),
               HasSubstr("not loaded on every rank yet (it is being created)"));
   tables_.Want(Reply({Spec("t", 1)}, {"t"}));
   EXPECT_EQ(tables_.Phases().at("t"), Phase::kServing);
-  absl::StatusOr<std::shared_ptr<const core::TableConfig>> admitted = tables_.Admit("t", true);
+  absl::StatusOr<std::shared_ptr<const core::TableConfig>> admitted = tables_.Admit("t");
   ASSERT_TRUE(admitted.ok()) << admitted.status();
   EXPECT_EQ((*admitted)->num_rows, 8);
   // Without a group, nothing runs.
-  EXPECT_THAT(std::string(tables_.Admit("t", false).status().message()),
+  EXPECT_THAT(std::string(tables_.Admit("t", absl::UnavailableError("group not formed: waiting"))
+                              .status()
+                              .message()),
               HasSubstr("group not formed"));
   // What the heartbeat reports.
   v1::internal::HeartbeatRequest report;
@@ -121,7 +126,7 @@ TEST_F(TableLifecycleTest, ALoadThatFailedIsRefusedUntilANewGenerationIsWanted) 
   TableLifecycle::Plan plan = tables_.NextPlan();
   tables_.LoadFailed(plan.loads[0], absl::ResourceExhaustedError("cannot allocate"));
   EXPECT_EQ(tables_.Phases().at("t"), Phase::kFailed);
-  EXPECT_THAT(std::string(tables_.Admit("t", true).status().message()),
+  EXPECT_THAT(std::string(tables_.Admit("t").status().message()),
               HasSubstr("could not be loaded on rank 0: cannot allocate"));
   EXPECT_TRUE(tables_.NextPlan().loads.empty());  // not retried with the same spec
   v1::internal::HeartbeatRequest report;
@@ -134,7 +139,7 @@ TEST_F(TableLifecycleTest, ALoadThatFailedIsRefusedUntilANewGenerationIsWanted) 
   (*reply.mutable_load_errors())["u"] = "rank 1: no memory";
   *reply.add_tables() = Spec("t", 2);
   tables_.Want(reply);
-  EXPECT_THAT(std::string(tables_.Admit("u", true).status().message()),
+  EXPECT_THAT(std::string(tables_.Admit("u").status().message()),
               HasSubstr("could not be loaded on every rank: rank 1: no memory"));
   // A new generation of the failed one is loaded afresh.
   plan = tables_.NextPlan();
@@ -153,7 +158,7 @@ TEST_F(TableLifecycleTest, ARenormUnsureTableLeavesTheStepLoopUntilItsNextGenera
   tables_.DropRenormUnsure(loaded);
   EXPECT_EQ(tables_.Phases().at("t"), Phase::kRenormUnsure);
   EXPECT_TRUE(tables_.Tables()->tables.empty());
-  EXPECT_THAT(std::string(tables_.Admit("t", true).status().message()),
+  EXPECT_THAT(std::string(tables_.Admit("t").status().message()),
               HasSubstr("being loaded again on every rank"));
   EXPECT_TRUE(tables_.NextPlan().loads.empty());  // waits for the coordinator
   v1::internal::HeartbeatRequest report;
@@ -164,7 +169,7 @@ TEST_F(TableLifecycleTest, ARenormUnsureTableLeavesTheStepLoopUntilItsNextGenera
   tables_.Want(Reply({Spec("t", 2)}, {"t"}));
   Reconcile();
   EXPECT_EQ(tables_.Phases().at("t"), Phase::kServing);
-  EXPECT_TRUE(tables_.Admit("t", true).ok());
+  EXPECT_TRUE(tables_.Admit("t").ok());
 }
 
 }  // namespace

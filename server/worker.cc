@@ -220,6 +220,13 @@ void Worker::HeartbeatLoop() {
     // group: keep it, the tables and what we serve, as while it cannot be reached.
     if (response.keep_serving()) continue;
     tables_.Want(response);
+    if (!response.silent_ranks().empty() && response.epoch() == loop_->epoch()) {
+      // A peer of this group is silent: fail the calls now rather than at the collective timeout.
+      loop_->BreakGroup(absl::UnavailableError(absl::StrCat(
+          "rank ", absl::StrJoin(response.silent_ranks(), ", rank "),
+          " sent no heartbeat to the coordinator for its liveness timeout (stopped, hung or cut "
+          "off)")));
+    }
     absl::MutexLock lock(&mu_);
     world_size_ = response.world_size();
     target_epoch_ = response.epoch();

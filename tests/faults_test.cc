@@ -1,6 +1,9 @@
 // Cross-binary tests of faults: a step that fails in the middle of a renorm, killed and stopped
 // workers, and streams whose client does not read.
 #include <signal.h>
+#include <sys/socket.h>
+#include <poll.h>
+#include <netinet/in.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -366,6 +369,103 @@ TEST(Cluster, StreamsThatAreNotReadHoldBoundedAnswersAndOtherClientsAreServed) {
     EXPECT_TRUE(u->stream->Finish().ok());
     EXPECT_EQ(answers, kRequests);
   }
+}
+
+// A worker that hangs (SIGSTOP: its sockets stay open, nothing closes) while calls run on its
+// peer: once the coordinator finds it silent (--liveness_ms), the peer fails the calls queued and
+// in flight with UNAVAILABLE naming the rank at once, not at the collective timeout (3 s here),
+// and refuses new ones saying why; after SIGCONT the group forms again and serves.
+TEST(Cluster, AHungWorkersPeerFailsItsCallsOnceTheCoordinatorFindsItSilent) {
+  auto cluster = StartCluster(2);  // liveness 600 ms, collective timeout 3 s
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  auto stub = DataStub(cluster->worker_address(0));
+  v1::EmbeddingRequest request;
+  request.set_table("emb");
+  *request.mutable_ids() = client::Int64Tensor({2}, {1, 2});
+  auto call = [&](absl::Duration deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    v1::TensorResponse response;
+    return stub->Embedding(&context, request, &response);
+  };
+  ASSERT_TRUE(call(absl::Seconds(5)).ok());
+  ASSERT_TRUE(cluster->SignalWorker(1, SIGSTOP).ok());
+  const absl::Time stopped = absl::Now();
+  // Callers that start right after the stop: each is answered within the liveness window and a
+  // heartbeat, well before its 10 s deadline and the 3 s collective timeout.
+  std::vector<std::thread> callers;
+  std::vector<grpc::Status> statuses(4);
+  std::vector<absl::Duration> took(4);
+  for (int i = 0; i < 4; ++i) {
+    callers.emplace_back([&, i] {
+      absl::SleepFor(absl::Milliseconds(50 * i));
+      const absl::Time start = absl::Now();
+      statuses[i] = call(absl::Seconds(10));
+      took[i] = absl::Now() - start;
+    });
+  }
+  for (auto& t : callers) t.join();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(statuses[i].error_code(), grpc::StatusCode::UNAVAILABLE)
+        << i << ": " << statuses[i].error_message();
+    EXPECT_THAT(statuses[i].error_message(), HasSubstr("rank 1"));
+    EXPECT_LT(took[i], absl::Seconds(2)) << i;
+  }
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(2.5));
+  // New calls are refused at once, saying why.
+  const absl::Time start = absl::Now();
+  const grpc::Status refused = call(absl::Seconds(10));
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(refused.error_message(), HasSubstr("rank 1 sent no heartbeat"));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
+  ASSERT_TRUE(cluster->SignalWorker(1, SIGCONT).ok());
+  EXPECT_TRUE(WaitFor([&] { return call(absl::Seconds(2)).ok(); }, absl::Seconds(20)));
+  ExpectClose(c->Embedding(request), at::embedding(emb.weight, at::tensor(
+                                          std::vector<int64_t>{1, 2}, at::kLong)),
+              "after SIGCONT");
+}
+
+// Connections that never speak HTTP/2 (a port scanner, a stuck client, a flood of connects):
+// the worker closes them after its 5 s handshake timeout (gRPC's 120 s default let ~20 000 of them
+// exhaust a worker's descriptors and lock new clients out), and serves new clients meanwhile.
+TEST(Cluster, ConnectionsThatNeverSpeakAreClosedAndNewClientsAreServed) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(emb.spec).ok());
+  const std::string address = cluster->worker_address(0);
+  const int port = std::atoi(address.substr(address.rfind(':') + 1).c_str());
+  std::vector<int> fds;
+  for (int i = 0; i < 500; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(port);
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
+    fds.push_back(fd);
+  }
+  auto once = ConnectOnce(*cluster, absl::Seconds(5));
+  std::mt19937 rng(3);
+  EXPECT_TRUE(RandomSumBags(*once, emb, rng, 4, 3).Right());
+  // Within the handshake timeout (and a little), every silent connection is closed by the worker.
+  absl::SleepFor(absl::Seconds(7));
+  int closed = 0;
+  for (int fd : fds) {
+    char buffer[4096];
+    ssize_t got = 0;  // the server's own SETTINGS frame first, then the end of the stream
+    while ((got = ::recv(fd, buffer, sizeof(buffer), MSG_DONTWAIT)) > 0) {
+    }
+    if (got == 0 || (got < 0 && errno == ECONNRESET)) ++closed;
+    ::close(fd);
+  }
+  EXPECT_EQ(closed, 500);
+  EXPECT_TRUE(RandomSumBags(*once, emb, rng, 4, 3).Right());
 }
 
 TEST(Cluster, StoppedWorkerAnswersItsCallsInFlightAndExitsCleanly) {
