@@ -45,9 +45,10 @@ using AsyncRawDataService = v1::DataService::WithRawMethod_Embedding<
         v1::DataService::WithRawMethod_Stream<v1::DataService::Service>>>>;
 
 // What a worker's memory holds for clients that are slow to read is these bounds plus gRPC's
-// buffers: each stream's receive window (kStreamWindowBytes) of requests not read yet, and the
-// answers gRPC has taken to send. Eight streams of 256 KiB answers that never read grow a worker
-// by ~35 MiB with bounds of 1 and 4 MiB (by 700 MiB in 3 s, and on, without bounds).
+// buffers: each stream's receive window of requests not read yet (BDP probing grows it to several
+// MiB on a fast link), and the answers gRPC has taken to send. Eight streams of 256 KiB answers
+// that never read grow a worker by 90-260 MiB with bounds of 1 to 2 and 4 to 8 MiB, and then no
+// more (by 700 MiB in 3 s, and on, with bounds of 1 GiB).
 struct DataServiceOptions {
   int64_t max_stream_answer_bytes = int64_t{16} << 20;  // per stream
   int64_t max_answer_bytes = int64_t{256} << 20;        // per worker, over all calls
