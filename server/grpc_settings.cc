@@ -14,7 +14,7 @@ grpc::ChannelArguments ChannelArguments() {
   // workers came back to a restarted coordinator (and the coordinator to a restarted worker)
   // seconds apart, and late in proportion to the time the peer was gone.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kInitialReconnectBackoffMs);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kInitialReconnectBackoffMs);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kMinConnectTimeoutMs);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kMaxReconnectBackoffMs);
   return args;
 }

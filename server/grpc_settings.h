@@ -21,6 +21,10 @@ inline constexpr int kMaxMessageBytes = 1 << 30;
 // A channel whose peer went away tries again after 100 ms, then backs off to 1 s at most.
 inline constexpr int kInitialReconnectBackoffMs = 100;
 inline constexpr int kMaxReconnectBackoffMs = 1000;
+// How long one connection attempt may take to get the server's HTTP/2 SETTINGS. gRPC reads it
+// from GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: set to the 100 ms backoff, it failed every attempt at a
+// server busy with handshakes (500 silent connections on 2 loaded cores), so clients never got in.
+inline constexpr int kMinConnectTimeoutMs = 20000;
 
 // Channel arguments for connections to shardserve servers (message limits, reconnect backoff).
 grpc::ChannelArguments ChannelArguments();

@@ -457,7 +457,8 @@ TEST(Cluster, ConnectionsThatNeverSpeakAreClosedAndNewClientsAreServed) {
   }
   auto once = ConnectOnce(*cluster, absl::Seconds(5));
   std::mt19937 rng(3);
-  EXPECT_TRUE(RandomSumBags(*once, emb, rng, 4, 3).Right());
+  const Answer served = RandomSumBags(*once, emb, rng, 4, 3);
+  EXPECT_TRUE(served.Right()) << served.got.status();
   // Within the handshake timeout (and a little), every silent connection is closed by the worker.
   absl::SleepFor(absl::Seconds(7));
   int closed = 0;
