@@ -853,6 +853,8 @@ TEST(StepLoop, DeadPeerFailsPendingRequestsWithUnavailableAndRefusesNewOnes) {
   EXPECT_FALSE(f.loops[0]->serving());
   {
     absl::MutexLock lock(&f.mu);
+    auto told = [&f]() ABSL_SHARED_LOCKS_REQUIRED(f.mu) { return !f.broken[0].ok(); };
+    f.mu.AwaitWithTimeout(absl::Condition(&told), absl::Seconds(1));
     EXPECT_EQ(f.broken[0].code(), absl::StatusCode::kUnavailable);
   }
   auto refused = f.Submit(0, BagRequest(f.emb, {1, 2, 3, 4}, 4, PoolMode::kSum)).get();
@@ -970,7 +972,10 @@ TEST(StepLoop, ParkedGroupNoticesADeadPeer) {
     }
     EXPECT_FALSE(f.loops[0]->serving());
     EXPECT_LT(absl::Now() - start, absl::Seconds(3));  // within Options::park_check and a round
+    // (on_group_broken runs just after the loop stops serving: wait for it.)
     absl::MutexLock lock(&f.mu);
+    auto told = [&f]() ABSL_SHARED_LOCKS_REQUIRED(f.mu) { return !f.broken[0].ok(); };
+    f.mu.AwaitWithTimeout(absl::Condition(&told), absl::Seconds(1));
     EXPECT_EQ(f.broken[0].code(), absl::StatusCode::kUnavailable);
   }
 }
