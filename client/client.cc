@@ -2,14 +2,16 @@
 
 #include <algorithm>
 #include <cstring>
-#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 #include "server/grpc_settings.h"
 #include "server/grpc_status.h"
 
@@ -56,9 +58,34 @@ absl::StatusOr<DenseTensor> ToDense(const v1::Tensor& tensor) {
 
 Client::Client(std::string coordinator, ClientOptions options)
     : coordinator_(std::move(coordinator)), options_(options) {
-  auto channel = Channel(coordinator_);
-  admin_ = v1::AdminService::NewStub(channel);
-  forward_ = v1::DataService::NewStub(channel);
+  admin_ = v1::AdminService::NewStub(Channel(coordinator_));
+  router_ = std::make_unique<server::ReplicaRouter>(
+      [this](const std::string& table) { return MapOf(table); }, server::ReplicaRouter::Options());
+  server::ReplicaCallerOptions calls;
+  calls.max_attempts = options_.max_attempts;
+  calls.backoff = options_.backoff;
+  calls.hedge_after = options_.hedge_after;
+  caller_ = std::make_unique<server::ReplicaCaller>(*router_, calls);
+}
+
+absl::StatusOr<v1::TableInfo> Client::MapOf(const std::string& table) {
+  if (!options_.direct) {
+    // Through the coordinator: it is the one "replica", and it fails over itself.
+    v1::TableInfo info;
+    v1::ReplicaInfo* replica = info.add_replicas();
+    replica->set_state(v1::TABLE_STATE_SERVING);
+    replica->add_shards()->set_address(coordinator_);
+    return info;
+  }
+  v1::DescribeTableRequest request;
+  request.set_name(table);
+  v1::TableInfo info;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + std::min(options_.deadline,
+                                                                 absl::Seconds(2))));
+  absl::Status status = FromGrpcStatus(admin_->DescribeTable(&context, request, &info));
+  if (!status.ok()) return status;
+  return info;
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coordinator,
@@ -94,6 +121,7 @@ absl::StatusOr<v1::TableInfo> Client::CreateTable(const v1::TableSpec& spec) {
   *request.mutable_table() = spec;
   v1::TableInfo response;
   SHARDSERVE_ADMIN_CALL(CreateTable, request, response);
+  router_->Forget(spec.name());  // a map read before (e.g. NOT_FOUND) is not this table's
   return response;
 }
 
@@ -102,8 +130,7 @@ absl::Status Client::DropTable(const std::string& name) {
   request.set_name(name);
   v1::DropTableResponse response;
   SHARDSERVE_ADMIN_CALL(DropTable, request, response);
-  absl::MutexLock lock(&mu_);
-  routes_.erase(name);
+  router_->Forget(name);
   return absl::OkStatus();
 }
 
@@ -134,77 +161,44 @@ absl::StatusOr<v1::ExportTableResponse> Client::ExportTable(const std::string& n
 
 #undef SHARDSERVE_ADMIN_CALL
 
-std::shared_ptr<v1::DataService::Stub> Client::StubFor(const std::string& address) {
-  absl::MutexLock lock(&mu_);
-  auto& stub = stubs_[address];
-  if (stub == nullptr) stub = v1::DataService::NewStub(Channel(address));
-  return stub;
-}
-
-absl::StatusOr<std::string> Client::Route(const std::string& table, bool refresh) {
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = routes_.find(table);
-    if (!refresh && it != routes_.end() && !it->second.empty()) {
-      return it->second[next_++ % it->second.size()];
-    }
+template <typename Request>
+absl::StatusOr<DenseTensor> Client::CallData(const Request& request, const char* method) {
+  grpc::ByteBuffer bytes;
+  bool own = false;
+  if (grpc::Status s = grpc::SerializationTraits<Request>::Serialize(request, &bytes, &own);
+      !s.ok()) {
+    return FromGrpcStatus(s);
   }
-  absl::StatusOr<v1::TableInfo> info = DescribeTable(table);
-  if (!info.ok()) return info.status();
-  std::vector<std::string> addresses;
-  std::set<std::string> seen;
-  for (const v1::ShardInfo& shard : info->shards()) {
-    if (!shard.address().empty() && seen.insert(shard.address()).second) {
-      addresses.push_back(shard.address());
-    }
+  absl::Notification done;
+  grpc::Status status;
+  grpc::ByteBuffer answer;
+  caller_->Call(request.table(), method, std::move(bytes), absl::Now() + options_.deadline,
+                [&](const grpc::Status& s, grpc::ByteBuffer r) {
+                  status = s;
+                  answer = std::move(r);
+                  done.Notify();
+                });
+  done.WaitForNotification();
+  if (!status.ok()) return FromGrpcStatus(status);
+  v1::TensorResponse response;
+  if (grpc::Status s =
+          grpc::SerializationTraits<v1::TensorResponse>::Deserialize(&answer, &response);
+      !s.ok()) {
+    return absl::InternalError(absl::StrCat("cannot parse the answer: ", s.error_message()));
   }
-  if (addresses.empty()) {
-    return absl::UnavailableError(absl::StrCat("table \"", table, "\" has no workers yet"));
-  }
-  absl::MutexLock lock(&mu_);
-  routes_[table] = addresses;
-  return addresses[next_++ % addresses.size()];
-}
-
-template <typename Request, typename Method>
-absl::StatusOr<DenseTensor> Client::CallData(const Request& request, Method method) {
-  const absl::Time deadline = absl::Now() + options_.deadline;
-  bool refresh = false;
-  absl::Status last = absl::DeadlineExceededError("deadline passed before the first attempt");
-  for (int attempt = 0; attempt < options_.max_attempts && absl::Now() < deadline; ++attempt) {
-    absl::StatusOr<DenseTensor> result = [&]() -> absl::StatusOr<DenseTensor> {
-      std::shared_ptr<v1::DataService::Stub> stub = forward_;
-      if (options_.direct) {
-        absl::StatusOr<std::string> address = Route(request.table(), refresh);
-        if (!address.ok()) return address.status();
-        stub = StubFor(*address);
-      }
-      grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(deadline));
-      v1::TensorResponse response;
-      absl::Status status = FromGrpcStatus(((*stub).*method)(&context, request, &response));
-      if (!status.ok()) return status;
-      return ToDense(response.output());
-    }();
-    if (result.ok() || result.status().code() != absl::StatusCode::kUnavailable) return result;
-    last = result.status();
-    refresh = true;  // the worker may have moved, or the group may be re-forming
-    absl::SleepFor(
-        std::min(options_.backoff * (1 << std::min(attempt, 6)), deadline - absl::Now()));
-  }
-  return last;
+  return ToDense(response.output());
 }
 
 absl::StatusOr<DenseTensor> Client::Embedding(const v1::EmbeddingRequest& request) {
-  return CallData(request, &v1::DataService::Stub::Embedding);
+  return CallData(request, "/shardserve.v1.DataService/Embedding");
 }
 
 absl::StatusOr<DenseTensor> Client::EmbeddingBag(const v1::EmbeddingBagRequest& request) {
-  return CallData(request, &v1::DataService::Stub::EmbeddingBag);
+  return CallData(request, "/shardserve.v1.DataService/EmbeddingBag");
 }
 
 absl::StatusOr<DenseTensor> Client::Linear(const v1::LinearRequest& request) {
-  return CallData(request, &v1::DataService::Stub::Linear);
+  return CallData(request, "/shardserve.v1.DataService/Linear");
 }
 
 }  // namespace shardserve::client

@@ -1,7 +1,10 @@
 // shardserve C++ client. Reads the placement map from the coordinator and sends each data call
-// straight to a worker of the table's group (round robin over entry ranks), refreshing the map
-// and retrying, with back-off, only when a call fails with UNAVAILABLE. Every call has a deadline
-// (ClientOptions::deadline). Admin calls go to the coordinator.
+// straight to a worker of one of the table's replicas (round robin over the entry ranks of the
+// replicas that serve). A call that fails with UNAVAILABLE (a dead or re-forming group, a broken
+// connection) goes at once to another replica, and one without an answer after
+// ClientOptions::hedge_after (a hung worker) goes to another replica too; groups that fail are
+// avoided for a while, and the map is read again (server::ReplicaCaller). Every call has a deadline
+// (ClientOptions::deadline), retries included. Admin calls go to the coordinator.
 //
 // Thread-safe: share one Client across threads.
 #ifndef SHARDSERVE_CLIENT_CLIENT_H_
@@ -12,18 +15,19 @@
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/shardserve.grpc.pb.h"
+#include "server/replica_caller.h"
+#include "server/replica_router.h"
 
 namespace shardserve::client {
 
 struct ClientOptions {
   absl::Duration deadline = absl::Seconds(10);  // per call, retries included
   int max_attempts = 8;
-  absl::Duration backoff = absl::Milliseconds(25);
+  absl::Duration backoff = absl::Milliseconds(25);  // before a replica is tried again
+  absl::Duration hedge_after = absl::Milliseconds(50);  // zero: never hedge
   // false: send data calls to the coordinator, which forwards them (one extra hop).
   bool direct = true;
 };
@@ -56,22 +60,18 @@ class Client {
 
  private:
   Client(std::string coordinator, ClientOptions options);
-  std::shared_ptr<v1::DataService::Stub> StubFor(const std::string& address);
-  // The next worker address for `table` (from the cached placement map, fetched if missing).
-  absl::StatusOr<std::string> Route(const std::string& table, bool refresh);
-  template <typename Request, typename Method>
-  absl::StatusOr<DenseTensor> CallData(const Request& request, Method method);
+  // The placement map the router reads (once, with a short deadline: it runs in the background).
+  absl::StatusOr<v1::TableInfo> MapOf(const std::string& table);
+  template <typename Request>
+  absl::StatusOr<DenseTensor> CallData(const Request& request, const char* method);
   template <typename Request, typename Response, typename Method>
   absl::Status CallAdmin(Method method, const Request& request, Response* response);
 
   const std::string coordinator_;
   const ClientOptions options_;
   std::unique_ptr<v1::AdminService::Stub> admin_;
-  std::shared_ptr<v1::DataService::Stub> forward_;
-  absl::Mutex mu_;
-  std::map<std::string, std::vector<std::string>> routes_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<v1::DataService::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
-  size_t next_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unique_ptr<server::ReplicaRouter> router_;
+  std::unique_ptr<server::ReplicaCaller> caller_;  // (destroyed first: it uses the router)
 };
 
 }  // namespace shardserve::client

@@ -8,7 +8,10 @@
 // ones) and errors by status code; --report writes JSON (with a timeline in --timeline_ms bins),
 // --svg a chart of latency percentiles and throughput over time. In a closed loop a caller whose
 // call failed waits before its next one (--backoff_ms, doubling up to --max_backoff_ms, reset by
-// a success), so that a failing server is not flooded with retries.
+// a success), so that a failing server is not flooded with retries. Unary calls go where the
+// C++ client sends them and fail over as it does (server::ReplicaCaller: another replica on
+// UNAVAILABLE, a hedge after --hedge_ms without an answer, all within the call's deadline); the
+// report counts each call once, by its final outcome.
 //
 //   shardserve-load --coordinator=127.0.0.1:50051 --table=demo_embeddings --op=embedding_bag \
 //       --batch=512 --bag=20 --concurrency=4 --duration_s=10
@@ -34,7 +37,10 @@
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/load_stats.h"
+#include "server/delayer.h"
 #include "server/grpc_settings.h"
+#include "server/replica_caller.h"
+#include "server/replica_router.h"
 #include "core/process_setup.h"
 #include "grpcpp/create_channel.h"
 
@@ -70,53 +76,17 @@ ABSL_FLAG(uint64_t, seed, 1, "random seed of the generated requests");
 ABSL_FLAG(int, timeline_ms, 1000, "width of the report's timeline bins");
 ABSL_FLAG(int, backoff_ms, 1, "closed loop: a caller's wait after a failed call (0: none)");
 ABSL_FLAG(int, max_backoff_ms, 100, "closed loop: the longest wait after failed calls");
+ABSL_FLAG(int, hedge_ms, 50,
+          "unary: a call without an answer this long goes to another replica too (0: never)");
+ABSL_FLAG(int, max_attempts, 8,
+          "unary: attempts per call (failover to other replicas included; 1: no retries)");
 
 namespace shardserve::client {
 namespace {
 
+using server::Delayer;
+
 enum class Op { kEmbedding, kBag, kLinear };
-
-// Runs functions at given times on one thread of its own (callers back off without holding a
-// gRPC thread).
-class Delayer {
- public:
-  Delayer() : thread_([this] { Run(); }) {}
-  ~Delayer() {
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
-    }
-    thread_.join();
-  }
-  void At(absl::Time when, std::function<void()> fn) {
-    absl::MutexLock lock(&mu_);
-    due_.emplace(when, std::move(fn));
-  }
-
- private:
-  void Run() {
-    absl::MutexLock lock(&mu_);
-    while (!stop_ || !due_.empty()) {
-      const absl::Time next = due_.empty() ? absl::Now() + absl::Milliseconds(10)
-                                           : due_.begin()->first;
-      auto news = [this, next]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return (stop_ && due_.empty()) || (!due_.empty() && due_.begin()->first < next);
-      };
-      mu_.AwaitWithDeadline(absl::Condition(&news), next);
-      if (due_.empty() || due_.begin()->first > absl::Now()) continue;
-      std::function<void()> fn = std::move(due_.begin()->second);
-      due_.erase(due_.begin());
-      mu_.Unlock();
-      fn();
-      mu_.Lock();
-    }
-  }
-
-  absl::Mutex mu_;
-  std::multimap<absl::Time, std::function<void()>> due_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
-};
 
 // A caller's wait before its next call: none while calls succeed; after a failure
 // --backoff_ms, doubling with each failure in a row up to --max_backoff_ms.
@@ -162,6 +132,15 @@ class IdSource {
 struct Workload {
   std::vector<Op> schedule;  // ops in mix proportion, cycled
   std::map<Op, std::vector<v1::StreamRequest>> pool;  // pre-built requests per op
+  std::map<Op, std::vector<grpc::ByteBuffer>> bytes;  // the same, serialized for unary calls
+  static const char* Method(Op op) {
+    return op == Op::kEmbedding ? "/shardserve.v1.DataService/Embedding"
+           : op == Op::kBag     ? "/shardserve.v1.DataService/EmbeddingBag"
+                                : "/shardserve.v1.DataService/Linear";
+  }
+  static std::string Table(Op op) {
+    return op == Op::kLinear ? absl::GetFlag(FLAGS_linear_table) : absl::GetFlag(FLAGS_table);
+  }
   int64_t Items(Op op) const {
     const int64_t b = absl::GetFlag(FLAGS_batch);
     return op == Op::kEmbedding ? b * absl::GetFlag(FLAGS_bag) : b;
@@ -353,6 +332,16 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
                                                               : v1::POOL_MODE_SUM);
         }
       }
+      grpc::ByteBuffer bytes;
+      bool own = false;
+      const google::protobuf::Message& m =
+          o == Op::kLinear      ? static_cast<const google::protobuf::Message&>(r.linear())
+          : o == Op::kEmbedding ? static_cast<const google::protobuf::Message&>(r.embedding())
+                                : static_cast<const google::protobuf::Message&>(r.embedding_bag());
+      if (!grpc::SerializationTraits<google::protobuf::Message>::Serialize(m, &bytes, &own).ok()) {
+        return absl::InternalError("cannot serialize a request");
+      }
+      w.bytes[o].push_back(std::move(bytes));
       w.pool[o].push_back(std::move(r));
     }
   }
@@ -363,6 +352,7 @@ int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   core::SetUpServingProcess();
   std::vector<std::string> addresses;
+  std::unique_ptr<Client> admin;  // reads the placement maps
   int64_t rows = absl::GetFlag(FLAGS_rows), in_features = absl::GetFlag(FLAGS_cols);
   if (!absl::GetFlag(FLAGS_target).empty()) {
     addresses.push_back(absl::GetFlag(FLAGS_target));
@@ -383,14 +373,41 @@ int Main(int argc, char** argv) {
       } else {
         rows = info->spec().num_rows();
       }
-      for (const v1::ShardInfo& s : info->shards()) {
+      auto add = [&](const v1::ShardInfo& s) {
         if (std::find(addresses.begin(), addresses.end(), s.address()) == addresses.end()) {
           addresses.push_back(s.address());
         }
+      };
+      for (const v1::ReplicaInfo& r : info->replicas()) {
+        for (const v1::ShardInfo& s : r.shards()) add(s);
       }
+      for (const v1::ShardInfo& s : info->shards()) add(s);
     }
     if (absl::GetFlag(FLAGS_via_coordinator)) addresses = {absl::GetFlag(FLAGS_coordinator)};
+    admin = *std::move(client);
   }
+  // Unary calls: routed over the tables' replicas as the client does - or, with --target or
+  // --via_coordinator, to that one address (retried there on UNAVAILABLE).
+  const bool fixed = !absl::GetFlag(FLAGS_target).empty() || absl::GetFlag(FLAGS_via_coordinator);
+  server::ReplicaRouter router(
+      [&](const std::string& table) -> absl::StatusOr<v1::TableInfo> {
+        if (!fixed) return admin->DescribeTable(table);
+        v1::TableInfo info;
+        v1::ReplicaInfo* replica = info.add_replicas();
+        replica->set_state(v1::TABLE_STATE_SERVING);
+        replica->add_shards()->set_address(addresses[0]);
+        return info;
+      },
+      server::ReplicaRouter::Options());
+  server::ReplicaCallerOptions call_options;
+  call_options.hedge_after = absl::Milliseconds(absl::GetFlag(FLAGS_hedge_ms));
+  call_options.max_attempts = std::max(1, absl::GetFlag(FLAGS_max_attempts));
+  call_options.channel = [](const std::string& address) {
+    grpc::ChannelArguments args = server::ChannelArguments();
+    args.SetInt("grpc.use_local_subchannel_pool", 1);
+    return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  };
+  server::ReplicaCaller caller(router, call_options);
   absl::StatusOr<Workload> workload = BuildWorkload(rows, in_features);
   if (!workload.ok()) {
     std::fprintf(stderr, "shardserve-load: %s\n", workload.status().ToString().c_str());
@@ -437,9 +454,8 @@ int Main(int argc, char** argv) {
       const absl::Time now = absl::Now();
       if (intended > now) absl::SleepFor(intended - now);
       const Op op = w.schedule[i % w.schedule.size()];
-      const v1::StreamRequest& r = w.pool.at(op)[i % w.pool.at(op).size()];
+      const grpc::ByteBuffer& bytes = w.bytes.at(op)[i % w.bytes.at(op).size()];
       const int64_t items = w.Items(op);
-      v1::DataService::Stub& stub = *stubs[i % stubs.size()];
       ++i;
       if (outstanding.load() > 20000) {  // the client itself cannot keep up: count, never hide
         stats.Record(intended, absl::Now(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED),
@@ -447,26 +463,12 @@ int Main(int argc, char** argv) {
         continue;
       }
       ++outstanding;
-      auto* context = new grpc::ClientContext();
-      context->set_deadline(absl::ToChronoTime(intended + deadline));
-      auto* response = new v1::TensorResponse();
       const absl::Time sent = intended;
-      auto callback = [&, context, response, sent, items](grpc::Status status) {
-        stats.Record(sent, absl::Now(), status.error_code(), items);
-        delete context;
-        delete response;
-        --outstanding;
-      };
-      switch (r.op_case()) {
-        case v1::StreamRequest::kEmbedding:
-          stub.async()->Embedding(context, &r.embedding(), response, callback);
-          break;
-        case v1::StreamRequest::kEmbeddingBag:
-          stub.async()->EmbeddingBag(context, &r.embedding_bag(), response, callback);
-          break;
-        default:
-          stub.async()->Linear(context, &r.linear(), response, callback);
-      }
+      caller.Call(Workload::Table(op), Workload::Method(op), bytes, intended + deadline,
+                  [&, sent, items](const grpc::Status& status, grpc::ByteBuffer) {
+                    stats.Record(sent, absl::Now(), status.error_code(), items);
+                    --outstanding;
+                  });
     }
     while (outstanding.load() > 0) absl::SleepFor(absl::Milliseconds(5));
   } else {
@@ -476,12 +478,6 @@ int Main(int argc, char** argv) {
     if (!stream) {
       // Unary closed loop: each caller is a chain of asynchronous calls (the answer to one sends
       // the next), so hundreds of callers need no thread each.
-      struct Chain {
-        grpc::ClientContext context;
-        v1::TensorResponse response;
-        absl::Time sent;
-        int64_t items = 0;
-      };
       std::atomic<int> live{callers};
       std::vector<Backoff> backoffs(callers);  // each touched by its caller's chain only
       std::function<void(int, int64_t)> issue = [&](int c, int64_t i) {
@@ -490,32 +486,19 @@ int Main(int argc, char** argv) {
           return;
         }
         const Op op = w.schedule[i % w.schedule.size()];
-        const v1::StreamRequest& r = w.pool.at(op)[i % w.pool.at(op).size()];
-        auto chain = std::make_shared<Chain>();
-        chain->sent = absl::Now();
-        chain->items = w.Items(op);
-        chain->context.set_deadline(absl::ToChronoTime(chain->sent + deadline));
-        auto callback = [&, c, i, chain](grpc::Status status) {
-          stats.Record(chain->sent, absl::Now(), status.error_code(), chain->items);
-          const absl::Duration wait = backoffs[c].After(status.ok());
-          if (wait > absl::ZeroDuration()) {
-            delayer.At(absl::Now() + wait, [&issue, c, i] { issue(c, i + 1); });
-          } else {
-            issue(c, i + 1);
-          }
-        };
-        v1::DataService::Stub& stub = *stubs[c % stubs.size()];
-        switch (r.op_case()) {
-          case v1::StreamRequest::kEmbedding:
-            stub.async()->Embedding(&chain->context, &r.embedding(), &chain->response, callback);
-            break;
-          case v1::StreamRequest::kEmbeddingBag:
-            stub.async()->EmbeddingBag(&chain->context, &r.embedding_bag(), &chain->response,
-                                       callback);
-            break;
-          default:
-            stub.async()->Linear(&chain->context, &r.linear(), &chain->response, callback);
-        }
+        const grpc::ByteBuffer& bytes = w.bytes.at(op)[i % w.bytes.at(op).size()];
+        const absl::Time sent = absl::Now();
+        const int64_t items = w.Items(op);
+        caller.Call(Workload::Table(op), Workload::Method(op), bytes, sent + deadline,
+                    [&, c, i, sent, items](const grpc::Status& status, grpc::ByteBuffer) {
+                      stats.Record(sent, absl::Now(), status.error_code(), items);
+                      const absl::Duration wait = backoffs[c].After(status.ok());
+                      if (wait > absl::ZeroDuration()) {
+                        delayer.At(absl::Now() + wait, [&issue, c, i] { issue(c, i + 1); });
+                      } else {
+                        issue(c, i + 1);
+                      }
+                    });
       };
       for (int c = 0; c < callers; ++c) issue(c, c * 7919);
       while (live.load() > 0) absl::SleepFor(absl::Milliseconds(5));

@@ -1,5 +1,6 @@
 #include "client/local_cluster.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -46,6 +47,9 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(LocalClusterOp
     return absl::InvalidArgumentError(
         absl::StrCat("--workers: ", options.workers, " must be >= 1"));
   }
+  if (options.groups < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--groups: ", options.groups, " must be >= 1"));
+  }
   if (options.server_dir.empty()) {
     return absl::NotFoundError("cannot find coordinator_main and worker_main (set --server_dir)");
   }
@@ -59,11 +63,11 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(LocalClusterOp
   ::mkdir(options.state_dir.c_str(), 0755);
   std::unique_ptr<LocalCluster> cluster(new LocalCluster(options));
   cluster->coordinator_port_ = options.port;
-  cluster->workers_.assign(options.workers, -1);
-  cluster->worker_ports_.assign(options.workers, 0);
+  cluster->workers_.assign(cluster->workers(), -1);
+  cluster->worker_ports_.assign(cluster->workers(), 0);
   if (absl::Status s = cluster->StartCoordinator(); !s.ok()) return s;
-  for (int r = 0; r < options.workers; ++r) {
-    if (absl::Status s = cluster->StartWorker(r); !s.ok()) return s;
+  for (int w = 0; w < cluster->workers(); ++w) {
+    if (absl::Status s = cluster->StartWorker(w); !s.ok()) return s;
   }
   return cluster;
 }
@@ -130,7 +134,8 @@ absl::Status LocalCluster::StartCoordinator() {
   ::unlink(port_file.c_str());
   std::vector<std::string> args = {
       absl::StrCat("--listen=127.0.0.1:", coordinator_port_),
-      absl::StrCat("--world_size=", options_.workers), "--state_dir=" + options_.state_dir,
+      absl::StrCat("--world_size=", options_.workers), absl::StrCat("--groups=", options_.groups),
+      "--state_dir=" + options_.state_dir,
       "--port_file=" + port_file};
   args.insert(args.end(), options_.coordinator_flags.begin(), options_.coordinator_flags.end());
   absl::StatusOr<pid_t> pid = Spawn(options_.server_dir + "/coordinator_main", args,
@@ -144,15 +149,16 @@ absl::Status LocalCluster::StartCoordinator() {
 }
 
 absl::Status LocalCluster::StartWorker(int rank) {
-  if (rank < 0 || rank >= options_.workers) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " out of range"));
+  if (rank < 0 || rank >= workers()) {
+    return absl::InvalidArgumentError(absl::StrCat("worker ", rank, " out of range"));
   }
   if (workers_[rank] > 0) return absl::FailedPreconditionError("worker already running");
   const std::string port_file = absl::StrCat(options_.work_dir, "/worker", rank, ".port");
   ::unlink(port_file.c_str());
   std::vector<std::string> args = {"--coordinator=" + coordinator_address(),
-                                   absl::StrCat("--rank=", rank), "--listen=127.0.0.1:0",
-                                   "--port_file=" + port_file};
+                                   absl::StrCat("--group=", rank / options_.workers),
+                                   absl::StrCat("--rank=", rank % options_.workers),
+                                   "--listen=127.0.0.1:0", "--port_file=" + port_file};
   args.insert(args.end(), options_.worker_flags.begin(), options_.worker_flags.end());
   if (auto it = options_.rank_flags.find(rank); it != options_.rank_flags.end()) {
     args.insert(args.end(), it->second.begin(), it->second.end());
@@ -168,7 +174,7 @@ absl::Status LocalCluster::StartWorker(int rank) {
 }
 
 absl::StatusOr<int> LocalCluster::KillWorker(int rank, int signal) {
-  if (rank < 0 || rank >= options_.workers || workers_[rank] <= 0) {
+  if (rank < 0 || rank >= workers() || workers_[rank] <= 0) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", rank, " is not running"));
   }
   ::kill(workers_[rank], signal);
@@ -178,14 +184,46 @@ absl::StatusOr<int> LocalCluster::KillWorker(int rank, int signal) {
   return wait_status;
 }
 
+namespace {
+
+// Whether every thread of `pid` is stopped (state T in /proc/PID/task/TID/stat).
+bool AllThreadsStopped(pid_t pid) {
+  const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+  DIR* dir = ::opendir(tasks.c_str());
+  if (dir == nullptr) return false;
+  bool stopped = true;
+  while (const dirent* entry = ::readdir(dir)) {
+    if (entry->d_name[0] == '.') continue;
+    std::ifstream stat(absl::StrCat(tasks, "/", entry->d_name, "/stat"));
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');  // the name may hold spaces and parentheses
+    if (paren == std::string::npos || paren + 2 >= line.size()) continue;  // exited meanwhile
+    const char state = line[paren + 2];
+    stopped = stopped && (state == 'T' || state == 't');
+  }
+  ::closedir(dir);
+  return stopped;
+}
+
+}  // namespace
+
 absl::Status LocalCluster::SignalWorker(int rank, int signal) {
-  if (rank < 0 || rank >= options_.workers || workers_[rank] <= 0) {
+  if (rank < 0 || rank >= workers() || workers_[rank] <= 0) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", rank, " is not running"));
   }
   if (::kill(workers_[rank], signal) != 0) {
     return absl::InternalError(absl::StrCat("kill(", workers_[rank], ", ", signal, ") failed"));
   }
-  return absl::OkStatus();
+  if (signal != SIGSTOP) return absl::OkStatus();
+  // kill() returns before every thread has stopped: wait until they all have, so that a test
+  // knows nothing of the worker runs any more.
+  const absl::Time give_up = absl::Now() + absl::Seconds(2);
+  while (absl::Now() < give_up) {
+    if (AllThreadsStopped(workers_[rank])) return absl::OkStatus();
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("worker ", rank, " did not stop"));
 }
 
 absl::Status LocalCluster::KillCoordinator(int signal) {

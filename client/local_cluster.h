@@ -1,6 +1,8 @@
-// LocalCluster: a coordinator and W CPU workers as child processes on loopback - what
-// `shardserve up` runs, and what the integration tests start. Ports are chosen at run time (port
-// 0, read back from port files) unless a coordinator port is given. Children die with the parent.
+// LocalCluster: a coordinator and R groups of W CPU workers as child processes on loopback - what
+// `shardserve up` runs, and what the integration tests start. Workers are numbered g * W + r
+// (group g, rank r): with one group, the worker number is the rank. Ports are chosen at run time
+// (port 0, read back from port files) unless a coordinator port is given. Children die with the
+// parent.
 //
 // Not thread-safe. The destructor stops every child (SIGTERM, then SIGKILL after 5 s).
 #ifndef SHARDSERVE_CLIENT_LOCAL_CLUSTER_H_
@@ -20,13 +22,14 @@ namespace shardserve::client {
 
 struct LocalClusterOptions {
   std::string server_dir;  // holds coordinator_main and worker_main
-  int workers = 2;
+  int groups = 1;          // replica groups
+  int workers = 2;         // ranks per group
   int port = 0;            // coordinator port; 0 = any free port
   std::string work_dir;    // port files, logs and (by default) the coordinator's state
   std::string state_dir;   // empty: work_dir/state
   std::vector<std::string> coordinator_flags;
   std::vector<std::string> worker_flags;
-  std::map<int, std::vector<std::string>> rank_flags;  // more flags for the worker of one rank
+  std::map<int, std::vector<std::string>> rank_flags;  // more flags for one worker (by number)
   bool quiet = true;       // children log to work_dir/*.log instead of stderr
 };
 
@@ -41,12 +44,13 @@ class LocalCluster {
   std::string coordinator_address() const;
   std::string worker_address(int rank) const;
   pid_t worker_pid(int rank) const { return workers_[rank]; }  // -1 when not running
-  int workers() const { return options_.workers; }
+  int workers() const { return options_.workers * options_.groups; }  // over all groups
   pid_t coordinator_pid() const { return coordinator_; }  // -1 when it is not running
 
   // Sends `signal` and waits for the worker to exit; returns its wait status (waitpid's).
   absl::StatusOr<int> KillWorker(int rank, int signal);  // SIGKILL simulates a crash
-  // Sends `signal` to a running worker and returns at once (SIGSTOP / SIGCONT delay it).
+  // Sends `signal` to a running worker (SIGSTOP / SIGCONT delay it); with SIGSTOP, returns once
+  // every thread of the worker has stopped.
   absl::Status SignalWorker(int rank, int signal);
   absl::Status StartWorker(int rank);             // (re)starts a worker that is not running
   absl::Status KillCoordinator(int signal);

@@ -38,13 +38,15 @@
 #include "client/local_cluster.h"
 #include "core/process_setup.h"
 #include "core/safetensors.h"
+#include "google/protobuf/util/json_util.h"
 #include "server/lifecycle.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
 ABSL_FLAG(int, deadline_ms, 10000, "deadline of each call, retries included");
 ABSL_FLAG(bool, via_coordinator, false, "send data calls through the coordinator");
 // up
-ABSL_FLAG(int, workers, 2, "up: number of CPU workers (ranks)");
+ABSL_FLAG(int, workers, 2, "up: CPU workers (ranks) per group");
+ABSL_FLAG(int, groups, 1, "up: replica groups (groups x workers worker processes)");
 ABSL_FLAG(int, port, 50051, "up: the coordinator's port (0: any free port)");
 ABSL_FLAG(std::string, state_dir, "", "up: coordinator state (default: a temporary directory)");
 ABSL_FLAG(std::string, server_dir, "", "up: where coordinator_main and worker_main are");
@@ -72,6 +74,9 @@ ABSL_FLAG(std::string, padding_idx, "", "padding_idx (may be negative)");
 ABSL_FLAG(std::string, max_norm, "", "max_norm");
 ABSL_FLAG(double, norm_type, 2.0, "norm_type");
 ABSL_FLAG(bool, no_bias, false, "linear without bias");
+ABSL_FLAG(std::string, place_on_groups, "",
+          "create-table: the replica groups that hold the table, e.g. 0,2 (default: every group)");
+ABSL_FLAG(bool, json, false, "tables, describe, create-table: print TableInfo as JSON");
 // data calls
 ABSL_FLAG(std::string, table, "", "table of a data call");
 ABSL_FLAG(std::string, ids, "", "ids as a JSON array");
@@ -149,6 +154,15 @@ std::string StateName(v1::TableState state) {
   return std::string(absl::StripPrefix(v1::TableState_Name(state), "TABLE_STATE_"));
 }
 
+void PrintShards(const google::protobuf::RepeatedPtrField<v1::ShardInfo>& shards,
+                 const char* indent) {
+  for (const v1::ShardInfo& shard : shards) {
+    std::printf("%srank %d  %-6s %-21s offset %lld size %lld\n", indent, shard.rank(),
+                shard.device().c_str(), shard.address().c_str(),
+                static_cast<long long>(shard.offset()), static_cast<long long>(shard.size()));
+  }
+}
+
 void PrintInfo(const v1::TableInfo& info) {
   const v1::TableSpec& s = info.spec();
   std::printf("%-20s %-9s %-11s [%lld x %lld]  sharding dim %d  %s\n", s.name().c_str(),
@@ -156,10 +170,37 @@ void PrintInfo(const v1::TableInfo& info) {
               StateName(info.state()).c_str(),
               static_cast<long long>(s.num_rows()), static_cast<long long>(s.num_cols()),
               s.sharding().dim(), absl::StrJoin(s.sharding().placements(), ",").c_str());
-  for (const v1::ShardInfo& shard : info.shards()) {
-    std::printf("    rank %d  %-6s %-21s offset %lld size %lld\n", shard.rank(),
-                shard.device().c_str(), shard.address().c_str(),
-                static_cast<long long>(shard.offset()), static_cast<long long>(shard.size()));
+  if (!info.error().empty()) std::printf("    error: %s\n", info.error().c_str());
+  if (info.replicas_size() <= 1) {
+    PrintShards(info.shards(), "    ");
+    return;
+  }
+  for (const v1::ReplicaInfo& replica : info.replicas()) {
+    std::printf("    group %d  %s\n", replica.group(), StateName(replica.state()).c_str());
+    PrintShards(replica.shards(), "      ");
+  }
+}
+
+std::string Json(const google::protobuf::Message& message) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  return json;
+}
+
+// TableInfos as text, or with --json as one JSON object (`one`) or an array.
+void PrintInfos(const std::vector<v1::TableInfo>& infos, bool one) {
+  if (!absl::GetFlag(FLAGS_json)) {
+    for (const v1::TableInfo& info : infos) PrintInfo(info);
+    return;
+  }
+  std::vector<std::string> objects;
+  for (const v1::TableInfo& info : infos) objects.push_back(Json(info));
+  if (one && objects.size() == 1) {
+    std::printf("%s\n", objects[0].c_str());
+  } else {
+    std::printf("[%s]\n", absl::StrJoin(objects, ",").c_str());
   }
 }
 
@@ -193,6 +234,16 @@ absl::StatusOr<v1::TableSpec> SpecFromFlags() {
     for (int r = 0; r < absl::GetFlag(FLAGS_world); ++r) {
       spec.mutable_sharding()->add_placements(
           absl::StrCat("rank:", r, "/", absl::GetFlag(FLAGS_device)));
+    }
+  }
+  if (const std::string groups = absl::GetFlag(FLAGS_place_on_groups); !groups.empty()) {
+    for (absl::string_view g : absl::StrSplit(groups, ',')) {
+      int v;
+      if (!absl::SimpleAtoi(g, &v)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--place_on_groups: \"", g, "\" is not a group number"));
+      }
+      spec.add_groups(v);
     }
   }
   if (const std::string p = absl::GetFlag(FLAGS_padding_idx); !p.empty()) {
@@ -356,6 +407,7 @@ int RunDemo(const std::string& coordinator, const std::string& work_dir, int wor
 int Up(const std::string& argv0) {
   LocalClusterOptions options;
   options.workers = absl::GetFlag(FLAGS_workers);
+  options.groups = absl::GetFlag(FLAGS_groups);
   options.port = absl::GetFlag(FLAGS_port);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.server_dir = absl::GetFlag(FLAGS_server_dir);
@@ -372,9 +424,13 @@ int Up(const std::string& argv0) {
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
   if (!cluster.ok()) return Fail(cluster.status());
   std::printf("coordinator on %s; %d %s workers:", (*cluster)->coordinator_address().c_str(),
-              options.workers, absl::GetFlag(FLAGS_device).c_str());
-  for (int r = 0; r < options.workers; ++r)
-    std::printf(" %s", (*cluster)->worker_address(r).c_str());
+              (*cluster)->workers(), absl::GetFlag(FLAGS_device).c_str());
+  for (int w = 0; w < (*cluster)->workers(); ++w) {
+    if (options.groups > 1 && w % options.workers == 0) {
+      std::printf(" group %d:", w / options.workers);
+    }
+    std::printf(" %s", (*cluster)->worker_address(w).c_str());
+  }
   std::printf("\n");
   std::fflush(stdout);
   if (!absl::GetFlag(FLAGS_no_demo)) {
@@ -413,19 +469,19 @@ int Main(int argc, char** argv) {
     if (!spec.ok()) return Fail(spec.status());
     absl::StatusOr<v1::TableInfo> info = c.CreateTable(*spec);
     if (!info.ok()) return Fail(info.status());
-    PrintInfo(*info);
+    PrintInfos({*info}, /*one=*/true);
     return 0;
   }
   if (command == "tables") {
     absl::StatusOr<std::vector<v1::TableInfo>> tables = c.ListTables();
     if (!tables.ok()) return Fail(tables.status());
-    for (const v1::TableInfo& info : *tables) PrintInfo(info);
+    PrintInfos(*tables, /*one=*/false);
     return 0;
   }
   if (command == "describe") {
     absl::StatusOr<v1::TableInfo> info = c.DescribeTable(arg(2));
     if (!info.ok()) return Fail(info.status());
-    PrintInfo(*info);
+    PrintInfos({*info}, /*one=*/true);
     return 0;
   }
   if (command == "drop") {

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
+#include <set>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/sharding_spec.h"
 #include "core/status_macros.h"
@@ -16,6 +19,10 @@ absl::StatusOr<std::unique_ptr<ControlPlane>> ControlPlane::Create(ControlPlaneO
   if (options.world_size < 1 || options.world_size > 4096) {
     return absl::InvalidArgumentError(
         absl::StrCat("--world_size: ", options.world_size, " must be in [1, 4096]"));
+  }
+  if (options.groups < 1 || options.groups > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--groups: ", options.groups, " must be in [1, 1024]"));
   }
   if (options.liveness_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -37,10 +44,14 @@ ControlPlane::ControlPlane(ControlPlaneOptions options, Clock& clock,
                            std::unique_ptr<RegistryStore> store)
     : options_(std::move(options)),
       clock_(clock),
-      store_(std::move(store)),
-      rendezvous_(options_.world_size, clock) {
+      started_(clock.Now()),
+      store_(std::move(store)) {
   absl::MutexLock lock(&mu_);
-  members_.resize(options_.world_size);
+  groups_.resize(options_.groups);
+  for (Group& g : groups_) {
+    g.members.resize(options_.world_size);
+    g.rendezvous = std::make_unique<GroupRendezvous>(options_.world_size, clock_);
+  }
   // Generations stay new across restarts even without a registry (or with an older copy of it):
   // they continue from the clock, in microseconds.
   last_generation_ = static_cast<uint64_t>(absl::ToUnixMicros(clock_.Now()));
@@ -49,8 +60,8 @@ ControlPlane::ControlPlane(ControlPlaneOptions options, Clock& clock,
 ControlPlane::~ControlPlane() { Shutdown(); }
 
 void ControlPlane::Shutdown() {
-  rendezvous_.Shutdown();
   absl::MutexLock lock(&mu_);
+  for (Group& g : groups_) g.rendezvous->Shutdown();
   stop_ = true;
 }
 
@@ -65,6 +76,10 @@ absl::Status ControlPlane::LoadRegistry() {
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
     tables_[spec.name()] = std::move(spec);
   }
+  for (const v1::internal::ReplicaGeneration& r : registry.replica_generations()) {
+    replica_generations_[{r.table(), r.group()}] = r.generation();
+    last_generation_ = std::max<uint64_t>(last_generation_, r.generation());
+  }
   return absl::OkStatus();
 }
 
@@ -73,11 +88,26 @@ absl::Status ControlPlane::SaveRegistry() {
   v1::internal::TableRegistry registry;
   for (const auto& [name, spec] : tables_) *registry.add_tables() = spec;
   registry.set_last_generation(last_generation_);
+  for (const auto& [replica, generation] : replica_generations_) {
+    v1::internal::ReplicaGeneration* r = registry.add_replica_generations();
+    r->set_table(replica.first);
+    r->set_group(replica.second);
+    r->set_generation(generation);
+  }
   return store_->Save(registry);
 }
 
+bool ControlPlane::AnyLearning() const {
+  for (const Group& g : groups_) {
+    if (g.learning) return true;
+  }
+  return false;
+}
+
 absl::Status ControlPlane::RefuseWhileLearning() const {
-  if (!learning_ || store_ != nullptr) return absl::OkStatus();
+  if (!AnyLearning() || store_ != nullptr || clock_.Now() - started_ >= options_.learn_time) {
+    return absl::OkStatus();
+  }
   return absl::UnavailableError(
       "the coordinator started without --state_dir and is learning the tables from the workers' "
       "heartbeats (until every rank has reported); retry");
@@ -92,20 +122,35 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   if (spec.init_case() == v1::TableSpec::kCheckpoint) {
     SHARDSERVE_RETURN_IF_ERROR(CheckCheckpoint(spec));  // (reads the file: not under the lock)
   }
+  std::set<int> placed;
+  for (int g : spec.groups()) {
+    if (g < 0 || g >= options_.groups || !placed.insert(g).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "table.groups: ", g, g < 0 || g >= options_.groups ? " is out of range [0, " : " twice",
+          g < 0 || g >= options_.groups ? absl::StrCat(options_.groups, ")") : ""));
+    }
+  }
   absl::MutexLock lock(&mu_);
   SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
   const std::string name = spec.name();
   if (tables_.count(name)) {
     return absl::AlreadyExistsError(absl::StrCat("table \"", name, "\" already exists"));
   }
-  // A placement names the device its rank holds the shard on: that rank's worker's, where the
-  // worker has registered. (Tables stored before are served where their ranks' workers are.)
-  for (const core::Placement& p : config.spec.placements()) {
-    const absl::StatusOr<core::Device> serves = core::Device::Parse(members_[p.rank].device);
-    if (serves.ok() && !(*serves == p.device)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "table.sharding.placements: \"", p.ToString(), "\" places rank ", p.rank,
-          "'s shard on ", p.device.ToString(), ", but that worker serves ", serves->ToString()));
+  // A placement names the device its rank holds the shard on: that rank's worker's (in every
+  // group that holds the table), where the worker has registered. (Tables stored before are
+  // served where their ranks' workers are.)
+  for (int g = 0; g < options_.groups; ++g) {
+    if (!PlacedOn(spec, g)) continue;
+    for (const core::Placement& p : config.spec.placements()) {
+      const absl::StatusOr<core::Device> serves =
+          core::Device::Parse(groups_[g].members[p.rank].device);
+      if (serves.ok() && !(*serves == p.device)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "table.sharding.placements: \"", p.ToString(), "\" places rank ", p.rank,
+            "'s shard on ", p.device.ToString(), ", but that worker",
+            options_.groups > 1 ? absl::StrCat(" of group ", g) : "", " serves ",
+            serves->ToString()));
+      }
     }
   }
   v1::TableSpec stored = spec;
@@ -126,19 +171,21 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
     auto it = tables_.find(name);
     return it != tables_.end() && it->second.generation() == generation;
   };
-  auto done = [this, &name, generation, &ours]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return stop_ || !ours() || TableServing(name) || LoadError(name, generation) != nullptr;
+  auto load_error = [this, &name, &ours]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return ours() ? LoadError(tables_.at(name)) : nullptr;
+  };
+  auto done = [this, &name, &ours, &load_error]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return stop_ || !ours() || CreationServing(name) || load_error() != nullptr;
   };
   creating_.insert(name);  // (Reconcile leaves its generation alone meanwhile)
   clock_.AwaitWithDeadline(mu_, absl::Condition(&done),
                            std::min(deadline, clock_.Now() + options_.create_wait));
   creating_.erase(creating_.find(name));
-  if (const absl::Status* error = LoadError(name, generation)) {
+  if (const absl::Status* error = load_error()) {
     // A rank could not load it: undo the creation, so that a failed CreateTable changes nothing.
     const absl::Status status(error->code(), absl::StrCat("table \"", name,
                                                           "\" could not be loaded: ",
                                                           error->message()));
-    if (!ours()) return status;
     const v1::TableSpec created = tables_.at(name);
     tables_.erase(name);
     if (absl::Status s = SaveRegistry(); !s.ok()) {
@@ -161,8 +208,18 @@ absl::Status ControlPlane::DropTable(const std::string& name) {
   }
   v1::TableSpec dropped = std::move(it->second);
   tables_.erase(it);
+  std::map<std::pair<std::string, int>, uint64_t> replicas;
+  for (auto r = replica_generations_.begin(); r != replica_generations_.end();) {
+    if (r->first.first == name) {
+      replicas.insert(*r);
+      r = replica_generations_.erase(r);
+    } else {
+      ++r;
+    }
+  }
   if (absl::Status s = SaveRegistry(); !s.ok()) {
     tables_[name] = std::move(dropped);  // a failed save changes nothing
+    replica_generations_.insert(replicas.begin(), replicas.end());
     return s;
   }
   return absl::OkStatus();
@@ -198,11 +255,15 @@ absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanExport(
     if (it == tables_.end()) {
       return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
     }
-    if (!TableServing(name)) {
+    for (int g = 0; g < options_.groups; ++g) {  // the first replica that serves
+      if (!TableServing(name, g)) continue;
+      spec = SpecFor(it->second, g);
+      for (const Member& m : groups_[g].members) addresses.push_back(m.address);
+      break;
+    }
+    if (addresses.empty()) {
       return absl::UnavailableError(absl::StrCat("table \"", name, "\" is not serving"));
     }
-    spec = it->second;
-    for (const Member& m : members_) addresses.push_back(m.address);
   }
   // (Outside the lock: this allocates the whole table.)
   return TableExport::Create(spec, options_.world_size, std::move(addresses), path,
@@ -214,14 +275,20 @@ absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanExport(
 absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     const v1::internal::HeartbeatRequest& request) {
   absl::MutexLock lock(&mu_);
+  if (request.group() < 0 || request.group() >= options_.groups) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group: ", request.group(), " is out of range [0, ", options_.groups, ")"));
+  }
   if (request.rank() < 0 || request.rank() >= options_.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("rank: ", request.rank(),
                                                    " is out of range [0, ", options_.world_size,
                                                    ")"));
   }
-  Member& m = members_[request.rank()];
+  const int g = request.group();
+  Group& group = groups_[g];
+  Member& m = group.members[request.rank()];
   if (Alive(m) && m.incarnation != request.incarnation() && m.incarnation != 0) {
-    return absl::AlreadyExistsError(absl::StrCat("rank ", request.rank(),
+    return absl::AlreadyExistsError(absl::StrCat("rank ", request.rank(), " of group ", g,
                                                  " is held by a live worker at ", m.address));
   }
   const absl::Time now = clock_.Now();
@@ -242,36 +309,40 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     const absl::StatusCode code = e.code() >= 1 && e.code() <= 16
                                       ? static_cast<absl::StatusCode>(e.code())
                                       : absl::StatusCode::kUnknown;
-    const absl::Status status(code, absl::StrCat("rank ", request.rank(), ": ", e.message()));
+    const absl::Status status(
+        code, absl::StrCat(options_.groups > 1 ? absl::StrCat("group ", g, " ") : "", "rank ",
+                           request.rank(), ": ", e.message()));
     m.load_errors[e.table()] = {e.generation(), status};
   }
   for (const v1::TableSpec& held : request.renorm_unsure()) {
-    ReloadAfterPartialRenorm(request.rank(), held);
+    ReloadAfterPartialRenorm(g, request.rank(), held);
   }
-  Reconcile();
+  Reconcile(g);
   v1::internal::HeartbeatResponse response;
   response.set_world_size(options_.world_size);
-  if (learning_) {
-    // Until every member has reported, this coordinator does not know the group, nor (without a
-    // registry) the tables: the worker goes on as while it could not reach the coordinator.
+  if (group.learning) {
+    // Until every member of its group has reported, this coordinator does not know the group,
+    // nor (without a registry) the tables: the worker goes on as while it could not reach it.
     response.set_keep_serving(true);
     return response;
   }
-  response.set_epoch(epoch_);
+  response.set_epoch(group.epoch);
   for (int r = 0; r < options_.world_size; ++r) {
-    const Member& other = members_[r];
+    const Member& other = group.members[r];
     v1::internal::Member* member = response.add_members();
     member->set_rank(r);
     member->set_address(other.address);
-    if (epoch_ != 0 && other.epoch == epoch_ && other.incarnation != 0 && !Alive(other)) {
+    if (group.epoch != 0 && other.epoch == group.epoch && other.incarnation != 0 &&
+        !Alive(other)) {
       response.add_silent_ranks(r);
     }
   }
   for (const auto& [name, spec] : tables_) {
-    *response.add_tables() = spec;
-    if (TableReady(name)) response.add_serving_tables(name);
+    if (!PlacedOn(spec, g)) continue;
+    *response.add_tables() = SpecFor(spec, g);
+    if (TableReady(name, g)) response.add_serving_tables(name);
     if (creating_.count(name)) response.add_creating_tables(name);
-    if (const absl::Status* error = LoadError(name, spec.generation())) {
+    if (const absl::Status* error = LoadError(spec)) {
       (*response.mutable_load_errors())[name] = std::string(error->message());
     }
   }
@@ -279,40 +350,106 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
 }
 
 absl::Status ControlPlane::RendezvousSet(const std::string& key, std::string value) {
-  return rendezvous_.Set(key, std::move(value));
+  GroupRendezvous* store = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    store = groups_[0].rendezvous.get();
+    for (Group& g : groups_) {
+      if (g.epoch != 0 && absl::StartsWith(key, absl::StrCat("group/epoch-", g.epoch, "/"))) {
+        store = g.rendezvous.get();
+      }
+    }
+  }
+  return store->Set(key, std::move(value));  // (the stores live as long as the control plane)
 }
 
 absl::StatusOr<std::string> ControlPlane::RendezvousGet(const std::string& key,
                                                         absl::Duration timeout) {
-  return rendezvous_.Get(key, timeout);
+  GroupRendezvous* store = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    store = groups_[0].rendezvous.get();
+    for (Group& g : groups_) {
+      if (g.epoch != 0 && absl::StartsWith(key, absl::StrCat("group/epoch-", g.epoch, "/"))) {
+        store = g.rendezvous.get();
+      }
+    }
+  }
+  return store->Get(key, timeout);
 }
 
 // --- Routing and health ---
 
 absl::StatusOr<WorkerRoute> ControlPlane::PickWorker() {
   absl::MutexLock lock(&mu_);
-  if (learning_) {
-    // The group is the workers' until every rank has reported: one that reports a healthy
-    // group may still serve.
-    for (size_t i = 0; i < members_.size(); ++i) {
-      const int rank = static_cast<int>(next_worker_++ % members_.size());
-      const Member& m = members_[rank];
-      if (Alive(m) && m.epoch != 0 && !m.broken) return WorkerRoute{rank, m.address};
+  // Every member of every group that serves (or, while its group learns, that reports a healthy
+  // group), round robin.
+  std::vector<WorkerRoute> routes;
+  for (int g = 0; g < options_.groups; ++g) {
+    const Group& group = groups_[g];
+    const bool serves = !group.learning && GroupServing(g);
+    for (int r = 0; r < options_.world_size; ++r) {
+      const Member& m = group.members[r];
+      if (group.learning ? Alive(m) && m.epoch != 0 && !m.broken : serves) {
+        routes.push_back(WorkerRoute{g, r, m.address});
+      }
     }
-    return absl::UnavailableError(
-        "group not known yet: the coordinator has just started, and no worker in a group has "
-        "reported");
   }
-  if (!GroupServing()) return absl::UnavailableError("group not formed: waiting for all ranks");
-  const int rank = static_cast<int>(next_worker_++ % members_.size());
-  return WorkerRoute{rank, members_[rank].address};
+  if (routes.empty()) {
+    return absl::UnavailableError(
+        AnyLearning() ? "group not known yet: the coordinator has just started, and no worker in "
+                        "a group has reported"
+                      : "group not formed: waiting for all ranks");
+  }
+  return routes[next_worker_++ % routes.size()];
+}
+
+absl::StatusOr<v1::TableInfo> ControlPlane::ForwardingMap(const std::string& table) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tables_.find(table);
+  v1::TableInfo info;
+  if (it != tables_.end()) info = InfoOf(it->second);
+  for (int g = 0; g < options_.groups; ++g) {
+    const Group& group = groups_[g];
+    if (!group.learning || (it != tables_.end() && !PlacedOn(it->second, g))) continue;
+    v1::ReplicaInfo* replica = nullptr;
+    for (v1::ReplicaInfo& r : *info.mutable_replicas()) {
+      if (r.group() == g) replica = &r;
+    }
+    if (replica == nullptr) {
+      replica = info.add_replicas();
+      replica->set_group(g);
+    }
+    replica->clear_shards();
+    for (int r = 0; r < options_.world_size; ++r) {
+      const Member& m = group.members[r];
+      if (!Alive(m) || m.epoch == 0 || m.broken) continue;
+      v1::ShardInfo* shard = replica->add_shards();
+      shard->set_rank(r);
+      shard->set_address(m.address);
+    }
+    replica->set_state(replica->shards_size() > 0 ? v1::TABLE_STATE_SERVING
+                                                  : v1::TABLE_STATE_UNAVAILABLE);
+  }
+  if (info.replicas_size() == 0) {
+    return absl::NotFoundError(absl::StrCat("table \"", table, "\" not found"));
+  }
+  return info;
 }
 
 ServingState ControlPlane::Serving() const {
   absl::MutexLock lock(&mu_);
   ServingState state;
-  state.group = GroupServing();
-  for (const auto& [name, spec] : tables_) state.tables[name] = TableServing(name);
+  for (int g = 0; g < options_.groups; ++g) {
+    state.groups.push_back(GroupServing(g));
+    state.group = state.group || state.groups.back();
+  }
+  for (const auto& [name, spec] : tables_) {
+    state.tables[name] = TableServing(name);
+    for (int g = 0; g < options_.groups; ++g) {
+      if (PlacedOn(spec, g)) state.replicas[{name, g}] = TableServing(name, g);
+    }
+  }
   return state;
 }
 
@@ -321,28 +458,34 @@ void ControlPlane::Tick() {
   Reconcile();
 }
 
-uint64_t ControlPlane::epoch() const {
+uint64_t ControlPlane::epoch(int group) const {
   absl::MutexLock lock(&mu_);
-  return epoch_;
+  return groups_.at(group).epoch;
 }
 
 bool ControlPlane::learning() const {
   absl::MutexLock lock(&mu_);
-  return learning_;
+  return AnyLearning();
 }
 
-// --- The group ---
+// --- The groups ---
 
 bool ControlPlane::Alive(const Member& m) const {
   return m.incarnation != 0 && clock_.Now() - m.last_seen < options_.liveness_timeout;
 }
 
-bool ControlPlane::GroupServing() const {
-  if (epoch_ == 0) return false;
-  for (const Member& m : members_) {
-    if (!Alive(m) || m.epoch != epoch_ || m.broken) return false;
+bool ControlPlane::GroupServing(int group) const {
+  const Group& g = groups_[group];
+  if (g.epoch == 0) return false;
+  for (const Member& m : g.members) {
+    if (!Alive(m) || m.epoch != g.epoch || m.broken) return false;
   }
   return true;
+}
+
+bool ControlPlane::PlacedOn(const v1::TableSpec& spec, int group) {
+  return spec.groups().empty() ||
+         std::find(spec.groups().begin(), spec.groups().end(), group) != spec.groups().end();
 }
 
 bool ControlPlane::Holds(const Member& m, const v1::TableSpec& spec) {
@@ -353,156 +496,255 @@ bool ControlPlane::Holds(const Member& m, const v1::TableSpec& spec) {
          google::protobuf::util::MessageDifferencer::Equals(it->second, spec);
 }
 
-const absl::Status* ControlPlane::LoadError(const std::string& name, uint64_t generation) const {
-  for (const Member& m : members_) {
-    auto it = m.load_errors.find(name);
-    if (it != m.load_errors.end() && it->second.first == generation) return &it->second.second;
+const absl::Status* ControlPlane::LoadError(const v1::TableSpec& spec) const {
+  for (int g = 0; g < options_.groups; ++g) {
+    if (!PlacedOn(spec, g)) continue;
+    const uint64_t generation = SpecFor(spec, g).generation();
+    for (const Member& m : groups_[g].members) {
+      auto it = m.load_errors.find(spec.name());
+      if (it != m.load_errors.end() && it->second.first == generation) return &it->second.second;
+    }
   }
   return nullptr;
 }
 
-bool ControlPlane::TableReady(const std::string& name) const {
-  if (!GroupServing()) return false;
+v1::TableSpec ControlPlane::SpecFor(const v1::TableSpec& spec, int g) const {
+  auto it = replica_generations_.find({spec.name(), g});
+  if (it == replica_generations_.end()) return spec;
+  v1::TableSpec replica = spec;
+  replica.set_generation(it->second);
+  return replica;
+}
+
+bool ControlPlane::TableReady(const std::string& name, int group) const {
+  if (!GroupServing(group)) return false;
   auto it = tables_.find(name);
-  if (it == tables_.end()) return false;
-  for (const Member& m : members_) {
-    if (!Holds(m, it->second)) return false;
+  if (it == tables_.end() || !PlacedOn(it->second, group)) return false;
+  const v1::TableSpec spec = SpecFor(it->second, group);
+  for (const Member& m : groups_[group].members) {
+    if (!Holds(m, spec)) return false;
   }
   return true;
 }
 
-bool ControlPlane::TableServing(const std::string& name) const {
-  if (!TableReady(name)) return false;
-  for (const Member& m : members_) {
+bool ControlPlane::TableServing(const std::string& name, int group) const {
+  if (!TableReady(name, group)) return false;
+  for (const Member& m : groups_[group].members) {
     if (std::find(m.serving.begin(), m.serving.end(), name) == m.serving.end()) return false;
   }
   return true;
 }
 
+bool ControlPlane::TableServing(const std::string& name) const {
+  for (int g = 0; g < options_.groups; ++g) {
+    if (TableServing(name, g)) return true;
+  }
+  return false;
+}
+
+bool ControlPlane::CreationServing(const std::string& name) const {
+  auto it = tables_.find(name);
+  if (it == tables_.end()) return false;
+  bool any = false;
+  for (int g = 0; g < options_.groups; ++g) {
+    if (!PlacedOn(it->second, g)) continue;
+    const bool serves = TableServing(name, g);
+    if (GroupServing(g) && !serves) return false;  // a formed group still loads it
+    any = any || serves;
+  }
+  return any;
+}
+
 v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
   v1::TableInfo info;
   *info.mutable_spec() = spec;
-  bool loaded_everywhere = true;
-  for (const Member& m : members_) {
-    if (!Holds(m, spec)) loaded_everywhere = false;
-  }
-  if (const absl::Status* error = LoadError(spec.name(), spec.generation())) {
-    info.set_state(v1::TABLE_STATE_FAILED);
-    info.set_error(std::string(error->message()));
-  } else {
-    info.set_state(TableServing(spec.name()) ? v1::TABLE_STATE_SERVING
-                   : loaded_everywhere       ? v1::TABLE_STATE_UNAVAILABLE
-                                             : v1::TABLE_STATE_LOADING);
-  }
   absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, options_.world_size);
-  if (!config.ok()) return info;
-  core::ShardLayout layout(config->spec,
-                           config->spec.dim() == 0 ? config->num_rows : config->num_cols);
-  for (const core::Placement& p : config->spec.placements()) {
-    v1::ShardInfo* shard = info.add_shards();
-    shard->set_rank(p.rank);
-    shard->set_device(p.device.ToString());
-    shard->set_address(members_[p.rank].address);
-    shard->set_offset(layout.OffsetOfRank(p.rank));
-    shard->set_size(layout.SizeOfRank(p.rank));
+  bool serving = false, held_somewhere = false;
+  for (int g = 0; g < options_.groups; ++g) {
+    if (!PlacedOn(spec, g)) continue;
+    const Group& group = groups_[g];
+    const v1::TableSpec held = SpecFor(spec, g);
+    v1::ReplicaInfo* replica = info.add_replicas();
+    replica->set_group(g);
+    replica->set_generation(held.generation());
+    bool loaded_everywhere = true, failed = false;
+    for (const Member& m : group.members) {
+      loaded_everywhere = loaded_everywhere && Holds(m, held);
+      auto e = m.load_errors.find(spec.name());
+      failed = failed || (e != m.load_errors.end() && e->second.first == held.generation());
+    }
+    const bool replica_serves = TableServing(spec.name(), g);
+    replica->set_state(replica_serves       ? v1::TABLE_STATE_SERVING
+                       : failed            ? v1::TABLE_STATE_FAILED
+                       : loaded_everywhere ? v1::TABLE_STATE_UNAVAILABLE
+                                           : v1::TABLE_STATE_LOADING);
+    serving = serving || replica_serves;
+    held_somewhere = held_somewhere || loaded_everywhere;
+    if (!config.ok()) continue;
+    core::ShardLayout layout(config->spec,
+                             config->spec.dim() == 0 ? config->num_rows : config->num_cols);
+    for (const core::Placement& p : config->spec.placements()) {
+      v1::ShardInfo* shard = replica->add_shards();
+      shard->set_rank(p.rank);
+      shard->set_device(p.device.ToString());
+      shard->set_address(group.members[p.rank].address);
+      shard->set_offset(layout.OffsetOfRank(p.rank));
+      shard->set_size(layout.SizeOfRank(p.rank));
+    }
   }
+  // SERVING while any replica serves (the error, if any, says why another could not load it).
+  const absl::Status* error = LoadError(spec);
+  if (error != nullptr) info.set_error(std::string(error->message()));
+  info.set_state(serving            ? v1::TABLE_STATE_SERVING
+                 : error != nullptr ? v1::TABLE_STATE_FAILED
+                 : held_somewhere   ? v1::TABLE_STATE_UNAVAILABLE
+                                    : v1::TABLE_STATE_LOADING);
+  // The first serving replica's shards (else the first's), for clients that know no replicas.
+  const v1::ReplicaInfo* first = nullptr;
+  for (const v1::ReplicaInfo& r : info.replicas()) {
+    if (first == nullptr || (r.state() == v1::TABLE_STATE_SERVING &&
+                             first->state() != v1::TABLE_STATE_SERVING)) {
+      first = &r;
+    }
+  }
+  if (first != nullptr) *info.mutable_shards() = first->shards();
   return info;
 }
 
-void ControlPlane::ReloadAfterPartialRenorm(int rank, const v1::TableSpec& held) {
+void ControlPlane::ReloadAfterPartialRenorm(int group, int rank, const v1::TableSpec& held) {
   auto it = tables_.find(held.name());
-  // Another generation than the rank held: every worker loads that one anew anyway. While its
-  // CreateTable still waits, the rank reports again at its next heartbeats.
-  if (it == tables_.end() || it->second.generation() != held.generation() ||
+  // Another generation than the rank held: its group's workers load that one anew anyway. While
+  // its CreateTable still waits, the rank reports again at its next heartbeats.
+  if (it == tables_.end() || SpecFor(it->second, group).generation() != held.generation() ||
       creating_.count(held.name())) {
     return;
   }
-  it->second.set_generation(++last_generation_);
+  const std::pair<std::string, int> replica(held.name(), group);
+  const auto before = replica_generations_.find(replica);
+  const std::optional<uint64_t> was =
+      before == replica_generations_.end() ? std::nullopt : std::optional(before->second);
+  replica_generations_[replica] = ++last_generation_;
   if (absl::Status s = SaveRegistry(); !s.ok()) {
-    // Not bumped: a coordinator restarted later would bring back the old generation, which some
+    // Not reloaded: a coordinator restarted later would bring back the old generation, which some
     // rank may hold still. The rank reports again.
-    it->second.set_generation(held.generation());
+    if (was) {
+      replica_generations_[replica] = *was;
+    } else {
+      replica_generations_.erase(replica);
+    }
     std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
     return;
   }
-  if (!GroupServing()) reloaded_while_down_.insert(held.name());
+  if (!GroupServing(group)) reloaded_while_down_.insert(replica);
   std::fprintf(stderr,
-               "coordinator: table \"%s\" is loaded again as generation %llu: a step failed on "
-               "rank %d while it renormed rows, which the ranks may now hold differently\n",
-               held.name().c_str(), static_cast<unsigned long long>(last_generation_), rank);
+               "coordinator: table \"%s\" is loaded again on group %d as generation %llu: a step "
+               "failed on its rank %d while it renormed rows, which its ranks may now hold "
+               "differently\n",
+               held.name().c_str(), group, static_cast<unsigned long long>(last_generation_),
+               rank);
 }
 
-void ControlPlane::EndLearning() {
-  learning_ = false;
-  if (store_ == nullptr) LearnTables();
+void ControlPlane::EndLearning(int g) {
+  Group& group = groups_[g];
+  group.learning = false;
+  if (store_ == nullptr) LearnTables(g);
   // One healthy group is what every member reports: the same epoch, joined and not broken. (A
   // worker that restarted reports epoch 0; one whose group failed, broken.)
-  const uint64_t epoch = members_[0].epoch;
+  const uint64_t epoch = group.members[0].epoch;
   bool one_group = epoch != 0, any_group = false;
   std::string reports;
-  for (size_t r = 0; r < members_.size(); ++r) {
-    const Member& m = members_[r];
+  for (size_t r = 0; r < group.members.size(); ++r) {
+    const Member& m = group.members[r];
     one_group = one_group && m.epoch == epoch && !m.broken;
     any_group = any_group || m.epoch != 0;
     absl::StrAppend(&reports, r ? ", " : "", "rank ", r, ": ", m.epoch, m.broken ? " broken" : "");
   }
+  // (An epoch is one group's: another group reporting it is a worker of a cluster of old.)
+  for (const Group& other : groups_) {
+    one_group = one_group && (&other == &group || other.epoch != epoch);
+  }
   if (!one_group) {
     // (Silent when no worker was in a group: the cluster is starting.)
     if (any_group) {
-      std::fprintf(stderr, "coordinator: the workers report no healthy group to adopt (%s)\n",
-                   reports.c_str());
+      std::fprintf(stderr,
+                   "coordinator: the workers of group %d report no healthy group to adopt (%s)\n",
+                   g, reports.c_str());
     }
     return;  // Reconcile forms a new one
   }
-  StartEpoch(epoch);
-  std::fprintf(stderr, "coordinator: adopted group epoch %llu from the workers (%d ranks)\n",
-               static_cast<unsigned long long>(epoch), options_.world_size);
+  StartEpoch(g, epoch);
+  last_epoch_ = std::max(last_epoch_, epoch);
+  std::fprintf(stderr,
+               "coordinator: adopted group epoch %llu from the workers (%d ranks, group %d)\n",
+               static_cast<unsigned long long>(epoch), options_.world_size, g);
 }
 
-void ControlPlane::LearnTables() {
-  // The tables every member holds from the same spec, generation included: what the previous
-  // coordinator last told them to hold and all of them loaded. Tables they hold differently (a
-  // creation, drop or reload under way when it stopped) are left to be dropped.
-  for (const auto& [name, spec] : members_[0].loaded_specs) {
-    if (tables_.count(name) || !ConfigFromSpec(spec, options_.world_size).ok()) continue;
+void ControlPlane::LearnTables(int g) {
+  // The tables every member of the group holds from the same spec, generation included: what the
+  // previous coordinator last told them to hold and all of them loaded. Tables they hold
+  // differently (a creation, drop or reload under way when it stopped) are left to be dropped.
+  const std::vector<Member>& members = groups_[g].members;
+  for (const auto& [name, spec] : members[0].loaded_specs) {
+    if (!ConfigFromSpec(spec, options_.world_size).ok()) continue;
     bool everywhere = true;
-    for (const Member& m : members_) everywhere = everywhere && Holds(m, spec);
+    for (const Member& m : members) everywhere = everywhere && Holds(m, spec);
     if (!everywhere) continue;
+    last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
+    if (auto known = tables_.find(name); known != tables_.end()) {
+      // Learnt from another group already: the same table but for a replica's own generation.
+      v1::TableSpec base = spec;
+      base.set_generation(known->second.generation());
+      if (google::protobuf::util::MessageDifferencer::Equals(base, known->second) &&
+          spec.generation() != known->second.generation()) {
+        replica_generations_[{name, g}] = spec.generation();
+      }
+      continue;
+    }
     tables_[name] = spec;
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
-    std::fprintf(stderr, "coordinator: learnt table \"%s\" (generation %llu) from the workers\n",
-                 name.c_str(), static_cast<unsigned long long>(spec.generation()));
+    std::fprintf(stderr,
+                 "coordinator: learnt table \"%s\" (generation %llu) from group %d's workers\n",
+                 name.c_str(), static_cast<unsigned long long>(spec.generation()), g);
   }
 }
 
-void ControlPlane::StartEpoch(uint64_t epoch) {
-  epoch_ = epoch;
-  epoch_started_ = clock_.Now();
-  epoch_incarnations_.clear();
-  for (const Member& m : members_) epoch_incarnations_.push_back(m.incarnation);
-  rendezvous_.StartEpoch(epoch);
+void ControlPlane::StartEpoch(int g, uint64_t epoch) {
+  Group& group = groups_[g];
+  group.epoch = epoch;
+  group.epoch_started = clock_.Now();
+  group.epoch_incarnations.clear();
+  for (const Member& m : group.members) group.epoch_incarnations.push_back(m.incarnation);
+  group.rendezvous->StartEpoch(epoch);
 }
 
 void ControlPlane::Reconcile() {
+  for (int g = 0; g < options_.groups; ++g) Reconcile(g);
+}
+
+void ControlPlane::Reconcile(int g) {
+  Group& group = groups_[g];
   // Once a group serves a table reloaded while none did, lookups may renorm its new loads.
   for (auto it = reloaded_while_down_.begin(); it != reloaded_while_down_.end();) {
-    it = !tables_.count(*it) || TableReady(*it) ? reloaded_while_down_.erase(it) : std::next(it);
+    it = !tables_.count(it->first) || TableReady(it->first, it->second)
+             ? reloaded_while_down_.erase(it)
+             : std::next(it);
   }
-  for (const Member& m : members_) {
+  for (const Member& m : group.members) {
     if (!Alive(m)) return;  // wait for every rank; a dead one comes back with a new incarnation
   }
-  if (learning_) EndLearning();
+  if (group.learning) EndLearning(g);
   const absl::Time now = clock_.Now();
-  bool renew = epoch_ == 0;
+  bool renew = group.epoch == 0;
   for (int r = 0; r < options_.world_size && !renew; ++r) {
-    const Member& m = members_[r];
-    if (m.incarnation != epoch_incarnations_[r]) renew = true;  // a worker restarted
+    const Member& m = group.members[r];
+    if (m.incarnation != group.epoch_incarnations[r]) renew = true;  // a worker restarted
     // The group failed. Wait one liveness period first: if a peer died, it is then seen as dead
     // and the group re-forms only once it is back, instead of stalling on a dead rank.
-    if (m.broken && m.epoch == epoch_ && now - m.broken_since >= options_.liveness_timeout) {
+    if (m.broken && m.epoch == group.epoch &&
+        now - m.broken_since >= options_.liveness_timeout) {
       renew = true;
     }
-    if (m.epoch != epoch_ && now - epoch_started_ > options_.join_grace) renew = true;
+    if (m.epoch != group.epoch && now - group.epoch_started > options_.join_grace) renew = true;
   }
   if (!renew) return;
   // A worker that restarted loaded its shards anew from their source: rows renormed in place
@@ -510,25 +752,26 @@ void ControlPlane::Reconcile() {
   // ranks, its columns would then disagree; so when restarted ranks meet ranks that kept their
   // shards, every worker reloads such tables (a new generation), and lookups renorm rows as they
   // did the first time. (Row-sharded rows live on one rank each: they stay consistent.) Restarted:
-  // another process than at the last epoch - or, when this coordinator has formed none yet, one
-  // that never joined a group. Counted once per restart, not again while the group re-forms.
+  // another process than at the group's last epoch - or, when this coordinator has formed none
+  // yet, one that never joined a group. Counted once per restart, not again while it re-forms.
   bool fresh = false, kept = false;
-  for (size_t r = 0; r < members_.size(); ++r) {
-    const Member& m = members_[r];
-    const bool restarted = epoch_incarnations_.empty()
+  for (size_t r = 0; r < group.members.size(); ++r) {
+    const Member& m = group.members[r];
+    const bool restarted = group.epoch_incarnations.empty()
                                ? m.epoch == 0
-                               : r < epoch_incarnations_.size() &&
-                                     m.incarnation != epoch_incarnations_[r];
+                               : r < group.epoch_incarnations.size() &&
+                                     m.incarnation != group.epoch_incarnations[r];
     fresh = fresh || restarted;
     kept = kept || !restarted;
   }
   bool reloads = false;
   for (auto& [name, spec] : tables_) {
-    if (!(fresh && kept) || !spec.has_max_norm() || spec.sharding().dim() != 1 ||
-        creating_.count(name) || reloaded_while_down_.count(name)) {
+    if (!(fresh && kept) || !PlacedOn(spec, g) || !spec.has_max_norm() ||
+        spec.sharding().dim() != 1 || creating_.count(name) ||
+        reloaded_while_down_.count({name, g})) {
       continue;
     }
-    spec.set_generation(++last_generation_);
+    replica_generations_[{name, g}] = ++last_generation_;  // this group's replica alone
     reloads = true;
   }
   if (reloads) {
@@ -538,10 +781,12 @@ void ControlPlane::Reconcile() {
       std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
     }
   }
-  // Epochs are wall-clock milliseconds: unique across coordinator restarts too.
-  StartEpoch(std::max<uint64_t>(epoch_ + 1, static_cast<uint64_t>(absl::ToUnixMillis(now))));
-  std::fprintf(stderr, "coordinator: group epoch %llu with %d ranks\n",
-               static_cast<unsigned long long>(epoch_), options_.world_size);
+  // Epochs are wall-clock milliseconds, unique over groups and across coordinator restarts.
+  last_epoch_ = std::max<uint64_t>({last_epoch_ + 1, group.epoch + 1,
+                                    static_cast<uint64_t>(absl::ToUnixMillis(now))});
+  StartEpoch(g, last_epoch_);
+  std::fprintf(stderr, "coordinator: group epoch %llu with %d ranks (group %d)\n",
+               static_cast<unsigned long long>(group.epoch), options_.world_size, g);
 }
 
 }  // namespace shardserve::server

@@ -1,14 +1,18 @@
 // ControlPlane: the coordinator's logic, without gRPC (TF Serving's ServerCore to the
 // coordinator's thin gRPC handlers). It owns
 //   - the table registry: specs and generations, persisted through a RegistryStore in state_dir;
-//   - membership: one Member per rank, kept from the workers' heartbeats, alive while they come;
-//   - the group: its epoch, formed anew when a worker restarts, the group broke, or a rank did
-//     not join in time - and, after the coordinator itself restarted, adopted from the workers
-//     when they all report the same healthy one, so that a coordinator's return never disturbs
-//     a formed group;
-//   - the rendezvous store the workers form a group over (GroupRendezvous);
-//   - each table's state (TableInfo: SERVING, LOADING, UNAVAILABLE, FAILED with its error), the
-//     wait of CreateTable, export planning (TableExport), and routing (PickWorker).
+//   - membership: R replica groups of W ranks, one Member per (group, rank), kept from the
+//     workers' heartbeats, alive while they come;
+//   - each group's epoch, formed anew when one of its workers restarts, the group broke, or a
+//     rank did not join in time - and, after the coordinator itself restarted, adopted from the
+//     workers when they all report the same healthy one, so that a coordinator's return never
+//     disturbs a formed group. Groups form, break and re-form independently; epochs are unique
+//     over all groups;
+//   - the rendezvous stores the workers form their groups over (GroupRendezvous, one per group);
+//   - each table's placement over groups (TableSpec.groups: all by default), its state per
+//     replica and overall (TableInfo: SERVING while any replica serves, LOADING, UNAVAILABLE,
+//     FAILED with its error), the wait of CreateTable, export planning (TableExport), and routing
+//     (PickWorker, over the serving groups).
 //
 // Time comes from a Clock (a fake in tests): liveness, join grace, the broken-group timer and
 // every wait run on it. Every wait is bounded.
@@ -42,12 +46,18 @@
 namespace shardserve::server {
 
 struct ControlPlaneOptions {
-  int world_size = 2;  // ranks 0..W-1 of the one group; every table is placed on it
+  int groups = 1;      // replica groups 0..R-1
+  int world_size = 2;  // ranks 0..W-1 of each group
   // Where the registry is persisted. Empty: nowhere - a restarted coordinator then learns the
   // tables that every worker holds alike from their heartbeats.
   std::string state_dir;
   absl::Duration liveness_timeout = absl::Milliseconds(1500);  // silent this long = dead
   absl::Duration join_grace = absl::Seconds(8);  // epoch not joined by all in time: new epoch
+  // Without a registry, admin calls wait until every group has been learnt from its workers - or
+  // this long from the start, so that a group whose worker is gone cannot hold them off for good
+  // (its tables are learnt when it reports in full; one created meanwhile under a name it holds
+  // replaces its copy).
+  absl::Duration learn_time = absl::Seconds(4);
   absl::Duration create_wait = absl::Seconds(30);  // CreateTable waits at most this long
   Clock* clock = nullptr;    // not owned; null: Clock::Real()
   FileOps* files = nullptr;  // not owned, for the registry; null: FileOps::Posix()
@@ -55,14 +65,18 @@ struct ControlPlaneOptions {
 
 // Where a forwarded call goes.
 struct WorkerRoute {
+  int group = 0;
   int rank = 0;
   std::string address;
 };
 
-// What health reports: the group, and each table.
+// What health reports: whether any group serves (and each group), and each table (served by
+// any of its replicas) and each replica.
 struct ServingState {
   bool group = false;
+  std::vector<bool> groups;
   std::map<std::string, bool> tables;
+  std::map<std::pair<std::string, int>, bool> replicas;  // (table, group)
 };
 
 class ControlPlane {
@@ -96,29 +110,35 @@ class ControlPlane {
                                                           const std::string& path) const;
 
   // --- Workers (CoordinatorInternal) ---
-  // Records a worker's heartbeat and answers what it must do (while learning: keep_serving and
-  // nothing else): INVALID_ARGUMENT (rank out of range), ALREADY_EXISTS (the rank is held by
-  // another live worker process).
+  // Records a worker's heartbeat and answers what it must do for its group (while the group is
+  // learning: keep_serving and nothing else): INVALID_ARGUMENT (group or rank out of range),
+  // ALREADY_EXISTS (the rank is held by another live worker process).
   absl::StatusOr<v1::internal::HeartbeatResponse> Heartbeat(
       const v1::internal::HeartbeatRequest& request);
-  // The rendezvous store of the forming epoch: GroupRendezvous::Set / Get (codes there).
+  // The rendezvous store of the group whose epoch the key names: GroupRendezvous::Set / Get
+  // (codes there).
   absl::Status RendezvousSet(const std::string& key, std::string value);
   absl::StatusOr<std::string> RendezvousGet(const std::string& key, absl::Duration timeout);
 
   // --- Routing and health ---
-  // A live worker of the serving group, round robin - or, while learning, one that reports a
-  // healthy group: UNAVAILABLE when there is none.
+  // A live worker of a serving group, round robin over groups and ranks - or, while a group
+  // learns, one that reports a healthy group (where streams go): UNAVAILABLE when there is none.
   absl::StatusOr<WorkerRoute> PickWorker();
-  // What health reports now: the group serves (every rank alive, in the epoch, not broken), and
-  // each table serves (loaded on every rank, which all accept calls for it).
+  // Where a forwarded call for `table` may go, as a placement map (what a ReplicaRouter reads):
+  // its replicas as DescribeTable lists them - and, while a group is learnt after this
+  // coordinator's start (its tables not known yet), that group's members that report a healthy
+  // group, as serving: they hold what they held. NOT_FOUND when no group holds the table.
+  absl::StatusOr<v1::TableInfo> ForwardingMap(const std::string& table) const;
+  // What health reports now: a group serves (every rank alive, in the epoch, not broken), and a
+  // table's replica serves (loaded on every rank of the group, which all accept calls for it).
   ServingState Serving() const;
   // Re-evaluates the group on the clock (silent workers, broken groups, join grace); the
   // coordinator calls it every 50 ms.
   void Tick();
 
-  // For tests and logs: the group epoch (0: none), and whether the coordinator is still learning
-  // the group from the workers after its start.
-  uint64_t epoch() const;
+  // For tests and logs: a group's epoch (0: none), and whether the coordinator is still learning
+  // a group (any group) from the workers after its start.
+  uint64_t epoch(int group = 0) const;
   bool learning() const;
 
  private:
@@ -138,58 +158,79 @@ class ControlPlane {
     std::map<std::string, std::pair<uint64_t, absl::Status>> load_errors;
   };
 
+  // One replica group: its members (by rank), epoch and rendezvous.
+  struct Group {
+    std::vector<Member> members;
+    // From the start until every member has reported: the group (and, without a registry, the
+    // tables) are the workers', not known here yet; heartbeats are answered "keep serving".
+    bool learning = true;
+    uint64_t epoch = 0;
+    absl::Time epoch_started;
+    std::vector<uint64_t> epoch_incarnations;
+    std::unique_ptr<GroupRendezvous> rendezvous;
+  };
+
   ControlPlane(ControlPlaneOptions options, Clock& clock, std::unique_ptr<RegistryStore> store);
   absl::Status LoadRegistry();
   absl::Status SaveRegistry() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // UNAVAILABLE while a coordinator without a registry has not learnt the tables yet.
   absl::Status RefuseWhileLearning() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Rank `rank` may hold the rows of `held` renormed unlike its peers (a step failed during a
-  // lookup that renorms them): unless the table has changed since, it gets a new generation, which
-  // every worker loads anew.
-  void ReloadAfterPartialRenorm(int rank, const v1::TableSpec& held)
+  // Rank `rank` of group `group` may hold the rows of `held` renormed unlike its peers (a step
+  // failed during a lookup that renorms them): unless the table has changed since, that group's
+  // replica gets a generation of its own, which its workers load anew.
+  void ReloadAfterPartialRenorm(int group, int rank, const v1::TableSpec& held)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Moves the group to a new epoch when it must (see the .cc); ends learning once every member
-  // has reported.
+  // Moves each group to a new epoch when it must (see the .cc); ends a group's learning once
+  // every member has reported.
   void Reconcile() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Learning ends: adopt the group the members report, if they all report one healthy epoch.
-  void EndLearning() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Without a registry: takes the tables every member holds from the same spec.
-  void LearnTables() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void StartEpoch(uint64_t epoch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Reconcile(int group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A group's learning ends: adopt the group its members report, if they all report one
+  // healthy epoch.
+  void EndLearning(int group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Without a registry: takes the tables every member of `group` holds from the same spec.
+  void LearnTables(int group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartEpoch(int group, uint64_t epoch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Alive(const Member& m) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  bool GroupServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool AnyLearning() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool GroupServing(int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The spec group `g` holds the table by: `spec` with the replica's own generation, if it has
+  // one.
+  v1::TableSpec SpecFor(const v1::TableSpec& spec, int g) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Whether `spec` is placed on `group`.
+  static bool PlacedOn(const v1::TableSpec& spec, int group);
   // Whether `m` holds the table as `spec` says (loaded from that spec, where the worker says).
   static bool Holds(const Member& m, const v1::TableSpec& spec);
-  // Why a worker could not load that generation of the table (null: none could not).
-  const absl::Status* LoadError(const std::string& name, uint64_t generation) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Loaded on every rank of a formed group: workers may start accepting calls for it.
-  bool TableReady(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Ready, and every worker has acknowledged that it accepts calls for it.
+  // Why a worker could not load the table as its group holds `spec` (null: none could not).
+  const absl::Status* LoadError(const v1::TableSpec& spec) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Loaded on every rank of formed group `group`: its workers may start accepting calls for it.
+  bool TableReady(const std::string& name, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Ready, and every worker of the group has acknowledged that it accepts calls for it.
+  bool TableServing(const std::string& name, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Served by any of its replicas.
   bool TableServing(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // CreateTable's wait is over: a replica serves, and so does every other replica whose group
+  // is formed.
+  bool CreationServing(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   v1::TableInfo InfoOf(const v1::TableSpec& spec) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const ControlPlaneOptions options_;
   Clock& clock_;
+  const absl::Time started_;
   const std::unique_ptr<RegistryStore> store_;  // null without state_dir
-  GroupRendezvous rendezvous_;
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, v1::TableSpec> tables_ ABSL_GUARDED_BY(mu_);
   uint64_t last_generation_ ABSL_GUARDED_BY(mu_) = 0;  // TableSpec.generation, persisted
   std::multiset<std::string> creating_ ABSL_GUARDED_BY(mu_);  // tables CreateTable waits for
-  // Tables given a new generation while no group served (after a partial renorm): until a group
-  // serves them, no lookup renorms their new loads, so a worker's restart meanwhile reloads nothing
-  // more.
-  std::set<std::string> reloaded_while_down_ ABSL_GUARDED_BY(mu_);
-  std::vector<Member> members_ ABSL_GUARDED_BY(mu_);
-  // From the start until every member has reported: the group (and, without a registry, the
-  // tables) are the workers', not known here yet; heartbeats are answered "keep serving".
-  bool learning_ ABSL_GUARDED_BY(mu_) = true;
-  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time epoch_started_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint64_t> epoch_incarnations_ ABSL_GUARDED_BY(mu_);
+  // Replicas (table, group) given a new generation while their group did not serve them (after a
+  // partial renorm): until it serves them, no lookup renorms their new loads, so a worker's restart
+  // meanwhile reloads nothing more.
+  std::set<std::pair<std::string, int>> reloaded_while_down_ ABSL_GUARDED_BY(mu_);
+  // (table, group) -> the replica's own generation (see SpecFor); persisted with the registry.
+  std::map<std::pair<std::string, int>, uint64_t> replica_generations_ ABSL_GUARDED_BY(mu_);
+  std::vector<Group> groups_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // the last epoch given, over all groups
   size_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

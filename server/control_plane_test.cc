@@ -60,6 +60,7 @@ v1::TableSpec Seeded(const std::string& name, int world = 2) {
 // A worker as the control plane sees it: it reports its state in heartbeats and does what the
 // replies say at once (joins the epoch, loads or drops tables, serves what is ready).
 struct FakeWorker {
+  int group = 0;
   int rank = 0;
   uint64_t incarnation = 0;
   uint64_t joined = 0;
@@ -72,8 +73,9 @@ struct FakeWorker {
 
   HeartbeatRequest Request() const {
     HeartbeatRequest request;
+    request.set_group(group);
     request.set_rank(rank);
-    request.set_address(absl::StrCat("10.0.0.", rank, ":", 1000 + incarnation % 1000));
+    request.set_address(absl::StrCat("10.0.", group, ".", rank, ":", 1000 + incarnation % 1000));
     request.set_device("cpu");
     request.set_incarnation(incarnation);
     request.set_epoch(joined);
@@ -124,8 +126,9 @@ struct FakeWorker {
 class ControlPlaneTest : public ::testing::Test {
  protected:
   std::unique_ptr<ControlPlane> Make(int world = 2, const std::string& state_dir = "",
-                                     FileOps* files = nullptr) {
+                                     FileOps* files = nullptr, int groups = 1) {
     ControlPlaneOptions options;
+    options.groups = groups;
     options.world_size = world;
     options.state_dir = state_dir;
     options.clock = &clock_;
@@ -134,11 +137,12 @@ class ControlPlaneTest : public ::testing::Test {
     EXPECT_TRUE(cp.ok()) << cp.status();
     return cp.ok() ? std::move(*cp) : nullptr;
   }
-  std::vector<FakeWorker> Workers(int world = 2) {
+  std::vector<FakeWorker> Workers(int world = 2, int group = 0) {
     std::vector<FakeWorker> workers(world);
     for (int r = 0; r < world; ++r) {
+      workers[r].group = group;
       workers[r].rank = r;
-      workers[r].incarnation = 100 + r;
+      workers[r].incarnation = 100 + 10 * group + r;
     }
     return workers;
   }
@@ -522,6 +526,201 @@ TEST_F(ControlPlaneTest, BadSpecsAndPlacementsOnAnotherDeviceAreRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("but that worker serves cpu"));
   EXPECT_EQ(cp->ListTables()->size(), 0u);
+}
+
+// --- Replica groups ---
+
+class ReplicaGroupsTest : public ControlPlaneTest {
+ protected:
+  void SetUp() override {
+    cp_ = Make(2, state_, nullptr, 2);
+    workers_ = Workers(2, 0);
+    for (const FakeWorker& w : Workers(2, 1)) workers_.push_back(w);
+  }
+  // Creates `spec`, the workers reporting until the call returns.
+  absl::StatusOr<v1::TableInfo> Create(const v1::TableSpec& spec) {
+    absl::StatusOr<v1::TableInfo> created;
+    absl::Notification done;
+    std::thread create([&] {
+      created = cp_->CreateTable(spec, clock_.Now() + absl::Seconds(20));
+      done.Notify();
+    });
+    while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) {
+      Settle(*cp_, live_ ? *live_ : workers_, 1);
+    }
+    create.join();
+    return created;
+  }
+  FakeWorker Restarted(const FakeWorker& w) {
+    FakeWorker fresh;
+    fresh.group = w.group;
+    fresh.rank = w.rank;
+    fresh.incarnation = w.incarnation + 1000;
+    return fresh;
+  }
+
+  std::string state_;
+  std::unique_ptr<ControlPlane> cp_;
+  std::vector<FakeWorker> workers_;  // group 0's ranks 0, 1, then group 1's
+  std::vector<FakeWorker>* live_ = nullptr;
+};
+
+TEST_F(ReplicaGroupsTest, GroupsFormApartAndOnesRestartLeavesTheOtherAlone) {
+  Settle(*cp_, workers_);
+  const uint64_t e0 = cp_->epoch(0), e1 = cp_->epoch(1);
+  EXPECT_NE(e0, 0u);
+  EXPECT_NE(e1, 0u);
+  EXPECT_NE(e0, e1);  // epochs are unique over groups (rendezvous keys name them)
+  EXPECT_EQ(workers_[1].joined, e0);
+  EXPECT_EQ(workers_[3].joined, e1);
+  EXPECT_EQ(workers_[2].last.members(1).address(), workers_[3].Request().address());
+  EXPECT_THAT(cp_->Serving().groups, ElementsAre(true, true));
+  // Group 0's rank 1 dies: group 0 stops serving, group 1 serves on in its epoch.
+  std::vector<FakeWorker> rest = {workers_[0], workers_[2], workers_[3]};
+  clock_.Advance(absl::Milliseconds(1600));
+  Settle(*cp_, rest);
+  EXPECT_THAT(cp_->Serving().groups, ElementsAre(false, true));
+  EXPECT_TRUE(cp_->Serving().group);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(cp_->PickWorker()->group, 1);
+  // It comes back: group 0 forms anew, group 1 is untouched.
+  workers_ = {rest[0], Restarted(workers_[1]), rest[1], rest[2]};
+  Settle(*cp_, workers_);
+  EXPECT_NE(cp_->epoch(0), e0);
+  EXPECT_EQ(cp_->epoch(1), e1);
+  EXPECT_THAT(cp_->Serving().groups, ElementsAre(true, true));
+}
+
+TEST_F(ReplicaGroupsTest, ATableServesWhileAnyReplicaDoesAndListsEveryReplica) {
+  Settle(*cp_, workers_);
+  absl::StatusOr<v1::TableInfo> created = Create(Seeded("t"));
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->state(), v1::TABLE_STATE_SERVING);
+  ASSERT_EQ(created->replicas_size(), 2);
+  for (int g = 0; g < 2; ++g) {
+    const v1::ReplicaInfo& r = created->replicas(g);
+    EXPECT_EQ(r.group(), g);
+    EXPECT_EQ(r.state(), v1::TABLE_STATE_SERVING);
+    EXPECT_EQ(r.generation(), created->spec().generation());
+    ASSERT_EQ(r.shards_size(), 2);
+    EXPECT_EQ(r.shards(1).address(), workers_[2 * g + 1].Request().address());
+  }
+  // Group 1 breaks: its replica is UNAVAILABLE, the table SERVING; health says the same.
+  workers_[2].broken = true;
+  ASSERT_TRUE(workers_[2].Report(*cp_).ok());
+  absl::StatusOr<v1::TableInfo> info = cp_->DescribeTable("t");
+  EXPECT_EQ(info->state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(info->replicas(1).state(), v1::TABLE_STATE_UNAVAILABLE);
+  ServingState serving = cp_->Serving();
+  EXPECT_TRUE(serving.tables.at("t"));
+  EXPECT_TRUE((serving.replicas.at({"t", 0})));
+  EXPECT_FALSE((serving.replicas.at({"t", 1})));
+  // The forwarding map says so too.
+  absl::StatusOr<v1::TableInfo> map = cp_->ForwardingMap("t");
+  ASSERT_TRUE(map.ok());
+  EXPECT_EQ(map->replicas(0).state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(map->replicas(1).state(), v1::TABLE_STATE_UNAVAILABLE);
+  EXPECT_EQ(cp_->ForwardingMap("nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ReplicaGroupsTest, ATablePlacedOnOneGroupIsHeldThereOnly) {
+  Settle(*cp_, workers_);
+  v1::TableSpec spec = Seeded("only1");
+  spec.add_groups(1);
+  absl::StatusOr<v1::TableInfo> created = Create(spec);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ASSERT_EQ(created->replicas_size(), 1);
+  EXPECT_EQ(created->replicas(0).group(), 1);
+  EXPECT_EQ(created->shards(0).address(), workers_[2].Request().address());
+  EXPECT_EQ(workers_[0].last.tables_size(), 0);
+  EXPECT_EQ(workers_[2].last.tables_size(), 1);
+  EXPECT_FALSE(workers_[0].loaded.count("only1"));
+  // Groups out of range or named twice are refused.
+  for (const std::vector<int>& groups : std::vector<std::vector<int>>{{2}, {-1}, {1, 1}}) {
+    v1::TableSpec bad = Seeded("bad");
+    for (int g : groups) bad.add_groups(g);
+    absl::Status s = cp_->CreateTable(bad, clock_.Now()).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("table.groups"));
+  }
+  FakeWorker stranger = workers_[0];
+  stranger.group = 2;
+  EXPECT_EQ(stranger.Report(*cp_).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ReplicaGroupsTest, CreateTableDoesNotWaitForAGroupWhoseWorkerNeverCame) {
+  std::vector<FakeWorker> live = {workers_[0], workers_[1], workers_[2]};  // (1, 1) never comes
+  live_ = &live;
+  Settle(*cp_, live);
+  // Without a registry, the coordinator learns group 1 until its learning time is over.
+  EXPECT_EQ(cp_->ListTables().status().code(), absl::StatusCode::kUnavailable);
+  clock_.Advance(absl::Seconds(4));
+  Settle(*cp_, live);
+  absl::StatusOr<v1::TableInfo> created = Create(Seeded("t"));
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(created->replicas(0).state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(created->replicas(1).state(), v1::TABLE_STATE_LOADING);
+}
+
+TEST_F(ReplicaGroupsTest, AReplicaIsReloadedAloneAndKeepsItsGenerationAcrossARestart) {
+  state_ = NewDir();
+  SetUp();
+  Settle(*cp_, workers_);
+  v1::TableSpec spec = Seeded("renorm");
+  spec.set_max_norm(1.0);
+  absl::StatusOr<v1::TableInfo> created = Create(spec);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const uint64_t base = created->spec().generation();
+  // A step failed mid-renorm on group 0's rank 1: group 0's replica alone loads anew.
+  HeartbeatRequest unsure = workers_[1].Request();
+  *unsure.add_renorm_unsure() = workers_[1].loaded.at("renorm");
+  ASSERT_TRUE(cp_->Heartbeat(unsure).ok());
+  Settle(*cp_, workers_, 4);  // (drop, load, told it serves, says so)
+  absl::StatusOr<v1::TableInfo> info = cp_->DescribeTable("renorm");
+  EXPECT_EQ(info->spec().generation(), base);
+  EXPECT_NE(info->replicas(0).generation(), base);
+  EXPECT_EQ(info->replicas(1).generation(), base);
+  EXPECT_EQ(workers_[0].loaded.at("renorm").generation(), info->replicas(0).generation());
+  EXPECT_EQ(workers_[2].loaded.at("renorm").generation(), base);
+  EXPECT_EQ(info->state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(info->replicas(0).state(), v1::TABLE_STATE_SERVING);
+  // A worker of group 1 restarts beside one that kept its renormed rows: group 1 alone reloads.
+  const uint64_t replica0 = info->replicas(0).generation();
+  workers_[3] = Restarted(workers_[3]);
+  clock_.Advance(absl::Milliseconds(1600));
+  Settle(*cp_, workers_);
+  info = cp_->DescribeTable("renorm");
+  EXPECT_EQ(info->replicas(0).generation(), replica0);
+  EXPECT_NE(info->replicas(1).generation(), base);
+  // The replicas' generations are in the registry: a restarted coordinator asks no reload.
+  const uint64_t replica1 = info->replicas(1).generation();
+  cp_.reset();
+  cp_ = Make(2, state_, nullptr, 2);
+  Settle(*cp_, workers_);
+  info = cp_->DescribeTable("renorm");
+  EXPECT_EQ(info->replicas(0).generation(), replica0);
+  EXPECT_EQ(info->replicas(1).generation(), replica1);
+  EXPECT_EQ(info->state(), v1::TABLE_STATE_SERVING);
+}
+
+TEST_F(ReplicaGroupsTest, WithoutAStateDirAReplicasOwnGenerationIsLearnt) {
+  Settle(*cp_, workers_);
+  v1::TableSpec spec = Seeded("renorm");
+  spec.set_max_norm(1.0);
+  ASSERT_TRUE(Create(spec).ok());
+  HeartbeatRequest unsure = workers_[1].Request();
+  *unsure.add_renorm_unsure() = workers_[1].loaded.at("renorm");
+  ASSERT_TRUE(cp_->Heartbeat(unsure).ok());
+  Settle(*cp_, workers_);
+  const uint64_t replica0 = cp_->DescribeTable("renorm")->replicas(0).generation();
+  cp_.reset();  // a coordinator without a registry learns both replicas as they are held
+  cp_ = Make(2, "", nullptr, 2);
+  Settle(*cp_, workers_);
+  absl::StatusOr<v1::TableInfo> info = cp_->DescribeTable("renorm");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->replicas(0).generation(), replica0);
+  EXPECT_EQ(info->state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(info->replicas(1).state(), v1::TABLE_STATE_SERVING);
 }
 
 // --- The registry ---

@@ -128,6 +128,7 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptions options) {
   ControlPlaneOptions control;
   control.world_size = options.world_size;
+  control.groups = options.groups;
   control.state_dir = options.state_dir;
   control.liveness_timeout = options.liveness_timeout;
   control.join_grace = options.join_grace;
@@ -187,6 +188,10 @@ void Coordinator::Tick() {
     now[kServerHealthName] = serving.group;
     now[kDataServiceHealthName] = serving.group;
     for (const auto& [name, up] : serving.tables) now[TableHealthName(name)] = up;
+    for (const auto& [replica, up] : serving.replicas) {
+      now[ReplicaHealthName(replica.first, replica.second)] = up;
+    }
+    for (size_t g = 0; g < serving.groups.size(); ++g) now[GroupHealthName(g)] = serving.groups[g];
     for (const auto& [name, up] : last) {
       if (!now.count(name)) now[name] = false;
     }

@@ -24,7 +24,8 @@ namespace shardserve::server {
 
 struct CoordinatorOptions {
   std::string listen = "127.0.0.1:50051";
-  int world_size = 2;
+  int groups = 1;      // replica groups
+  int world_size = 2;  // ranks per group
   std::string state_dir;  // empty: nothing persisted (tables are learnt from the workers)
   absl::Duration liveness_timeout = absl::Milliseconds(1500);  // missed heartbeats = dead
   absl::Duration join_grace = absl::Seconds(8);  // epoch not joined by all in time: new epoch

@@ -134,61 +134,63 @@ class StreamRelay : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
 
 }  // namespace
 
+ForwardingService::ForwardingService(ControlPlane& control)
+    : control_(control),
+      router_([&control](const std::string& table) { return control.ForwardingMap(table); },
+              // (An in-process map: read it often, to follow groups as they break and form.)
+              ReplicaRouter::Options{absl::Milliseconds(100), absl::Seconds(1)}),
+      caller_(router_, ReplicaCallerOptions()) {}
+
 absl::StatusOr<std::shared_ptr<grpc::Channel>> ForwardingService::PickChannel() {
   absl::StatusOr<WorkerRoute> route = control_.PickWorker();
   if (!route.ok()) return route.status();
   absl::MutexLock lock(&mu_);
-  auto& [address, channel] = channels_[route->rank];
-  if (channel == nullptr || address != route->address) {
-    address = route->address;
-    channel = CreateChannel(address);
-  }
+  std::shared_ptr<grpc::Channel>& channel = channels_[route->address];
+  if (channel == nullptr) channel = CreateChannel(route->address);
   return channel;
 }
 
 grpc::ServerUnaryReactor* ForwardingService::Forward(grpc::CallbackServerContext* context,
                                                      const char* method,
+                                                     const char* request_type,
                                                      const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = PickChannel();
-  if (!channel.ok()) {
-    reactor->Finish(ToGrpcStatus(channel.status()));
+  absl::StatusOr<std::string> table = TableOfRequest(*request, request_type);
+  if (!table.ok()) {
+    reactor->Finish(ToGrpcStatus(table.status()));
     return reactor;
   }
-  struct Call {
-    explicit Call(std::shared_ptr<grpc::Channel> channel) : stub(std::move(channel)) {}
-    grpc::GenericStub stub;
-    grpc::ClientContext client;
-  };
-  auto* call = new Call(*std::move(channel));
   // The caller's deadline, and a minute at most: a forwarded call never waits forever.
-  call->client.set_deadline(
-      std::min(context->deadline(), absl::ToChronoTime(absl::Now() + absl::Seconds(60))));
-  call->stub.UnaryCall(&call->client, method, grpc::StubOptions(), request, response,
-                       [reactor, call](grpc::Status status) {
-                         delete call;
-                         reactor->Finish(status);
-                       });
+  const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
+                                       absl::Now() + absl::Seconds(60));
+  caller_.Call(*table, method, *request, deadline,
+               [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
+                 *response = std::move(answer);
+                 reactor->Finish(status);
+               });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* ForwardingService::Embedding(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* request,
                                                        grpc::ByteBuffer* response) {
-  return Forward(context, "/shardserve.v1.DataService/Embedding", request, response);
+  return Forward(context, "/shardserve.v1.DataService/Embedding", "shardserve.v1.EmbeddingRequest",
+                 request, response);
 }
 
 grpc::ServerUnaryReactor* ForwardingService::EmbeddingBag(grpc::CallbackServerContext* context,
                                                           const grpc::ByteBuffer* request,
                                                           grpc::ByteBuffer* response) {
-  return Forward(context, "/shardserve.v1.DataService/EmbeddingBag", request, response);
+  return Forward(context, "/shardserve.v1.DataService/EmbeddingBag",
+                 "shardserve.v1.EmbeddingBagRequest", request, response);
 }
 
 grpc::ServerUnaryReactor* ForwardingService::Linear(grpc::CallbackServerContext* context,
                                                     const grpc::ByteBuffer* request,
                                                     grpc::ByteBuffer* response) {
-  return Forward(context, "/shardserve.v1.DataService/Linear", request, response);
+  return Forward(context, "/shardserve.v1.DataService/Linear", "shardserve.v1.LinearRequest",
+                 request, response);
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardingService::Stream(

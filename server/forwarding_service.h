@@ -1,31 +1,32 @@
-// The data API for thin clients, served by the coordinator: each call goes whole to one live
-// worker of the group (one extra hop) as raw bytes, never parsed or copied here, holding no thread
-// while the worker answers; a stream is relayed to one worker's stream, requests passed on as they
-// arrive. A malformed request gets the worker's INVALID_ARGUMENT; with no serving group, calls get
-// the control plane's UNAVAILABLE.
+// The data API for thin clients, served by the coordinator: each call goes whole to a worker of
+// one of its table's replicas (one extra hop) as raw bytes - only the table's name is read here -
+// holding no thread while the worker answers, and fails over to another replica as clients do
+// (ReplicaCaller: UNAVAILABLE and hung workers). A stream is relayed to one worker of a serving
+// group, requests passed on as they arrive; it ends if that worker's group fails. A malformed
+// request gets the worker's INVALID_ARGUMENT; with no serving replica, calls get UNAVAILABLE.
 //
-// Thread-safe (gRPC's callback threads call in). Keeps one channel per rank, replaced when the
-// rank's worker comes back at another address; `control` must outlive it.
+// Thread-safe (gRPC's callback threads call in). `control` must outlive it.
 #ifndef SHARDSERVE_SERVER_FORWARDING_SERVICE_H_
 #define SHARDSERVE_SERVER_FORWARDING_SERVICE_H_
 
 #include <map>
 #include <memory>
 #include <string>
-#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/channel.h"
 #include "server/control_plane.h"
+#include "server/replica_caller.h"
+#include "server/replica_router.h"
 #include "server/tensor_codec.h"
 
 namespace shardserve::server {
 
 class ForwardingService final : public RawDataService {
  public:
-  explicit ForwardingService(ControlPlane& control) : control_(control) {}
+  explicit ForwardingService(ControlPlane& control);
 
   grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* context,
                                       const grpc::ByteBuffer* request,
@@ -41,15 +42,17 @@ class ForwardingService final : public RawDataService {
 
  private:
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const char* method,
-                                    const grpc::ByteBuffer* request, grpc::ByteBuffer* response);
+                                    const char* request_type, const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response);
   // A channel to the worker the control plane picks.
   absl::StatusOr<std::shared_ptr<grpc::Channel>> PickChannel();
 
   ControlPlane& control_;
+  ReplicaRouter router_;
+  ReplicaCaller caller_;  // (destroyed first: it uses the router)
   absl::Mutex mu_;
-  // rank -> (address, channel)
-  std::map<int, std::pair<std::string, std::shared_ptr<grpc::Channel>>> channels_
-      ABSL_GUARDED_BY(mu_);
+  // Streams' channels, by worker address.
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace shardserve::server

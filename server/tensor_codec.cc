@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 
@@ -208,6 +210,28 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
   SHARDSERVE_RETURN_IF_ERROR(DecodeFloat(request.input(), "input", &r->values, &r->shape));
   SHARDSERVE_RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
   return r;
+}
+
+absl::StatusOr<std::string> TableOfRequest(const grpc::ByteBuffer& request,
+                                           absl::string_view type) {
+  using google::protobuf::internal::WireFormatLite;
+  grpc::ByteBuffer bytes(request);  // (shares the slices; the reader wants it mutable)
+  grpc::ProtoBufferReader reader(&bytes);
+  google::protobuf::io::CodedInputStream in(&reader);
+  const uint32_t table_tag =
+      WireFormatLite::MakeTag(1, WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
+  while (const uint32_t tag = in.ReadTag()) {
+    if (tag == table_tag) {
+      std::string table;
+      if (WireFormatLite::ReadString(&in, &table)) return table;
+      break;
+    }
+    if (!WireFormatLite::SkipField(&in, tag)) break;
+  }
+  if (!in.ConsumedEntireMessage()) {
+    return absl::InvalidArgumentError(absl::StrCat("the request is not a valid ", type));
+  }
+  return std::string();
 }
 
 }  // namespace shardserve::server

@@ -38,6 +38,13 @@ using RawDataService = v1::DataService::WithRawCallbackMethod_Embedding<
 // TensorResponse::SerializeAsString() gives), with the values referenced where they lie, not
 // copied: the buffer owns them and frees them once gRPC has sent them.
 grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result);
+
+// The table a raw Embedding, EmbeddingBag or Linear request names (their field 1), read without
+// parsing the rest: where the coordinator forwards it. The first occurrence counts (serializers
+// write field 1 first); empty when absent. INVALID_ARGUMENT for bytes that are no message (named
+// `type`, e.g. "shardserve.v1.EmbeddingRequest").
+absl::StatusOr<std::string> TableOfRequest(const grpc::ByteBuffer& request,
+                                           absl::string_view type);
 // The same for a StreamResponse: `id`, and the result or the error's code and message.
 grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result);
 

@@ -223,5 +223,38 @@ TEST(TensorCodec, ParsesRawRequestsAndRejectsGarbage) {
               HasSubstr("not a valid shardserve.v1.EmbeddingRequest"));
 }
 
+TEST(TensorCodec, TableOfRequestReadsTheTableWithoutParsingTheRest) {
+  auto raw = [](const google::protobuf::MessageLite& m) {
+    grpc::ByteBuffer bytes;
+    bool own = false;
+    EXPECT_TRUE(grpc::SerializationTraits<google::protobuf::MessageLite>::Serialize(m, &bytes,
+                                                                                  &own)
+                    .ok());
+    return bytes;
+  };
+  v1::EmbeddingBagRequest bag;
+  bag.set_table("emb");
+  bag.mutable_ids()->set_data(std::string(1 << 20, '\1'));
+  EXPECT_EQ(TableOfRequest(raw(bag), "B").value_or("?"), "emb");
+  v1::LinearRequest linear;
+  linear.set_table("layer");
+  EXPECT_EQ(TableOfRequest(raw(linear), "L").value_or("?"), "layer");
+  EXPECT_EQ(TableOfRequest(raw(v1::EmbeddingRequest()), "E").value_or("?"), "");  // no table: empty
+  // Field 1 after other fields is still found.
+  v1::Tensor ids;
+  ids.set_dtype(v1::INT64);
+  ids.add_shape(1);
+  ids.set_data(std::string(8, '\0'));
+  std::string reordered = ids.SerializeAsString();
+  reordered = std::string("\x12") + static_cast<char>(reordered.size()) + reordered;
+  reordered += std::string("\x0a\x03") + "emb";  // (a hex escape would swallow the "e")
+  grpc::Slice slice(reordered);
+  EXPECT_EQ(TableOfRequest(grpc::ByteBuffer(&slice, 1), "B").value_or("?"), "emb");
+  // Garbage is refused, not read past.
+  grpc::Slice garbage(std::string("\x0a\xff\xff\xff\xff\x0f"));
+  EXPECT_EQ(TableOfRequest(grpc::ByteBuffer(&garbage, 1), "B").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace shardserve::server

@@ -86,6 +86,9 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   if (options.rank < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--rank: ", options.rank, " must be >= 0"));
   }
+  if (options.group < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--group: ", options.group, " must be >= 0"));
+  }
   if (options.copy_lanes < 0 || options.copy_lanes > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat("--copy_lanes: ", options.copy_lanes, " must be in [0, 64]"));
@@ -203,6 +206,7 @@ void Worker::HeartbeatLoop() {
     {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.heartbeat_interval)) return;
+      request.set_group(options_.group);
       request.set_rank(options_.rank);
       request.set_address(address());
       request.set_device(options_.device);

@@ -37,6 +37,7 @@ struct WorkerOptions {
   std::string advertise_host = "127.0.0.1";  // how peers and clients reach this host
   std::string device = "cpu";  // or cuda:N in builds with --config=cuda
   int copy_lanes = 4;  // cuda:N: threads per host<->device copy of 2 MiB or more (0: the driver's)
+  int group = 0;  // the replica group this worker is a rank of
   int rank = 0;
   absl::Duration heartbeat_interval = absl::Milliseconds(50);
   core::StepLoop::Options step;

@@ -16,8 +16,13 @@
 
 ABSL_FLAG(std::string, coordinator, "", "host:port of the coordinator");
 ABSL_FLAG(int, rank, 0, "this worker's rank in the group");
+ABSL_FLAG(int, group, 0, "the replica group this worker is a rank of");
 ABSL_FLAG(bool, rank_from_hostname, false,
-          "take the rank from the hostname's trailing -N (a StatefulSet pod's ordinal)");
+          "take the rank from the hostname's trailing -N (a StatefulSet pod's ordinal); with "
+          "--ranks_per_group=W, ordinal N is rank N % W of group N / W");
+ABSL_FLAG(int, ranks_per_group, 0,
+          "with --rank_from_hostname: ranks per group (0: the ordinal is the rank, --group the "
+          "group)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "data API address (port 0: pick a free port)");
 ABSL_FLAG(std::string, advertise_host, "127.0.0.1",
           "host peers and clients use to reach this worker");
@@ -63,6 +68,19 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--rank_from_hostname: hostname \"%s\" does not end in -N\n", host);
       return 2;
     }
+  }
+  options.group = absl::GetFlag(FLAGS_group);
+  if (const int per_group = absl::GetFlag(FLAGS_ranks_per_group); per_group > 0) {
+    if (!absl::GetFlag(FLAGS_rank_from_hostname)) {
+      std::fprintf(stderr, "--ranks_per_group goes with --rank_from_hostname\n");
+      return 2;
+    }
+    options.group = options.rank / per_group;
+    options.rank = options.rank % per_group;
+  } else if (absl::GetFlag(FLAGS_ranks_per_group) < 0) {
+    std::fprintf(stderr, "--ranks_per_group: %d must be >= 0\n",
+                 absl::GetFlag(FLAGS_ranks_per_group));
+    return 2;
   }
   options.listen = absl::GetFlag(FLAGS_listen);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);

@@ -76,7 +76,8 @@ struct PartialRenormCluster {
     ASSERT_TRUE(c->CreateTable(emb.spec).ok());
     created = Generation();
   }
-  uint64_t Generation() { return c->DescribeTable("renorm")->spec().generation(); }
+  // The generation the workers hold the table by (a reload gives their replica its own).
+  uint64_t Generation() { return c->DescribeTable("renorm")->replicas(0).generation(); }
   absl::StatusOr<DenseTensor> Lookup(const std::vector<int64_t>& ids) {
     v1::EmbeddingRequest r;
     r.set_table("renorm");

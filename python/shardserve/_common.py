@@ -8,6 +8,7 @@ import itertools
 import os
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -53,48 +54,137 @@ class Options:
         backoff: seconds before the first retry; doubled after each (up to 64x).
         direct: send data calls straight to the workers (False: to the coordinator, which
             forwards each call whole to one worker; one extra hop).
+        hedge_after: seconds without an answer after which a call goes to another replica
+            too (0: never).
     """
 
     deadline: float = 10.0
     max_attempts: int = 8
     backoff: float = 0.025
     direct: bool = True
+    hedge_after: float = 0.05
 
     def backoff_after(self, attempt: int) -> float:
         return self.backoff * (1 << min(attempt, 6))
 
 
 class RoutingTable:
-    """Table name -> the data-service addresses that may be a call's entry rank.
+    """Table name -> where its calls may go: the entry ranks of each of its replicas.
 
-    Every worker of a table's group may take any call for it, so a table's route is the list
-    of its workers' addresses (and, once tables have replica groups, those of every replica):
-    calls go round robin over the list. Thread-safe.
+    The C++ client's routing (``server/replica_router.h``): calls go round robin over the entry
+    ranks of the replicas that serve; a group that failed a call (UNAVAILABLE, or no answer
+    within the hedge delay) is suspect for ``cooldown`` seconds, then gets one call at a time (a
+    probe) until one succeeds; suspect and not-serving replicas are used only when no other is
+    left (with one group, every call still goes to it). Health is kept across map refreshes.
+    Thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cooldown: float = 1.0) -> None:
         self._lock = threading.Lock()
-        self._routes: Dict[str, Tuple[List[str], "itertools.count[int]"]] = {}
+        self._cooldown = cooldown
+        self._routes: Dict[str, "_Routes"] = {}
 
-    def pick(self, table: str) -> Optional[str]:
-        """The next address for ``table``, or None when its placement map is not cached."""
+    def has(self, table: str) -> bool:
         with self._lock:
-            route = self._routes.get(table)
-        if route is None:
-            return None
-        addresses, counter = route
-        return addresses[next(counter) % len(addresses)]
+            return table in self._routes
 
-    def update(self, table: str, addresses: List[str]) -> None:
+    def pick(self, table: str, avoid: Sequence[int] = ()) -> Optional[Tuple[str, int, bool]]:
+        """(address, group, probe) for the next call on ``table``, other than in the groups of
+        ``avoid``; None when the map is not cached or no replica is left."""
+        now = time.monotonic()
+        with self._lock:
+            routes = self._routes.get(table)
+            if routes is None:
+                return None
+            usable = [r for r in routes.replicas if r.addresses and r.group not in avoid]
+            tier = [
+                r for r in usable
+                if r.serving and r.suspect and not r.probing and now >= r.suspect_until
+            ][:1]
+            probe = bool(tier)
+            if not tier:
+                tier = [r for r in usable if r.serving and not r.suspect]
+            if not tier:
+                tier = usable
+            if not tier:
+                return None
+            k = next(routes.counter) % sum(len(r.addresses) for r in tier)
+            for r in tier:
+                if k < len(r.addresses):
+                    if probe:
+                        r.probing = True
+                    return r.addresses[k], r.group, probe
+                k -= len(r.addresses)
+        return None
+
+    def others(self, table: str, avoid: Sequence[int]) -> bool:
+        """Whether ``table`` has a replica with an address outside the groups of ``avoid``."""
+        with self._lock:
+            routes = self._routes.get(table)
+            return routes is not None and any(
+                r.addresses and r.group not in avoid for r in routes.replicas
+            )
+
+    def update(self, table: str, info: "TableInfo") -> None:
         with self._lock:
             old = self._routes.get(table)
-            # Keep the position in the rotation, so refreshes do not all restart at rank 0.
-            counter = old[1] if old is not None else itertools.count()
-            self._routes[table] = (list(addresses), counter)
+            routes = _Routes(
+                [_Replica(r.group, r.state == "serving", list(r.addresses)) for r in info.replicas],
+                # Keep the position in the rotation, so refreshes do not all restart at rank 0.
+                old.counter if old is not None else itertools.count(),
+            )
+            for r in routes.replicas:
+                for o in old.replicas if old is not None else ():
+                    if o.group == r.group:
+                        r.suspect, r.suspect_until, r.probing = o.suspect, o.suspect_until, o.probing
+            self._routes[table] = routes
+
+    def succeeded(self, table: str, group: int) -> None:
+        with self._lock:
+            r = self._find(table, group)
+            if r is not None:
+                r.suspect = r.probing = False
+
+    def failed(self, table: str, group: int) -> None:
+        with self._lock:
+            r = self._find(table, group)
+            if r is not None:
+                r.suspect, r.probing = True, False
+                r.suspect_until = time.monotonic() + self._cooldown
+
+    def abandoned(self, table: str, group: int, probe: bool) -> None:
+        if probe:
+            with self._lock:
+                r = self._find(table, group)
+                if r is not None:
+                    r.probing = False
 
     def forget(self, table: str) -> None:
         with self._lock:
             self._routes.pop(table, None)
+
+    def _find(self, table: str, group: int) -> Optional["_Replica"]:
+        routes = self._routes.get(table)
+        for r in routes.replicas if routes is not None else ():
+            if r.group == group:
+                return r
+        return None
+
+
+@dataclass
+class _Replica:
+    group: int
+    serving: bool
+    addresses: List[str]
+    suspect: bool = False
+    suspect_until: float = 0.0
+    probing: bool = False
+
+
+@dataclass
+class _Routes:
+    replicas: List[_Replica]
+    counter: "itertools.count[int]"
 
 
 # --- table descriptions -----------------------------------------------------------------------
@@ -116,13 +206,34 @@ class ShardInfo:
 
 
 @dataclass(frozen=True)
+class ReplicaInfo:
+    """One replica group's copy of a table: its state ("serving", ...), the generation its
+    workers hold it by, and its shards (placement order)."""
+
+    group: int
+    state: str
+    generation: int
+    shards: Tuple[ShardInfo, ...]
+
+    @property
+    def addresses(self) -> List[str]:
+        """The distinct worker addresses of this replica, in placement order."""
+        seen: List[str] = []
+        for shard in self.shards:
+            if shard.address and shard.address not in seen:
+                seen.append(shard.address)
+        return seen
+
+
+@dataclass(frozen=True)
 class TableInfo:
     """A table as the cluster holds it (``DescribeTable`` / ``ListTables``).
 
     ``num_rows``/``num_cols`` are num_embeddings/embedding_dim for embeddings and
     out_features/in_features for linear layers. ``state`` is one of "loading", "serving",
     "unavailable", "failed" (then ``error`` says why). ``shards`` are in placement (chunk) order.
-    ``proto`` is the ``shardserve.v1.TableInfo`` message itself.
+    ``replicas`` lists each group that holds the table (``shards`` are the first serving
+    replica's). ``proto`` is the ``shardserve.v1.TableInfo`` message itself.
     """
 
     name: str
@@ -141,16 +252,22 @@ class TableInfo:
     state: str
     error: str
     shards: Tuple[ShardInfo, ...]
+    replicas: Tuple["ReplicaInfo", ...]
     proto: Any = field(repr=False, compare=False)
 
     @property
     def addresses(self) -> List[str]:
-        """The distinct worker addresses of the table, in placement order."""
+        """The distinct worker addresses of the table, in placement order, replica by replica."""
         seen: List[str] = []
-        for shard in self.shards:
-            if shard.address and shard.address not in seen:
-                seen.append(shard.address)
+        for replica in self.replicas:
+            for address in replica.addresses:
+                if address not in seen:
+                    seen.append(address)
         return seen
+
+
+def _shards(shards: Any) -> Tuple[ShardInfo, ...]:
+    return tuple(ShardInfo(s.rank, s.device, s.address, s.offset, s.size) for s in shards)
 
 
 def table_info(message: Any) -> TableInfo:
@@ -172,9 +289,16 @@ def table_info(message: Any) -> TableInfo:
         generation=spec.generation,
         state=_STATE_NAMES.get(message.state, str(message.state)),
         error=message.error,
-        shards=tuple(
-            ShardInfo(s.rank, s.device, s.address, s.offset, s.size) for s in message.shards
-        ),
+        shards=_shards(message.shards),
+        replicas=tuple(
+            ReplicaInfo(
+                r.group, _STATE_NAMES.get(r.state, str(r.state)), r.generation, _shards(r.shards)
+            )
+            for r in message.replicas
+        )
+        # (A coordinator that knows no replicas: its one group.)
+        or (ReplicaInfo(0, _STATE_NAMES.get(message.state, str(message.state)),
+                        spec.generation, _shards(message.shards)),),
         proto=message,
     )
 

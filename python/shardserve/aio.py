@@ -13,7 +13,7 @@ Channels are made on first use, inside the running event loop; use one client pe
 import asyncio
 import itertools
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
@@ -64,6 +64,7 @@ class Client:
         max_attempts: int = 8,
         backoff: float = 0.025,
         direct: bool = True,
+        hedge_after: float = 0.05,
         checkpoint_dir: Optional[str] = None,
         channel_options: Optional[Sequence[Any]] = None,
         tune_malloc: bool = True,
@@ -74,7 +75,7 @@ class Client:
             _process.tune_malloc()
         self._pb, self._pb_grpc = _stubs.load()
         self.coordinator = coordinator
-        self.options = Options(deadline, max_attempts, backoff, direct)
+        self.options = Options(deadline, max_attempts, backoff, direct, hedge_after)
         self.checkpoint_dir = checkpoint_dir
         self._channel_options = _common.channel_options(channel_options)
         self._routes = RoutingTable()
@@ -244,19 +245,16 @@ class Client:
             await _sleep_until_next(opts.backoff_after(attempts - 1), deadline_at)
         raise _give_up(last, attempts, started)
 
-    async def route(self, table: str, refresh: bool, deadline_at: float) -> str:
+    async def route(self, table: str, refresh: bool, deadline_at: float,
+                    avoid: Sequence[int] = ()) -> Tuple[str, int, bool]:
         """See :meth:`shardserve.Client.route`."""
-        if not refresh:
-            address = self._routes.pick(table)
-            if address is not None:
-                return address
-        info = _common.table_info(await self._admin_call_until(
-            "DescribeTable", self._pb.DescribeTableRequest(name=table), deadline_at))
-        addresses = info.addresses
-        if not addresses:
+        if refresh or not self._routes.has(table):
+            self._routes.update(table, _common.table_info(await self._admin_call_until(
+                "DescribeTable", self._pb.DescribeTableRequest(name=table), deadline_at)))
+        picked = self._routes.pick(table, avoid)
+        if picked is None:
             raise UnavailableError(f'table "{table}" has no workers yet')
-        self._routes.update(table, addresses)
-        return self._routes.pick(table) or addresses[0]
+        return picked
 
     async def _call(self, method: str, table: str, request: bytes,
                     deadline: Optional[float]) -> bytes:
@@ -264,6 +262,7 @@ class Client:
         started = time.monotonic()
         deadline_at = started + self._timeout(deadline)
         refresh = False
+        tried: List[int] = []
         last: Optional[Error] = None
         attempts = 0
         while attempts < opts.max_attempts:
@@ -272,13 +271,13 @@ class Client:
                 break
             attempts += 1
             try:
-                if opts.direct:
-                    endpoint = self._endpoint(await self.route(table, refresh, deadline_at))
-                    remaining = deadline_at - time.monotonic()
-                else:
+                if not opts.direct:
                     self._admin_stub()
-                    endpoint = self._forward
-                return await endpoint.unary[method](request, timeout=max(remaining, 1e-3))
+                    return await self._forward.unary[method](request, timeout=max(remaining, 1e-3))
+                address, group, probe = await self.route(table, refresh, deadline_at, tried)
+                refresh = False
+                return await self._attempt(method, table, request, (address, group, probe), tried,
+                                           deadline_at)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
             except Error as e:
@@ -288,9 +287,57 @@ class Client:
             if err.code != _UNAVAILABLE:
                 raise err
             last = err
+            if opts.direct and self._routes.others(table, tried):
+                continue  # another replica at once
+            tried.clear()
             refresh = True
             await _sleep_until_next(opts.backoff_after(attempts - 1), deadline_at)
         raise _give_up(last, attempts, started)
+
+    async def _attempt(self, method: str, table: str, request: bytes,
+                       route: Tuple[str, int, bool], tried: List[int],
+                       deadline_at: float) -> bytes:
+        """See :meth:`shardserve.Client._attempt`: one attempt, hedged on another replica when
+        it has no answer after the hedge delay; the first answer wins."""
+        def start(address: str) -> "asyncio.Task[bytes]":
+            remaining = max(deadline_at - time.monotonic(), 1e-3)
+            call = self._endpoint(address).unary[method](request, timeout=remaining)
+            return asyncio.ensure_future(call)
+
+        attempts = {start(route[0]): route}
+        hedge = self.options.hedge_after
+        if hedge > 0 and deadline_at - time.monotonic() > hedge:
+            done, _ = await asyncio.wait(list(attempts), timeout=hedge)
+            group = route[1]
+            if not done and self._routes.others(table, tried + [group]):
+                # A hung worker: its group is suspect, and the call goes to another replica too.
+                self._routes.failed(table, group)
+                other = self._routes.pick(table, tried + [group])
+                attempts[start(other[0])] = other
+        error: Optional[Error] = None
+        pending = set(attempts)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                _, g, _ = attempts[task]
+                try:
+                    answer = task.result()
+                except grpc.RpcError as e:
+                    err = from_rpc_error(e)
+                    if err.code == _UNAVAILABLE:
+                        self._routes.failed(table, g)
+                        tried.append(g)
+                        error = err
+                        continue
+                    answer, error = None, err
+                self._routes.succeeded(table, g)
+                for other in pending:
+                    other.cancel()
+                    self._routes.abandoned(table, attempts[other][1], attempts[other][2])
+                if answer is None:
+                    raise error
+                return answer
+        raise error if error is not None else UnavailableError("no attempt answered")
 
 
 async def _sleep_until_next(delay: float, deadline_at: float) -> None:
@@ -338,7 +385,7 @@ class _WorkerStream:
 
 class _StreamCall:
     __slots__ = ("table", "op_field", "request", "kind", "future", "deadline_at", "attempts",
-                 "refresh")
+                 "refresh", "group", "tried", "hedged", "request_id")
 
     def __init__(self, table: str, op_field: int, request: bytes, kind: _codec.Kind,
                  future: "asyncio.Future[Any]", deadline_at: float) -> None:
@@ -350,6 +397,10 @@ class _StreamCall:
         self.deadline_at = deadline_at
         self.attempts = 0
         self.refresh = False
+        self.group = -1  # the replica of the attempt in flight
+        self.tried: List[int] = []  # groups that failed it since the last back-off
+        self.hedged = False  # sent to a second replica while the first had not answered
+        self.request_id = -1  # of the attempt in flight
 
 
 class Stream:
@@ -450,8 +501,11 @@ class Stream:
         if call.future.done():
             return
         call.attempts += 1
+        call.group = -1
         try:
-            address = await self._client.route(call.table, call.refresh, call.deadline_at)
+            address, call.group, _ = await self._client.route(call.table, call.refresh,
+                                                              call.deadline_at, call.tried)
+            call.refresh = False
             if self._closed:
                 raise CancelledError("stream closed before the request was sent")
             worker = self._workers.get(address)
@@ -460,6 +514,10 @@ class Stream:
                 self._workers[address] = worker
             request_id = next(self._ids)
             self._pending[request_id] = (call, worker)
+            call.request_id = request_id
+            hedge = self._client.options.hedge_after
+            if hedge > 0 and not call.hedged:
+                asyncio.get_running_loop().call_later(hedge, self._hedge, call, request_id)
         except Error as e:
             self._failed(call, e)
             return
@@ -482,6 +540,7 @@ class Stream:
             return
         call = entry[0]
         if code == 0:
+            self._client._routes.succeeded(call.table, call.group)
             self._finish(call, value=call.kind.wrap(output))
         else:
             self._failed(call, error_for_code(code_from_number(code), message))
@@ -504,7 +563,17 @@ class Stream:
         if error.code == _NOT_FOUND:
             self._client._routes.forget(call.table)
         opts = self._client.options
+        routes = self._client._routes
         if error.code == _UNAVAILABLE and not self._closed:
+            if call.hedged and call.request_id in self._pending:
+                return  # its hedge, on another replica, may still answer
+            if call.group >= 0:
+                routes.failed(call.table, call.group)
+                call.tried.append(call.group)
+            if call.attempts < opts.max_attempts and routes.others(call.table, call.tried):
+                self._retry(call)  # another replica at once
+                return
+            call.tried.clear()
             delay = opts.backoff_after(call.attempts - 1)
             if call.attempts < opts.max_attempts and time.monotonic() + delay < call.deadline_at:
                 call.refresh = True
@@ -513,6 +582,17 @@ class Stream:
                 return
             error = UnavailableError(f"{error.message} (gave up after {call.attempts} attempt(s))")
         self._finish(call, error=error)
+
+    def _hedge(self, call: _StreamCall, request_id: int) -> None:
+        """See :meth:`shardserve.client.Stream._hedge`."""
+        routes = self._client._routes
+        if (call.future.done() or call.hedged or call.request_id != request_id
+                or not routes.others(call.table, call.tried + [call.group])):
+            return
+        routes.failed(call.table, call.group)
+        call.tried.append(call.group)
+        call.hedged = True
+        self._retry(call)
 
     def _retry(self, call: _StreamCall) -> None:
         task = asyncio.get_running_loop().create_task(self._send(call))

@@ -4,8 +4,10 @@ Routing, retries and deadlines are the C++ client's (``client/client.h``): the p
 table comes from the coordinator's ``DescribeTable`` and is cached; each data call goes to one of
 the table's workers (round robin over its entry ranks, and over replicas once tables have them);
 a call that fails with UNAVAILABLE (a rank died, the group is re-forming, the connection broke,
-the worker moved) is retried after a back-off with a fresh placement map, as long as the call's
-deadline allows, and never past it.
+the worker moved) goes at once to another replica, and one without an answer after
+``hedge_after`` (a hung worker) goes to another replica too; groups that fail are avoided for a
+while; once every replica has failed a call, it is retried after a back-off with a fresh placement
+map - as long as the call's deadline allows, and never past it.
 
 Thread-safe: share one :class:`Client` across threads; its channels are made once per address.
 """
@@ -16,7 +18,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -70,6 +72,8 @@ class Client:
         backoff: seconds before the first retry, doubled after each (default 0.025).
         direct: send data calls straight to workers (default); False sends them to the
             coordinator, which forwards them (for clients that cannot reach the workers).
+        hedge_after: seconds without an answer after which a call also goes to another
+            replica (a hung worker fails nothing; the first answer wins); 0: never.
         checkpoint_dir: where :meth:`create_table` writes checkpoints of tensors and modules
             (default: ``$SHARDSERVE_CHECKPOINT_DIR`` or ``<tmp>/shardserve-checkpoints``). The
             coordinator and every worker read the file by its absolute path, so it must be
@@ -93,6 +97,7 @@ class Client:
         max_attempts: int = 8,
         backoff: float = 0.025,
         direct: bool = True,
+        hedge_after: float = 0.05,
         checkpoint_dir: Optional[str] = None,
         channel_options: Optional[Sequence[Any]] = None,
         tune_malloc: bool = True,
@@ -103,7 +108,7 @@ class Client:
             _process.tune_malloc()
         self._pb, pb_grpc = _stubs.load()
         self.coordinator = coordinator
-        self.options = Options(deadline, max_attempts, backoff, direct)
+        self.options = Options(deadline, max_attempts, backoff, direct, hedge_after)
         self.checkpoint_dir = checkpoint_dir
         self._channel_options = _common.channel_options(channel_options)
         self._admin_channel = grpc.insecure_channel(coordinator, options=self._channel_options)
@@ -319,55 +324,110 @@ class Client:
     def _timeout(self, deadline: Optional[float]) -> float:
         return self.options.deadline if deadline is None else deadline
 
-    def route(self, table: str, refresh: bool, deadline_at: float) -> str:
-        """The address for a call on ``table`` (refreshing the cached placement map first when
-        ``refresh``, or when none is cached)."""
-        if not refresh:
-            address = self._routes.pick(table)
-            if address is not None:
-                return address
-        info = _common.table_info(
-            self._admin_call_until(
-                "DescribeTable", self._pb.DescribeTableRequest(name=table), deadline_at
-            )
-        )
-        addresses = info.addresses
-        if not addresses:
+    def route(
+        self, table: str, refresh: bool, deadline_at: float, avoid: Sequence[int] = ()
+    ) -> Tuple[str, int, bool]:
+        """(address, group, probe) for a call on ``table``, other than in the groups of
+        ``avoid`` (reading the placement map first when ``refresh``, or when none is cached)."""
+        if refresh or not self._routes.has(table):
+            self._routes.update(table, _common.table_info(self._admin_call_until(
+                "DescribeTable", self._pb.DescribeTableRequest(name=table), deadline_at)))
+        picked = self._routes.pick(table, avoid)
+        if picked is None:
             raise UnavailableError(f'table "{table}" has no workers yet')
-        self._routes.update(table, addresses)
-        return self._routes.pick(table) or addresses[0]
+        return picked
 
     def _call(self, method: str, table: str, request: bytes, deadline: Optional[float]) -> bytes:
         opts = self.options
         started = time.monotonic()
         deadline_at = started + self._timeout(deadline)
         refresh = False
+        tried: List[int] = []  # groups that failed this call since the last back-off
         last: Optional[Error] = None
         attempts = 0
         while attempts < opts.max_attempts:
-            remaining = deadline_at - time.monotonic()
-            if remaining <= 0:
+            if deadline_at - time.monotonic() <= 0:
                 break
             attempts += 1
+            group = None
             try:
-                if opts.direct:
-                    endpoint = self._endpoint(self.route(table, refresh, deadline_at))
+                if not opts.direct:
                     remaining = deadline_at - time.monotonic()
-                else:
-                    endpoint = self._forward
-                return endpoint.unary[method](request, timeout=max(remaining, 1e-3))
+                    return self._forward.unary[method](request, timeout=max(remaining, 1e-3))
+                address, group, probe = self.route(table, refresh, deadline_at, tried)
+                refresh = False
+                return self._attempt(method, table, request, address, group, probe, tried,
+                                     deadline_at)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
-            except Error as e:  # from the route's DescribeTable
+            except Error as e:  # from the route's DescribeTable, or a replica's answer
                 err = e
             if err.code == _NOT_FOUND:
                 self._routes.forget(table)  # created again elsewhere, maybe
             if err.code != _UNAVAILABLE:
                 raise err
             last = err
-            refresh = True  # the worker may have moved, or the group may be re-forming
+            if opts.direct and self._routes.others(table, tried):
+                continue  # another replica at once
+            # Every replica failed it (or the map is stale): read the map again after a back-off.
+            tried.clear()
+            refresh = True
             _sleep_until_next(opts.backoff_after(attempts - 1), deadline_at)
         raise _give_up(last, attempts, started)
+
+    def _attempt(self, method: str, table: str, request: bytes, address: str, group: int,
+                 probe: bool, tried: List[int], deadline_at: float) -> bytes:
+        """One attempt at ``address`` - and, if it has no answer after the hedge delay, the same
+        request to another replica too, the first answer winning. Failed groups are added to
+        ``tried``; the error raised is the last attempt's."""
+        remaining = max(deadline_at - time.monotonic(), 1e-3)
+        first = self._endpoint(address).unary[method].future(request, timeout=remaining)
+        attempts = [(first, group, probe)]
+        hedge = self.options.hedge_after
+        if hedge > 0 and remaining > hedge:
+            try:
+                first.result(timeout=hedge)
+            except grpc.FutureTimeoutError:
+                # A hung worker (its sockets open, nothing fails): its group is suspect, and the
+                # call goes to another replica too.
+                if self._routes.others(table, tried + [group]):
+                    self._routes.failed(table, group)
+                    other, other_group, other_probe = self._routes.pick(table, tried + [group])
+                    remaining = max(deadline_at - time.monotonic(), 1e-3)
+                    attempts.append((
+                        self._endpoint(other).unary[method].future(request, timeout=remaining),
+                        other_group, other_probe))
+            except grpc.RpcError:
+                pass
+        done = threading.Event()
+        for future, _, _ in attempts:
+            future.add_done_callback(lambda _f: done.set())
+        error: Optional[Error] = None
+        pending = list(attempts)
+        while pending:
+            done.wait()
+            done.clear()
+            for entry in [a for a in pending if a[0].done()]:
+                pending.remove(entry)
+                future, g, p = entry
+                try:
+                    answer = future.result()
+                except grpc.RpcError as e:
+                    err = from_rpc_error(e)
+                    if err.code == _UNAVAILABLE:
+                        self._routes.failed(table, g)
+                        tried.append(g)
+                        error = err
+                        continue
+                    answer, error = None, err
+                self._routes.succeeded(table, g)
+                for other, other_group, other_probe in pending:
+                    other.cancel()
+                    self._routes.abandoned(table, other_group, other_probe)
+                if answer is None:
+                    raise error
+                return answer
+        raise error if error is not None else UnavailableError("no attempt answered")
 
 
 def _sleep_until_next(delay: float, deadline_at: float) -> None:
@@ -453,7 +513,7 @@ class _StreamCall:
     """One request of a Stream, across its attempts."""
 
     __slots__ = ("table", "op_field", "request", "kind", "future", "attempts", "refresh", "last",
-                 "request_id", "released")
+                 "request_id", "released", "group", "tried", "hedged")
 
     def __init__(self, table: str, op_field: int, request: bytes, kind: _codec.Kind,
                  future: StreamFuture) -> None:
@@ -467,6 +527,9 @@ class _StreamCall:
         self.last: Optional[Error] = None
         self.request_id: Optional[int] = None  # of the attempt in flight
         self.released = False  # its in-flight slot given back
+        self.group = -1  # the replica of the attempt in flight
+        self.tried: List[int] = []  # groups that failed it since the last back-off
+        self.hedged = False  # sent to a second replica while the first had not answered
 
 
 class _WorkerStream:
@@ -547,7 +610,9 @@ class Stream:
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._closed = False
         # Deadlines of the requests sent, for the watchdog thread (started with the first).
-        self._expiry: List[Any] = []  # heap of (deadline, request number, _StreamCall)
+        # Heap of (time, number, _StreamCall, request id): the call's deadline (request id None),
+        # or when its attempt of that request id is hedged.
+        self._expiry: List[Any] = []
         self._expiry_changed = threading.Condition(self._lock)
         self._watchdog: Optional[threading.Thread] = None
 
@@ -623,7 +688,7 @@ class Stream:
         future = StreamFuture(deadline_at)
         call = _StreamCall(table, op_field, request, kind, future)
         with self._lock:
-            heapq.heappush(self._expiry, (deadline_at, next(self._ids), call))
+            heapq.heappush(self._expiry, (deadline_at, next(self._ids), call, None))
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                                   name="shardserve-stream-deadlines")
@@ -633,7 +698,8 @@ class Stream:
         return future
 
     def _watch(self) -> None:
-        """Fails the requests whose deadline passed without an answer."""
+        """Fails the requests whose deadline passed without an answer, and hedges those without
+        one after the hedge delay."""
         while True:
             with self._expiry_changed:
                 while not self._closed:
@@ -644,16 +710,34 @@ class Stream:
                 if self._closed:
                     return
                 now = time.monotonic()
-                expired = []
+                expired, hedges = [], []
                 while self._expiry and self._expiry[0][0] <= now:
-                    call = heapq.heappop(self._expiry)[2]
-                    if not call.future.done():
-                        if call.request_id is not None:
-                            self._pending.pop(call.request_id, None)  # a late answer is dropped
-                        expired.append(call)
+                    _, _, call, hedge_of = heapq.heappop(self._expiry)
+                    if call.future.done():
+                        continue
+                    if hedge_of is not None:
+                        hedges.append((call, hedge_of))
+                        continue
+                    if call.request_id is not None:
+                        self._pending.pop(call.request_id, None)  # a late answer is dropped
+                    expired.append(call)
             for call in expired:
                 self._finish(call, error=DeadlineExceededError(
                     "stream request: the deadline passed without an answer"))
+            for call, request_id in hedges:
+                self._hedge(call, request_id)
+
+    def _hedge(self, call: _StreamCall, request_id: int) -> None:
+        """No answer to ``request_id`` after the hedge delay (a hung worker): its group is
+        suspect, and the call goes to another replica too; the first answer wins."""
+        routes = self._client._routes
+        if (call.future.done() or call.hedged or call.request_id != request_id
+                or not routes.others(call.table, call.tried + [call.group])):
+            return
+        routes.failed(call.table, call.group)
+        call.tried.append(call.group)
+        call.hedged = True
+        self._send(call)
 
     def _send(self, call: _StreamCall) -> None:
         """One attempt of ``call`` (on this thread, or a retry timer's)."""
@@ -661,8 +745,11 @@ class Stream:
             self._release(call)
             return
         call.attempts += 1
+        call.group = -1
         try:
-            address = self._client.route(call.table, call.refresh, call.future.deadline_at)
+            address, call.group, _ = self._client.route(
+                call.table, call.refresh, call.future.deadline_at, call.tried)
+            call.refresh = False
             request_id = next(self._ids)
             with self._lock:
                 if self._closed:
@@ -673,6 +760,11 @@ class Stream:
                     self._workers[address] = worker
                 self._pending[request_id] = (call, worker)
                 call.request_id = request_id
+                hedge = self._client.options.hedge_after
+                if hedge > 0 and not call.hedged:
+                    heapq.heappush(self._expiry, (time.monotonic() + hedge, next(self._ids), call,
+                                                  request_id))
+                    self._expiry_changed.notify()
             worker.send(_codec.encode_stream_request(request_id, call.op_field, call.request))
         except Error as e:
             self._failed(call, e)
@@ -688,6 +780,7 @@ class Stream:
             return
         call = entry[0]
         if code == 0:
+            self._client._routes.succeeded(call.table, call.group)
             self._finish(call, value=call.kind.wrap(output))
         else:
             self._failed(call, error_for_code(code_from_number(code), message))
@@ -712,8 +805,19 @@ class Stream:
         if error.code == _NOT_FOUND:
             self._client._routes.forget(call.table)
         opts = self._client.options
+        routes = self._client._routes
         if error.code == _UNAVAILABLE and not self._closed:
+            with self._lock:
+                if call.hedged and call.request_id in self._pending:
+                    return  # its hedge, on another replica, may still answer
             call.last = error
+            if call.group >= 0:
+                routes.failed(call.table, call.group)
+                call.tried.append(call.group)
+            if call.attempts < opts.max_attempts and routes.others(call.table, call.tried):
+                self._send(call)  # another replica at once
+                return
+            call.tried.clear()
             delay = opts.backoff_after(call.attempts - 1)
             in_time = time.monotonic() + delay < call.future.deadline_at
             if call.attempts < opts.max_attempts and in_time:

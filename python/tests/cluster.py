@@ -1,5 +1,5 @@
-"""A real local shardserve cluster for the tests: one coordinator_main and W worker_main
-processes on loopback, ports chosen by the servers (``--listen=127.0.0.1:0``) and read from port
+"""A real local shardserve cluster for the tests: one coordinator_main and R groups of W
+worker_main processes on loopback (worker number ``group * W + rank``), ports chosen by the servers (``--listen=127.0.0.1:0``) and read from port
 files, as client/local_cluster.cc starts them. Every process is killed when the cluster stops.
 
 The server binaries come from ``$SHARDSERVE_SERVER_DIR`` (the Bazel test sets it to its
@@ -29,20 +29,23 @@ def server_dir() -> str:
 
 
 class LocalCluster:
-    """coordinator + ``world`` workers; ``address`` is the coordinator's ``host:port``."""
+    """coordinator + ``groups`` x ``world`` workers; ``address`` is the coordinator's
+    ``host:port``."""
 
-    def __init__(self, world: int = 2, worker_flags: Optional[List[str]] = None) -> None:
+    def __init__(self, world: int = 2, worker_flags: Optional[List[str]] = None,
+                 groups: int = 1) -> None:
         self.world = world
+        self.groups = groups
         self.bin = server_dir()
         self.work = tempfile.mkdtemp(prefix="shardserve-pytest-")
         self.worker_flags = list(worker_flags or [])
         self.coordinator: Optional[subprocess.Popen] = None
-        self.workers: List[Optional[subprocess.Popen]] = [None] * world
-        self.worker_ports: List[int] = [0] * world
+        self.workers: List[Optional[subprocess.Popen]] = [None] * (world * groups)
+        self.worker_ports: List[int] = [0] * (world * groups)
         try:
             self._start_coordinator()
-            for rank in range(world):
-                self.start_worker(rank)
+            for worker in range(world * groups):
+                self.start_worker(worker)
         except BaseException:
             self.stop()
             raise
@@ -84,28 +87,29 @@ class LocalCluster:
         os.makedirs(state, exist_ok=True)
         self.coordinator = self._spawn("coordinator", [
             os.path.join(self.bin, "coordinator_main"), "--listen=127.0.0.1:0",
-            f"--port_file={port_file}", f"--world_size={self.world}", f"--state_dir={state}"])
+            f"--port_file={port_file}", f"--world_size={self.world}", f"--groups={self.groups}",
+            f"--state_dir={state}"])
         self.port = self._wait_port(port_file, self.coordinator, "coordinator")
         self.address = f"127.0.0.1:{self.port}"
 
-    def start_worker(self, rank: int) -> None:
-        port_file = os.path.join(self.work, f"worker{rank}.port")
+    def start_worker(self, worker: int) -> None:
+        port_file = os.path.join(self.work, f"worker{worker}.port")
         if os.path.exists(port_file):
             os.unlink(port_file)
-        proc = self._spawn(f"worker{rank}", [
+        proc = self._spawn(f"worker{worker}", [
             os.path.join(self.bin, "worker_main"), f"--coordinator={self.address}",
-            f"--rank={rank}", "--listen=127.0.0.1:0", f"--port_file={port_file}",
-            *self.worker_flags])
-        self.workers[rank] = proc
-        self.worker_ports[rank] = self._wait_port(port_file, proc, f"worker{rank}")
+            f"--group={worker // self.world}", f"--rank={worker % self.world}",
+            "--listen=127.0.0.1:0", f"--port_file={port_file}", *self.worker_flags])
+        self.workers[worker] = proc
+        self.worker_ports[worker] = self._wait_port(port_file, proc, f"worker{worker}")
 
-    def kill_worker(self, rank: int, sig: int = signal.SIGKILL) -> None:
-        proc = self.workers[rank]
+    def kill_worker(self, worker: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.workers[worker]
         if proc is not None:
             proc.send_signal(sig)
             if sig in (signal.SIGKILL, signal.SIGTERM):
                 proc.wait(10)
-                self.workers[rank] = None
+                self.workers[worker] = None
 
     def stop(self) -> None:
         procs = [p for p in self.workers + [self.coordinator] if p is not None]
@@ -120,6 +124,6 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        self.workers = [None] * self.world
+        self.workers = [None] * (self.world * self.groups)
         self.coordinator = None
         shutil.rmtree(self.work, ignore_errors=True)
