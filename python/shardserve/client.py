@@ -214,7 +214,8 @@ class Client:
         Sharding: ``sharding_dim`` of the ``(rows, cols)`` weight (1: columns, "col-wise" for
         embeddings; for linear layers 0 splits outputs, 1 splits inputs), over ``placements``
         (``["rank:1/cpu", "rank:0/cpu"]``: chunk i on the i-th placement) or ``world=W``
-        (``rank:0..W-1`` on ``device``); their number must be the cluster's world size.
+        (``rank:0..W-1`` on ``device``): at most the cluster's world size, each a different rank
+        (ranks without a placement hold nothing and still serve calls).
         ``bias=False`` (or a linear ``kind`` without a bias) makes a linear layer without bias.
         Errors: ALREADY_EXISTS, INVALID_ARGUMENT (bad spec, naming the field).
         """
