@@ -71,7 +71,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
 // UNAVAILABLE (e.g. a connection that broke while the coordinator restarted).
 template <typename Request, typename Response, typename Method>
 absl::Status Client::CallAdmin(Method method, const Request& request, Response* response) {
-  const absl::Time deadline = absl::Now() + options_.deadline;
+  return CallAdminUntil(method, request, response, absl::Now() + options_.deadline);
+}
+
+template <typename Request, typename Response, typename Method>
+absl::Status Client::CallAdminUntil(Method method, const Request& request, Response* response,
+                                    absl::Time deadline) {
   absl::Status status;
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
     grpc::ClientContext context;
@@ -90,18 +95,61 @@ absl::Status Client::CallAdmin(Method method, const Request& request, Response* 
   if (!status.ok()) return status
 
 absl::StatusOr<v1::TableInfo> Client::CreateTable(const v1::TableSpec& spec) {
+  const absl::Time deadline = absl::Now() + options_.deadline;
   v1::CreateTableRequest request;
   *request.mutable_table() = spec;
-  v1::TableInfo response;
-  SHARDSERVE_ADMIN_CALL(CreateTable, request, response);
-  return response;
+  v1::TableInfo info;
+  // (Retried on UNAVAILABLE like any admin call: CreateTable is idempotent.)
+  absl::Status status =
+      CallAdminUntil(&v1::AdminService::Stub::CreateTable, request, &info, deadline);
+  if (!status.ok()) return status;
+  {
+    absl::MutexLock lock(&mu_);
+    routes_.erase(spec.name());  // a table of that name may have been dropped and created again
+  }
+  // The coordinator answered a margin before the deadline: wait for what is left of it. Each
+  // wait ends a margin before its own deadline, so these get shorter; below 100 ms, one would
+  // answer at once.
+  while ((info.state() == v1::TABLE_STATE_LOADING ||
+          info.state() == v1::TABLE_STATE_UNAVAILABLE) &&
+         deadline - absl::Now() > absl::Milliseconds(100)) {
+    absl::StatusOr<v1::TableInfo> waited = WaitTableUntil(spec.name(), deadline);
+    if (!waited.ok()) return waited.status();
+    info = *std::move(waited);
+  }
+  if (info.state() == v1::TABLE_STATE_FAILED) {
+    const int code = info.error_code();
+    return absl::Status(code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code)
+                                               : absl::StatusCode::kUnknown,
+                        absl::StrCat("table \"", spec.name(), "\" could not be loaded: ",
+                                     info.error()));
+  }
+  return info;
 }
 
-absl::Status Client::DropTable(const std::string& name) {
+absl::StatusOr<v1::TableInfo> Client::WaitTable(const std::string& name, absl::Duration timeout) {
+  return WaitTableUntil(name, absl::Now() + timeout);
+}
+
+absl::StatusOr<v1::TableInfo> Client::WaitTableUntil(const std::string& name,
+                                                     absl::Time deadline) {
+  v1::WaitTableRequest request;
+  request.set_name(name);  // no timeout of its own: the call's deadline bounds the wait
+  v1::TableInfo info;
+  absl::Status status =
+      CallAdminUntil(&v1::AdminService::Stub::WaitTable, request, &info, deadline);
+  if (!status.ok()) return status;
+  return info;
+}
+
+absl::Status Client::DropTable(const std::string& name, std::vector<int>* serving_ranks) {
   v1::DropTableRequest request;
   request.set_name(name);
   v1::DropTableResponse response;
   SHARDSERVE_ADMIN_CALL(DropTable, request, response);
+  if (serving_ranks != nullptr) {
+    serving_ranks->assign(response.serving_ranks().begin(), response.serving_ranks().end());
+  }
   absl::MutexLock lock(&mu_);
   routes_.erase(name);
   return absl::OkStatus();

@@ -7,7 +7,7 @@
 //                           [--device=cuda:0]]
 //                           [--seed=S | --checkpoint=PATH] [--padding_idx=P] [--max_norm=M]
 //                           [--norm_type=2] [--no_bias]
-//   shardserve tables | describe T | drop T | export T PATH
+//   shardserve wait T | tables | describe T | drop T | export T PATH
 //   shardserve embedding --table=T --ids='[[1,2],[3,4]]'          (or --ids_file=F)
 //   shardserve bag --table=T --ids='[1,2,3]' --offsets='[0,2]' [--weights=...]
 //   [--mode=sum|mean|max]
@@ -394,7 +394,8 @@ int Up(const std::string& argv0) {
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "shardserve <up|create-table|tables|describe|drop|export|embedding|bag|linear> [flags]");
+      "shardserve <up|create-table|wait|tables|describe|drop|export|embedding|bag|linear> "
+      "[flags]");
   core::SetUpServingProcess();
   server::BlockShutdownSignals();  // `up` waits for them (its children start unblocked)
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
@@ -408,13 +409,30 @@ int Main(int argc, char** argv) {
   if (!client.ok()) return Fail(client.status());
   Client& c = **client;
   auto arg = [&](size_t i) -> std::string { return args.size() > i ? args[i] : ""; };
-  if (command == "create-table") {
-    absl::StatusOr<v1::TableSpec> spec = SpecFromFlags();
-    if (!spec.ok()) return Fail(spec.status());
-    absl::StatusOr<v1::TableInfo> info = c.CreateTable(*spec);
+  if (command == "create-table" || command == "wait") {
+    // create-table returns once every rank serves the table, within --deadline_ms (the client
+    // waits for it, see Client::CreateTable); a table still loading then is an error here (exit
+    // 1), though it stays created and goes on loading: `wait` waits for it again.
+    absl::StatusOr<v1::TableInfo> info;
+    if (command == "wait") {
+      info = c.WaitTable(arg(2), absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms)));
+    } else {
+      absl::StatusOr<v1::TableSpec> spec = SpecFromFlags();
+      if (!spec.ok()) return Fail(spec.status());
+      info = c.CreateTable(*spec);
+    }
     if (!info.ok()) return Fail(info.status());
     PrintInfo(*info);
-    return 0;
+    if (info->state() == v1::TABLE_STATE_SERVING) return 0;
+    std::fprintf(stderr, "shardserve: table \"%s\" is %s after --deadline_ms=%d%s%s\n",
+                 info->spec().name().c_str(), StateName(info->state()).c_str(),
+                 absl::GetFlag(FLAGS_deadline_ms),
+                 info->error().empty() ? "" : ": ", info->error().c_str());
+    if (info->state() != v1::TABLE_STATE_FAILED) {
+      std::fprintf(stderr, "shardserve: it goes on loading; `shardserve wait %s` waits for it\n",
+                   info->spec().name().c_str());
+    }
+    return 1;
   }
   if (command == "tables") {
     absl::StatusOr<std::vector<v1::TableInfo>> tables = c.ListTables();
@@ -429,8 +447,16 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (command == "drop") {
-    absl::Status status = c.DropTable(arg(2));
-    return status.ok() ? 0 : Fail(status);
+    std::vector<int> serving;
+    absl::Status status = c.DropTable(arg(2), &serving);
+    if (!status.ok()) return Fail(status);
+    if (!serving.empty()) {
+      std::fprintf(stderr,
+                   "shardserve: dropped; rank %s still served it at --deadline_ms and stops at "
+                   "its next heartbeat reply\n",
+                   absl::StrJoin(serving, ", rank ").c_str());
+    }
+    return 0;
   }
   if (command == "export") {
     absl::StatusOr<v1::ExportTableResponse> r = c.ExportTable(arg(2), arg(3));

@@ -5,12 +5,34 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "core/sharding_spec.h"
 #include "core/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/table_spec.h"
 
 namespace shardserve::server {
+namespace {
+
+// What differs between a registered spec and one asked for under its name, as "field: registered
+// -> asked" lines joined with "; " (empty: the same table). The generation is the coordinator's;
+// an unset norm_type is 2 (as in nn.Embedding) and an unset dtype FLOAT32.
+std::string SpecDifference(v1::TableSpec registered, v1::TableSpec asked) {
+  for (v1::TableSpec* spec : {&registered, &asked}) {
+    spec->clear_generation();
+    if (!spec->has_norm_type()) spec->set_norm_type(2.0);
+    if (spec->dtype() == v1::DTYPE_UNSPECIFIED) spec->set_dtype(v1::FLOAT32);
+  }
+  google::protobuf::util::MessageDifferencer differencer;
+  std::string report;
+  differencer.ReportDifferencesToString(&report);
+  if (differencer.Compare(registered, asked)) return "";
+  return absl::StrJoin(absl::StrSplit(absl::StripSuffix(report, "\n"), '\n'), "; ");
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ControlPlane>> ControlPlane::Create(ControlPlaneOptions options) {
   if (options.world_size < 1 || options.world_size > 4096) {
@@ -89,14 +111,39 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
                                                         absl::Time deadline) {
   SHARDSERVE_ASSIGN_OR_RETURN(core::TableConfig config,
                               ConfigFromSpec(spec, options_.world_size));
-  if (spec.init_case() == v1::TableSpec::kCheckpoint) {
-    SHARDSERVE_RETURN_IF_ERROR(CheckCheckpoint(spec));  // (reads the file: not under the lock)
+  const std::string name = spec.name();
+  v1::TableSpec stored = spec;
+  stored.set_dtype(v1::FLOAT32);
+  stored.clear_generation();  // output only
+  if (config.padding_idx) stored.set_padding_idx(*config.padding_idx);  // normalised
+  bool registered = false;  // a retry: the same spec is registered under the name
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = tables_.find(name);
+    registered = it != tables_.end() && SpecDifference(it->second, stored).empty();
+  }
+  if (spec.init_case() == v1::TableSpec::kCheckpoint && !registered) {
+    // (Reads the file: not under the lock.) A retry's answer does not depend on the file, which
+    // may be gone by now: it is not read again.
+    SHARDSERVE_RETURN_IF_ERROR(CheckCheckpoint(spec));
   }
   absl::MutexLock lock(&mu_);
   SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
-  const std::string name = spec.name();
-  if (tables_.count(name)) {
-    return absl::AlreadyExistsError(absl::StrCat("table \"", name, "\" already exists"));
+  if (auto it = tables_.find(name); it != tables_.end()) {
+    const uint64_t generation = it->second.generation();
+    if (!unserved_.count(name) || LoadError(name, generation) == nullptr) {
+      // A retry (its answer lost, or its wait over) finds its own table: the same answer again.
+      const std::string differs = SpecDifference(it->second, stored);
+      if (!differs.empty()) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "table \"", name, "\" already exists with another spec (registered -> asked: ",
+            differs, "); drop it first, or use another name"));
+      }
+      return AwaitCreation(name, generation, deadline);
+    }
+    // Its creation failed on the workers after its caller's wait had ended: undone now, as that
+    // wait would have, and this call creates the table anew.
+    SHARDSERVE_RETURN_IF_ERROR(UndoCreation(name));
   }
   // A placement names the device its rank holds the shard on: that rank's worker's, where the
   // worker has registered. (Tables stored before are served where their ranks' workers are.)
@@ -108,10 +155,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
           "'s shard on ", p.device.ToString(), ", but that worker serves ", serves->ToString()));
     }
   }
-  v1::TableSpec stored = spec;
-  stored.set_dtype(v1::FLOAT32);
   stored.set_generation(last_generation_ + 1);
-  if (config.padding_idx) stored.set_padding_idx(*config.padding_idx);  // normalised
   const uint64_t generation = stored.generation();
   tables_[name] = std::move(stored);
   last_generation_ = generation;
@@ -120,6 +164,13 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
     last_generation_ = generation - 1;
     return s;
   }
+  unserved_.insert(name);
+  return AwaitCreation(name, generation, deadline);
+}
+
+absl::StatusOr<v1::TableInfo> ControlPlane::AwaitCreation(const std::string& name,
+                                                          uint64_t generation,
+                                                          absl::Time deadline) {
   // Wait (bounded) until every rank has loaded it, or one cannot. Errors and tables of an earlier
   // creation under this name do not count.
   auto ours = [this, &name, generation]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -129,20 +180,18 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   auto done = [this, &name, generation, &ours]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return stop_ || !ours() || TableServing(name) || LoadError(name, generation) != nullptr;
   };
-  creating_.insert(name);  // (Reconcile leaves its generation alone meanwhile)
-  clock_.AwaitWithDeadline(mu_, absl::Condition(&done),
-                           std::min(deadline, clock_.Now() + options_.create_wait));
-  creating_.erase(creating_.find(name));
+  clock_.AwaitWithDeadline(mu_, absl::Condition(&done), WaitEnd(deadline));
+  ForgetServedCreations();
   if (const absl::Status* error = LoadError(name, generation)) {
-    // A rank could not load it: undo the creation, so that a failed CreateTable changes nothing.
+    // A table that has served, and that a rank could not load again since (its worker restarted
+    // and the checkpoint is gone): no creation failed, it stays as it is, FAILED.
+    if (ours() && !unserved_.count(name)) return InfoOf(tables_.at(name));
+    // A rank could not load this creation: undo it, so that a failed CreateTable changes nothing.
     const absl::Status status(error->code(), absl::StrCat("table \"", name,
                                                           "\" could not be loaded: ",
                                                           error->message()));
     if (!ours()) return status;
-    const v1::TableSpec created = tables_.at(name);
-    tables_.erase(name);
-    if (absl::Status s = SaveRegistry(); !s.ok()) {
-      tables_[name] = created;  // still registered, as on disk (state FAILED)
+    if (absl::Status s = UndoCreation(name); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat(status.message(), "; and it stays registered: ",
                                                  s.message()));
     }
@@ -152,7 +201,69 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   return InfoOf(tables_.at(name));
 }
 
-absl::Status ControlPlane::DropTable(const std::string& name) {
+absl::Status ControlPlane::UndoCreation(const std::string& name) {
+  auto it = tables_.find(name);
+  if (it == tables_.end()) return absl::OkStatus();
+  const v1::TableSpec created = std::move(it->second);
+  tables_.erase(it);
+  if (absl::Status s = SaveRegistry(); !s.ok()) {
+    tables_[name] = created;  // still registered, as on disk (state FAILED)
+    return s;
+  }
+  unserved_.erase(name);
+  return absl::OkStatus();
+}
+
+void ControlPlane::ForgetServedCreations() {
+  for (auto it = unserved_.begin(); it != unserved_.end();) {
+    it = !tables_.count(*it) || TableServing(*it) ? unserved_.erase(it) : std::next(it);
+  }
+}
+
+absl::Time ControlPlane::WaitEnd(absl::Time deadline) const {
+  const absl::Time now = clock_.Now();
+  const absl::Time longest = now + options_.create_wait;
+  if (deadline == absl::InfiniteFuture()) return longest;
+  // The answer leaves a margin before the caller gives up: a tenth of the time left, 50 ms at
+  // least (a deadline that close, or past, gets it at once).
+  const absl::Duration margin = std::max(absl::Milliseconds(50), (deadline - now) / 10);
+  return std::min(longest, deadline - margin);
+}
+
+absl::StatusOr<v1::TableInfo> ControlPlane::WaitTable(const std::string& name,
+                                                      absl::Duration timeout,
+                                                      absl::Time deadline) {
+  if (timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout_ms: ", absl::ToInt64Milliseconds(timeout),
+                     " must be >= 0 (0: as long as the call's deadline allows)"));
+  }
+  absl::MutexLock lock(&mu_);
+  SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
+  if (!tables_.count(name)) {
+    return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
+  }
+  // Whatever the table's generation now (it may be created again, or loaded again after a
+  // restart, meanwhile): the wait is for the name to serve.
+  auto done = [this, &name]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    auto it = tables_.find(name);
+    return stop_ || it == tables_.end() || TableServing(name) ||
+           LoadError(name, it->second.generation()) != nullptr;
+  };
+  const absl::Time until = timeout == absl::InfiniteDuration()
+                               ? WaitEnd(deadline)
+                               : std::min(WaitEnd(deadline), clock_.Now() + timeout);
+  clock_.AwaitWithDeadline(mu_, absl::Condition(&done), until);
+  ForgetServedCreations();
+  auto it = tables_.find(name);
+  if (it == tables_.end()) {
+    return absl::NotFoundError(absl::StrCat("table \"", name, "\" was dropped while waited for"));
+  }
+  return InfoOf(it->second);
+}
+
+absl::StatusOr<v1::DropTableResponse> ControlPlane::DropTable(const std::string& name,
+                                                              absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
   auto it = tables_.find(name);
@@ -165,7 +276,32 @@ absl::Status ControlPlane::DropTable(const std::string& name) {
     tables_[name] = std::move(dropped);  // a failed save changes nothing
     return s;
   }
-  return absl::OkStatus();
+  unserved_.erase(name);
+  // Until a rank has reported since the drop, it may still serve the table: its last report was
+  // built before it applied a reply without it. A report sent since that does not list it was
+  // built after such a reply (a worker has one heartbeat in flight at a time), and no later reply
+  // lists it again - unless the name is created anew, which ends the wait.
+  std::vector<uint64_t> heard(members_.size());
+  for (size_t r = 0; r < members_.size(); ++r) heard[r] = members_[r].heartbeats;
+  auto serves = [this, &name, &heard](size_t r) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const Member& m = members_[r];
+    if (!Alive(m)) return false;
+    return m.heartbeats == heard[r] ||
+           std::find(m.serving.begin(), m.serving.end(), name) != m.serving.end();
+  };
+  auto done = [this, &name, &serves]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    if (stop_ || tables_.count(name)) return true;
+    for (size_t r = 0; r < members_.size(); ++r) {
+      if (serves(r)) return false;
+    }
+    return true;
+  };
+  clock_.AwaitWithDeadline(mu_, absl::Condition(&done), WaitEnd(deadline));
+  v1::DropTableResponse response;
+  for (size_t r = 0; r < members_.size() && !tables_.count(name); ++r) {
+    if (serves(r)) response.add_serving_ranks(static_cast<int>(r));
+  }
+  return response;
 }
 
 absl::StatusOr<std::vector<v1::TableInfo>> ControlPlane::ListTables() const {
@@ -232,6 +368,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   if (request.group_broken() && !m.broken) m.broken_since = now;
   m.broken = request.group_broken();
   m.last_seen = now;
+  ++m.heartbeats;
   m.loaded.assign(request.loaded_tables().begin(), request.loaded_tables().end());
   m.loaded_specs.clear();
   for (const v1::TableSpec& spec : request.loaded_specs()) m.loaded_specs[spec.name()] = spec;
@@ -249,6 +386,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     ReloadAfterPartialRenorm(request.rank(), held);
   }
   Reconcile();
+  ForgetServedCreations();
   v1::internal::HeartbeatResponse response;
   response.set_world_size(options_.world_size);
   if (learning_) {
@@ -270,7 +408,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   for (const auto& [name, spec] : tables_) {
     *response.add_tables() = spec;
     if (TableReady(name)) response.add_serving_tables(name);
-    if (creating_.count(name)) response.add_creating_tables(name);
+    if (unserved_.count(name)) response.add_creating_tables(name);
     if (const absl::Status* error = LoadError(name, spec.generation())) {
       (*response.mutable_load_errors())[name] = std::string(error->message());
     }
@@ -319,6 +457,7 @@ ServingState ControlPlane::Serving() const {
 void ControlPlane::Tick() {
   absl::MutexLock lock(&mu_);
   Reconcile();
+  ForgetServedCreations();
 }
 
 uint64_t ControlPlane::epoch() const {
@@ -389,6 +528,7 @@ v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
   if (const absl::Status* error = LoadError(spec.name(), spec.generation())) {
     info.set_state(v1::TABLE_STATE_FAILED);
     info.set_error(std::string(error->message()));
+    info.set_error_code(static_cast<int>(error->code()));
   } else {
     info.set_state(TableServing(spec.name()) ? v1::TABLE_STATE_SERVING
                    : loaded_everywhere       ? v1::TABLE_STATE_UNAVAILABLE
@@ -412,9 +552,9 @@ v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
 void ControlPlane::ReloadAfterPartialRenorm(int rank, const v1::TableSpec& held) {
   auto it = tables_.find(held.name());
   // Another generation than the rank held: every worker loads that one anew anyway. While its
-  // CreateTable still waits, the rank reports again at its next heartbeats.
+  // creation has not served yet, the rank reports again at its next heartbeats.
   if (it == tables_.end() || it->second.generation() != held.generation() ||
-      creating_.count(held.name())) {
+      unserved_.count(held.name())) {
     return;
   }
   it->second.set_generation(++last_generation_);
@@ -525,7 +665,7 @@ void ControlPlane::Reconcile() {
   bool reloads = false;
   for (auto& [name, spec] : tables_) {
     if (!(fresh && kept) || !spec.has_max_norm() || spec.sharding().dim() != 1 ||
-        creating_.count(name) || reloaded_while_down_.count(name)) {
+        unserved_.count(name) || reloaded_while_down_.count(name)) {
       continue;
     }
     spec.set_generation(++last_generation_);

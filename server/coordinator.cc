@@ -63,9 +63,20 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
         control_.CreateTable(request->table(), absl::FromChrono(context->deadline())), response));
   }
 
-  grpc::Status DropTable(grpc::ServerContext*, const v1::DropTableRequest* request,
-                         v1::DropTableResponse*) override {
-    return ToGrpcStatus(control_.DropTable(request->name()));
+  grpc::Status WaitTable(grpc::ServerContext* context, const v1::WaitTableRequest* request,
+                         v1::TableInfo* response) override {
+    const absl::Duration timeout = request->timeout_ms() == 0
+                                       ? absl::InfiniteDuration()
+                                       : absl::Milliseconds(request->timeout_ms());
+    return ToGrpcStatus(Into(
+        control_.WaitTable(request->name(), timeout, absl::FromChrono(context->deadline())),
+        response));
+  }
+
+  grpc::Status DropTable(grpc::ServerContext* context, const v1::DropTableRequest* request,
+                         v1::DropTableResponse* response) override {
+    return ToGrpcStatus(Into(
+        control_.DropTable(request->name(), absl::FromChrono(context->deadline())), response));
   }
 
   grpc::Status ListTables(grpc::ServerContext*, const v1::ListTablesRequest*,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # shardserve-load against a real local cluster: closed loop (unary and stream) and open loop runs
 # finish, report calls without errors, and write a JSON report and an SVG chart; callers whose
-# calls fail back off, and the failed calls' latency is reported.
+# calls fail back off, and the failed calls' latency is reported. And the CLI's create-table again,
+# and wait.
 set -euo pipefail
 root="${TEST_SRCDIR:?}/shardserve"
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
@@ -15,6 +16,10 @@ coordinator=$(grep -o 'coordinator on [0-9.:]*' "$tmp/up.log" | awk '{print $3}'
   --world=2 --seed=1 >/dev/null
 "$root/client/shardserve" create-table --coordinator="$coordinator" --name=l --kind=linear --rows=8 \
   --cols=16 --world=2 --sharding_dim=0 --seed=1 >/dev/null
+# The same create-table again is fine (the same spec finds the table); wait returns at once.
+"$root/client/shardserve" create-table --coordinator="$coordinator" --name=t --rows=1000 --cols=16 \
+  --world=2 --seed=1 >/dev/null
+"$root/client/shardserve" wait t --coordinator="$coordinator" | grep -q SERVING
 # Flags that contradict each other are refused, naming both, and create nothing.
 refused() {  # expected message, create-table flags...
   if out=$("$root/client/shardserve" create-table --coordinator="$coordinator" --name=bad \

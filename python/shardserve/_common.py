@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _safetensors
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, code_from_number, error_for_code
 
 # Like the C++ side's (server/grpc_settings.h): a request may carry 2^26 ids and an answer 2^27
 # floats, far over gRPC's 4 MiB default.
@@ -121,7 +121,9 @@ class TableInfo:
 
     ``num_rows``/``num_cols`` are num_embeddings/embedding_dim for embeddings and
     out_features/in_features for linear layers. ``state`` is one of "loading", "serving",
-    "unavailable", "failed" (then ``error`` says why). ``shards`` are in placement (chunk) order.
+    "unavailable", "failed" (then ``error`` says why, and ``error_code`` is its google.rpc.Code
+    number). ``shards`` are in placement (chunk) order, one per placement (ranks without a
+    placement hold nothing and are not listed).
     ``proto`` is the ``shardserve.v1.TableInfo`` message itself.
     """
 
@@ -141,7 +143,8 @@ class TableInfo:
     state: str
     error: str
     shards: Tuple[ShardInfo, ...]
-    proto: Any = field(repr=False, compare=False)
+    error_code: int = 0  # state "failed": the load error's google.rpc.Code number
+    proto: Any = field(default=None, repr=False, compare=False)
 
     @property
     def addresses(self) -> List[str]:
@@ -175,8 +178,26 @@ def table_info(message: Any) -> TableInfo:
         shards=tuple(
             ShardInfo(s.rank, s.device, s.address, s.offset, s.size) for s in message.shards
         ),
+        error_code=message.error_code,
         proto=message,
     )
+
+
+# TableInfo.state numbers a create waits on: LOADING, UNAVAILABLE.
+WAITING_STATES = (1, 3)
+FAILED_STATE = 4
+# Below this many seconds left, a WaitTable would answer at once (the coordinator answers a
+# margin, at least 50 ms, before the call's deadline): a create stops waiting.
+LEAST_WAIT = 0.1
+
+
+def raise_if_failed(message: Any) -> None:
+    """A TableInfo message in state FAILED as the Error of its load error's code."""
+    if message.state == FAILED_STATE:
+        raise error_for_code(
+            code_from_number(message.error_code),
+            f'table "{message.spec.name}" could not be loaded: {message.error}',
+        )
 
 
 # --- table specs from tensors and modules -------------------------------------------------------

@@ -165,10 +165,22 @@ class Client:
             world=world, device=device, padding_idx=padding_idx, max_norm=max_norm,
             norm_type=norm_type, checkpoint_dir=self.checkpoint_dir,
         )
-        info = await self._admin_call("CreateTable", self._pb.CreateTableRequest(table=spec),
-                                      deadline)
+        deadline_at = time.monotonic() + self._timeout(deadline)
+        info = await self._admin_call_until(
+            "CreateTable", self._pb.CreateTableRequest(table=spec), deadline_at)
         self._routes.forget(name)
+        while (info.state in _common.WAITING_STATES
+               and deadline_at - time.monotonic() > _common.LEAST_WAIT):
+            info = await self._admin_call_until(
+                "WaitTable", self._pb.WaitTableRequest(name=name), deadline_at)
+        _common.raise_if_failed(info)
         return _common.table_info(info)
+
+    async def wait_table(self, table: str, *, timeout: Optional[float] = None) -> TableInfo:
+        """See :meth:`shardserve.Client.wait_table`."""
+        deadline_at = time.monotonic() + self._timeout(timeout)
+        return _common.table_info(await self._admin_call_until(
+            "WaitTable", self._pb.WaitTableRequest(name=table), deadline_at))
 
     async def drop(self, table: str, *, deadline: Optional[float] = None) -> None:
         """See :meth:`shardserve.Client.drop`."""

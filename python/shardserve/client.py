@@ -194,8 +194,12 @@ class Client:
         norm_type: Optional[float] = None,
         deadline: Optional[float] = None,
     ) -> TableInfo:
-        """Creates a table and returns once every rank serves it (state "serving"; "loading" if
-        the deadline ran out first).
+        """Creates a table and returns once every rank serves it (state "serving"; "loading" or
+        "unavailable" if the deadline ran out first: the table stays created and goes on loading,
+        :meth:`wait_table` waits for it). Idempotent: the same spec again (a retry) finds the
+        table and waits for it the same way; another spec under the name is ALREADY_EXISTS. (A
+        weight given as a tensor or module is written to a new checkpoint file on every call, so
+        only retries inside this call are the same spec.)
 
         The weight comes from exactly one of:
 
@@ -217,7 +221,8 @@ class Client:
         (``rank:0..W-1`` on ``device``): at most the cluster's world size, each a different rank
         (ranks without a placement hold nothing and still serve calls).
         ``bias=False`` (or a linear ``kind`` without a bias) makes a linear layer without bias.
-        Errors: ALREADY_EXISTS, INVALID_ARGUMENT (bad spec, naming the field).
+        Errors: ALREADY_EXISTS, INVALID_ARGUMENT (bad spec, naming the field), and the error of a
+        rank that could not load the table (e.g. RESOURCE_EXHAUSTED).
         """
         spec, _ = _common.build_spec(
             self._pb, name, weight, kind=kind, bias=bias, num_rows=rows, num_cols=cols,
@@ -225,9 +230,29 @@ class Client:
             world=world, device=device, padding_idx=padding_idx, max_norm=max_norm,
             norm_type=norm_type, checkpoint_dir=self.checkpoint_dir,
         )
-        info = self._admin_call("CreateTable", self._pb.CreateTableRequest(table=spec), deadline)
+        deadline_at = time.monotonic() + self._timeout(deadline)
+        info = self._admin_call_until(
+            "CreateTable", self._pb.CreateTableRequest(table=spec), deadline_at
+        )
         self._routes.forget(name)
+        # The coordinator answered a margin before the deadline: wait for what is left of it.
+        while (info.state in _common.WAITING_STATES
+               and deadline_at - time.monotonic() > _common.LEAST_WAIT):
+            info = self._admin_call_until(
+                "WaitTable", self._pb.WaitTableRequest(name=name), deadline_at
+            )
+        _common.raise_if_failed(info)
         return _common.table_info(info)
+
+    def wait_table(self, table: str, *, timeout: Optional[float] = None) -> TableInfo:
+        """Waits up to ``timeout`` seconds (default: the client's deadline) until every rank
+        serves ``table`` or a rank could not load it, and returns its :class:`TableInfo` then:
+        state "serving", "failed" (``error``, ``error_code``), or as it is when the time ran out
+        (the coordinator answers a little before the end of ``timeout``). NOT_FOUND."""
+        deadline_at = time.monotonic() + self._timeout(timeout)
+        return _common.table_info(self._admin_call_until(
+            "WaitTable", self._pb.WaitTableRequest(name=table), deadline_at
+        ))
 
     def drop(self, table: str, *, deadline: Optional[float] = None) -> None:
         """Drops a table (NOT_FOUND if there is none). Checkpoints written by create_table are

@@ -3,6 +3,7 @@ describe (the placement map, as torch.chunk splits), drop, export; blocking and 
 
 import asyncio
 import os
+import time
 
 import numpy as np
 import pytest
@@ -140,3 +141,31 @@ def test_aio_admin(cluster, name):
             return exported
 
     torch.testing.assert_close(asyncio.run(main()), weight, atol=0, rtol=0)
+
+
+def test_create_is_idempotent_answers_loading_in_time_and_wait_table_waits(client, name):
+    """A create whose deadline runs out while the table loads answers "loading" (not a deadline
+    error), a retry of it finds the same table, and wait_table waits until it serves."""
+    big = dict(seed=5, rows=2_000_000, cols=64, world=2)  # 512 MB from a seed: loads a while
+    started = time.monotonic()
+    info = client.create_table(name, **big, deadline=1.0)
+    assert time.monotonic() - started < 1.0
+    assert info.state in ("loading", "serving")
+    again = client.create_table(name, **big, deadline=1.0)
+    assert again.generation == info.generation
+    with pytest.raises(shardserve.AlreadyExistsError) as e:
+        client.create_table(name, **dict(big, cols=32), deadline=5)
+    assert "num_cols: 64 -> 32" in e.value.message
+    assert client.wait_table(name, timeout=60).state == "serving"
+    assert client.wait_table(name, timeout=0.01).state == "serving"
+
+    async def aio():
+        async with shardserve.aio.Client(client.coordinator) as c:
+            assert (await c.create_table(name, **big)).state == "serving"
+            return (await c.wait_table(name)).generation
+
+    assert asyncio.run(aio()) == info.generation
+    client.drop(name)
+    with pytest.raises(shardserve.NotFoundError):
+        client.wait_table(name)
+
