@@ -62,6 +62,15 @@ class Client {
   absl::StatusOr<v1::TableInfo> DescribeTable(const std::string& name);
   absl::StatusOr<v1::ExportTableResponse> ExportTable(const std::string& name,
                                                       const std::string& path);
+  // Exports the table to a safetensors file at `path` on this machine: the coordinator streams
+  // the file's bytes (ExportTableStream), written beside `path` and renamed over it once whole
+  // (a failed export leaves nothing). `path` may be relative (to this process's directory); it
+  // must not be anything but a regular file already. The file's size in bytes, or INVALID_ARGUMENT
+  // (path), NOT_FOUND, UNAVAILABLE, ABORTED (created again during the export), INTERNAL (a
+  // stream that does not add up), RESOURCE_EXHAUSTED (memory on the coordinator, or this disk).
+  absl::StatusOr<int64_t> ExportTo(const std::string& name, const std::string& path);
+  // The coordinator's view of the workers (groups, epochs, every member and its tables).
+  absl::StatusOr<v1::ClusterInfo> DescribeCluster();
 
   absl::StatusOr<DenseTensor> Embedding(const v1::EmbeddingRequest& request);
   absl::StatusOr<DenseTensor> EmbeddingBag(const v1::EmbeddingBagRequest& request);

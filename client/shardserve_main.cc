@@ -7,7 +7,8 @@
 //                           [--device=cuda:0]]
 //                           [--seed=S | --checkpoint=PATH] [--padding_idx=P] [--max_norm=M]
 //                           [--norm_type=2] [--no_bias]
-//   shardserve wait T | tables | describe T | drop T | export T PATH
+//   shardserve wait T | tables | describe T | drop T | export T PATH [--on_coordinator]
+//   shardserve cluster [--json]
 //   shardserve embedding --table=T --ids='[[1,2],[3,4]]'          (or --ids_file=F)
 //   shardserve bag --table=T --ids='[1,2,3]' --offsets='[0,2]' [--weights=...]
 //   [--mode=sum|mean|max]
@@ -38,6 +39,7 @@
 #include "client/local_cluster.h"
 #include "core/process_setup.h"
 #include "core/safetensors.h"
+#include "google/protobuf/util/json_util.h"
 #include "server/lifecycle.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
@@ -83,6 +85,12 @@ ABSL_FLAG(bool, include_last_offset, false, "offsets end with the number of ids"
 ABSL_FLAG(std::string, input, "", "linear input as a JSON array");
 ABSL_FLAG(std::string, input_file, "", "file with the linear input as a JSON array");
 ABSL_FLAG(std::string, output, "", "write the result here instead of stdout");
+// export
+ABSL_FLAG(bool, on_coordinator, false,
+          "export: have the coordinator write PATH (absolute) on its own machine, instead of "
+          "streaming the file to PATH here");
+// cluster
+ABSL_FLAG(bool, json, false, "cluster: print the description as JSON (shardserve.v1.ClusterInfo)");
 
 namespace shardserve::client {
 namespace {
@@ -161,6 +169,43 @@ void PrintInfo(const v1::TableInfo& info) {
                 shard.device().c_str(), shard.address().c_str(),
                 static_cast<long long>(shard.offset()), static_cast<long long>(shard.size()));
   }
+}
+
+int PrintCluster(const v1::ClusterInfo& cluster) {
+  if (absl::GetFlag(FLAGS_json)) {
+    google::protobuf::util::JsonPrintOptions options;
+    options.add_whitespace = true;
+    options.preserve_proto_field_names = true;
+    options.always_print_primitive_fields = true;
+    std::string json;
+    const auto status = google::protobuf::util::MessageToJsonString(cluster, &json, options);
+    if (!status.ok()) return Fail(absl::InternalError(std::string(status.message())));
+    std::cout << json;
+    return 0;
+  }
+  for (const v1::GroupInfo& group : cluster.groups()) {
+    std::printf("group %s  %s  epoch %llu  %d ranks\n", group.name().c_str(),
+                std::string(absl::StripPrefix(v1::GroupState_Name(group.state()), "GROUP_STATE_"))
+                    .c_str(),
+                static_cast<unsigned long long>(group.epoch()), group.world_size());
+    for (const v1::MemberInfo& m : group.members()) {
+      std::printf("    rank %d  %-6s %-21s %-5s epoch %llu%s  %s\n", m.rank(),
+                  m.device().empty() ? "-" : m.device().c_str(),
+                  m.address().empty() ? "(none)" : m.address().c_str(),
+                  m.alive() ? "alive" : "dead", static_cast<unsigned long long>(m.epoch()),
+                  m.group_broken() ? " (broken)" : "",
+                  m.last_heartbeat_ms() < 0
+                      ? "no heartbeat"
+                      : absl::StrCat("heartbeat ", m.last_heartbeat_ms(), " ms ago").c_str());
+      std::printf("        serving [%s]  loaded [%s]\n",
+                  absl::StrJoin(m.serving_tables(), ", ").c_str(),
+                  absl::StrJoin(m.loaded_tables(), ", ").c_str());
+      for (const auto& [table, error] : m.load_errors()) {
+        std::printf("        could not load %s: %s\n", table.c_str(), error.c_str());
+      }
+    }
+  }
+  return 0;
 }
 
 absl::StatusOr<v1::TableSpec> SpecFromFlags() {
@@ -394,8 +439,8 @@ int Up(const std::string& argv0) {
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "shardserve <up|create-table|wait|tables|describe|drop|export|embedding|bag|linear> "
-      "[flags]");
+      "shardserve <up|create-table|wait|tables|describe|drop|export|cluster|embedding|bag|"
+      "linear> [flags]");
   core::SetUpServingProcess();
   server::BlockShutdownSignals();  // `up` waits for them (its children start unblocked)
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
@@ -434,6 +479,11 @@ int Main(int argc, char** argv) {
     }
     return 1;
   }
+  if (command == "cluster") {
+    absl::StatusOr<v1::ClusterInfo> cluster = c.DescribeCluster();
+    if (!cluster.ok()) return Fail(cluster.status());
+    return PrintCluster(*cluster);
+  }
   if (command == "tables") {
     absl::StatusOr<std::vector<v1::TableInfo>> tables = c.ListTables();
     if (!tables.ok()) return Fail(tables.status());
@@ -459,10 +509,17 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (command == "export") {
-    absl::StatusOr<v1::ExportTableResponse> r = c.ExportTable(arg(2), arg(3));
-    if (!r.ok()) return Fail(r.status());
-    std::printf("wrote %s (%lld bytes of tensors)\n", r->path().c_str(),
-                static_cast<long long>(r->bytes()));
+    if (absl::GetFlag(FLAGS_on_coordinator)) {
+      absl::StatusOr<v1::ExportTableResponse> r = c.ExportTable(arg(2), arg(3));
+      if (!r.ok()) return Fail(r.status());
+      std::printf("the coordinator wrote %s (%lld bytes of tensors)\n", r->path().c_str(),
+                  static_cast<long long>(r->bytes()));
+      return 0;
+    }
+    if (arg(3).empty()) return Fail(absl::InvalidArgumentError("export: give T and PATH"));
+    absl::StatusOr<int64_t> bytes = c.ExportTo(arg(2), arg(3));
+    if (!bytes.ok()) return Fail(bytes.status());
+    std::printf("wrote %s (%lld bytes)\n", arg(3).c_str(), static_cast<long long>(*bytes));
     return 0;
   }
   const std::string table = absl::GetFlag(FLAGS_table);

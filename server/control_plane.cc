@@ -322,10 +322,56 @@ absl::StatusOr<v1::TableInfo> ControlPlane::DescribeTable(const std::string& nam
   return InfoOf(it->second);
 }
 
+v1::ClusterInfo ControlPlane::DescribeCluster() const {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  v1::ClusterInfo cluster;
+  v1::GroupInfo* group = cluster.add_groups();
+  group->set_name("g0");
+  group->set_world_size(options_.world_size);
+  group->set_epoch(epoch_);
+  bool broken = false;
+  for (size_t r = 0; r < members_.size(); ++r) {
+    const Member& m = members_[r];
+    broken = broken || !Alive(m) || (m.broken && m.epoch == epoch_ && epoch_ != 0);
+    v1::MemberInfo* member = group->add_members();
+    member->set_rank(static_cast<int>(r));
+    member->set_address(m.address);
+    member->set_device(m.device);
+    member->set_alive(Alive(m));
+    member->set_epoch(m.epoch);
+    member->set_group_broken(m.broken);
+    member->set_last_heartbeat_ms(m.last_seen == absl::InfinitePast()
+                                      ? -1
+                                      : absl::ToInt64Milliseconds(now - m.last_seen));
+    member->set_incarnation(m.incarnation);
+    for (const std::string& name : m.loaded) member->add_loaded_tables(name);
+    for (const std::string& name : m.serving) member->add_serving_tables(name);
+    for (const auto& [name, error] : m.load_errors) {
+      (*member->mutable_load_errors())[name] = std::string(error.second.message());
+    }
+  }
+  group->set_state(learning_        ? v1::GROUP_STATE_LEARNING
+                   : GroupServing() ? v1::GROUP_STATE_SERVING
+                   : broken         ? v1::GROUP_STATE_BROKEN
+                                    : v1::GROUP_STATE_FORMING);
+  return cluster;
+}
+
 absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanExport(
     const std::string& name, const std::string& path) const {
   // The path is on this machine: checked before any shard is read (and again when written).
   SHARDSERVE_RETURN_IF_ERROR(CheckExportPath(path, options_.state_dir));
+  return PlanReads(name, path);
+}
+
+absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanStreamedExport(
+    const std::string& name) const {
+  return PlanReads(name, /*path=*/"");
+}
+
+absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanReads(
+    const std::string& name, const std::string& path) const {
   v1::TableSpec spec;
   std::vector<std::string> addresses;
   {

@@ -111,10 +111,16 @@ class ControlPlane {
   absl::StatusOr<std::vector<v1::TableInfo>> ListTables() const;
   // NOT_FOUND; UNAVAILABLE while learning (no state_dir).
   absl::StatusOr<v1::TableInfo> DescribeTable(const std::string& name) const;
+  // The group and every member as this coordinator sees them (never refused: while learning, the
+  // group's state says so).
+  v1::ClusterInfo DescribeCluster() const;
   // What an export of `name` to `path` reads from which rank: INVALID_ARGUMENT for the path (see
   // table_export.h), NOT_FOUND, UNAVAILABLE (not serving), RESOURCE_EXHAUSTED (no memory here).
   absl::StatusOr<std::unique_ptr<TableExport>> PlanExport(const std::string& name,
                                                           const std::string& path) const;
+  // The same, for an export streamed to the caller (TableExport::File): NOT_FOUND, UNAVAILABLE,
+  // RESOURCE_EXHAUSTED.
+  absl::StatusOr<std::unique_ptr<TableExport>> PlanStreamedExport(const std::string& name) const;
 
   // --- Workers (CoordinatorInternal) ---
   // Records a worker's heartbeat and answers what it must do (while learning: keep_serving and
@@ -161,6 +167,9 @@ class ControlPlane {
   };
 
   ControlPlane(ControlPlaneOptions options, Clock& clock, std::unique_ptr<RegistryStore> store);
+  // PlanExport's reads, to `path` (empty: to the caller).
+  absl::StatusOr<std::unique_ptr<TableExport>> PlanReads(const std::string& name,
+                                                         const std::string& path) const;
   // When the wait of a call that ends at `deadline` must end (see the top of this file).
   absl::Time WaitEnd(absl::Time deadline) const;
   // CreateTable's wait for the creation of `name` as `generation`, and its answer.

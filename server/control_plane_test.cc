@@ -787,6 +787,59 @@ TEST_F(ControlPlaneTest, BadSpecsAndPlacementsOnAnotherDeviceAreRefused) {
   EXPECT_EQ(cp->ListTables()->size(), 0u);
 }
 
+// --- The cluster's description ---
+
+TEST_F(ControlPlaneTest, DescribeClusterShowsTheGroupAndEveryMemberAsTheyChange) {
+  auto cp = Make();
+  // Before every rank has reported: the coordinator is learning the group.
+  v1::ClusterInfo info = cp->DescribeCluster();
+  ASSERT_EQ(info.groups_size(), 1);
+  EXPECT_EQ(info.groups(0).state(), v1::GROUP_STATE_LEARNING);
+  ASSERT_EQ(info.groups(0).members_size(), 2);
+  EXPECT_FALSE(info.groups(0).members(1).alive());
+  EXPECT_EQ(info.groups(0).members(1).last_heartbeat_ms(), -1);
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"t"});
+  workers[1].load_errors["u"] = "no memory";
+  ASSERT_TRUE(workers[1].Report(*cp).ok());
+  clock_.Advance(absl::Milliseconds(30));
+  info = cp->DescribeCluster();
+  const v1::GroupInfo& g = info.groups(0);
+  EXPECT_EQ(g.name(), "g0");
+  EXPECT_EQ(g.state(), v1::GROUP_STATE_SERVING);
+  EXPECT_EQ(g.epoch(), cp->epoch());
+  EXPECT_EQ(g.world_size(), 2);
+  const v1::MemberInfo& m = g.members(1);
+  EXPECT_EQ(m.rank(), 1);
+  EXPECT_EQ(m.address(), workers[1].Request().address());
+  EXPECT_EQ(m.device(), "cpu");
+  EXPECT_TRUE(m.alive());
+  EXPECT_EQ(m.epoch(), cp->epoch());
+  EXPECT_EQ(m.incarnation(), 101u);
+  EXPECT_EQ(m.last_heartbeat_ms(), 30);
+  EXPECT_THAT(m.loaded_tables(), ElementsAre("t"));
+  EXPECT_THAT(m.serving_tables(), ElementsAre("t"));
+  EXPECT_THAT(m.load_errors().at("u"), HasSubstr("no memory"));
+  // Rank 1 falls silent: dead, and the group broken until it is back.
+  for (int i = 0; i < 16; ++i) {
+    clock_.Advance(absl::Milliseconds(100));
+    ASSERT_TRUE(workers[0].Report(*cp).ok());
+  }
+  info = cp->DescribeCluster();
+  EXPECT_EQ(info.groups(0).state(), v1::GROUP_STATE_BROKEN);
+  EXPECT_FALSE(info.groups(0).members(1).alive());
+  EXPECT_TRUE(info.groups(0).members(0).alive());
+  // A new worker process on rank 1: a new epoch forms.
+  workers[1].incarnation = 777;
+  workers[1].joined = 0;
+  ASSERT_TRUE(workers[1].Report(*cp).ok());
+  cp->Tick();
+  info = cp->DescribeCluster();
+  EXPECT_EQ(info.groups(0).state(), v1::GROUP_STATE_FORMING);
+  Settle(*cp, workers);
+  EXPECT_EQ(cp->DescribeCluster().groups(0).state(), v1::GROUP_STATE_SERVING);
+}
+
 // --- The registry ---
 
 TEST_F(ControlPlaneTest, TablesAndGenerationsSurviveARestart) {

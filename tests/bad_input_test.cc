@@ -162,6 +162,15 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
     EXPECT_EQ(exported.status().code(), absl::StatusCode::kInvalidArgument) << path;
     EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << path;
   }
+  // An export streamed to this client is written here under the same rule: never over anything
+  // but a regular file (nothing opens the FIFO), and into a directory that exists.
+  for (const std::string& path : {dir, not_files.fifo, not_files.socket, not_files.dir,
+                                  not_files.link, dir + "/none/emb.safetensors"}) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<int64_t> exported = c->ExportTo("emb", path);
+    EXPECT_EQ(exported.status().code(), absl::StatusCode::kInvalidArgument) << path;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << path;
+  }
   EXPECT_FALSE(FifoHasReader(not_files.fifo));
 
   auto code_and_message = [](const absl::StatusOr<DenseTensor>& r) {

@@ -338,6 +338,56 @@ TEST(Cluster, CallsForATableBeingCreatedGetFailedPrecondition) {
   EXPECT_TRUE(once->Embedding(r).ok());
 }
 
+// DescribeCluster: every worker, whether or not it holds a table - its address, device, liveness,
+// epoch and the tables it holds and serves - and the group's epoch and state, as they change.
+TEST(Cluster, DescribeClusterListsEveryWorkerAndFollowsTheGroup) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  absl::StatusOr<v1::ClusterInfo> info;
+  ASSERT_TRUE(WaitFor([&] {
+    info = c->DescribeCluster();
+    return info.ok() && info->groups(0).state() == v1::GROUP_STATE_SERVING;
+  }, absl::Seconds(20))) << (info.ok() ? info->ShortDebugString() : info.status().ToString());
+  ASSERT_EQ(info->groups_size(), 1);
+  const v1::GroupInfo& group = info->groups(0);
+  EXPECT_EQ(group.world_size(), 2);
+  EXPECT_NE(group.epoch(), 0u);
+  ASSERT_EQ(group.members_size(), 2);
+  for (int r = 0; r < 2; ++r) {
+    const v1::MemberInfo& m = group.members(r);
+    EXPECT_EQ(m.rank(), r);
+    EXPECT_EQ(m.address(), cluster->worker_address(r));
+    EXPECT_EQ(m.device(), "cpu");
+    EXPECT_TRUE(m.alive());
+    EXPECT_EQ(m.epoch(), group.epoch());
+    EXPECT_GE(m.last_heartbeat_ms(), 0);
+    EXPECT_LT(m.last_heartbeat_ms(), 1000);
+    EXPECT_EQ(m.loaded_tables_size(), 0);
+  }
+  ASSERT_TRUE(
+      c->CreateTable(MakeTable("t", v1::TABLE_KIND_EMBEDDING, 20, 4, 1, {1, 0}, TempDir()).spec)
+          .ok());
+  ASSERT_TRUE(WaitFor([&] {
+    info = c->DescribeCluster();
+    if (!info.ok()) return false;
+    for (const v1::MemberInfo& m : info->groups(0).members()) {
+      if (m.serving_tables_size() != 1 || m.loaded_tables_size() != 1) return false;
+    }
+    return true;
+  }, absl::Seconds(10))) << info->ShortDebugString();
+  EXPECT_EQ(info->groups(0).members(1).serving_tables(0), "t");
+  // A worker that dies: not alive once silent for the liveness timeout, and the group broken.
+  ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  ASSERT_TRUE(WaitFor([&] {
+    info = c->DescribeCluster();
+    return info.ok() && !info->groups(0).members(1).alive() &&
+           info->groups(0).state() == v1::GROUP_STATE_BROKEN;
+  }, absl::Seconds(10))) << info->ShortDebugString();
+  EXPECT_GE(info->groups(0).members(1).last_heartbeat_ms(), 600);
+  EXPECT_TRUE(info->groups(0).members(0).alive());
+}
+
 // A seeded table of 1 GiB over two workers: its load takes a while (seconds here).
 v1::TableSpec BigSeeded(const std::string& name) {
   v1::TableSpec spec;

@@ -2,6 +2,7 @@
 // against the unsharded LibTorch op, concurrent callers, streams, and export.
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -9,10 +10,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -232,6 +235,13 @@ TEST(Cluster, StreamPipelinesManyBatchesOnOneStream) {
   }
 }
 
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
 TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
   auto cluster = StartCluster(3);
   ASSERT_NE(cluster, nullptr);
@@ -260,7 +270,17 @@ TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
     ASSERT_EQ(b->bytes, shape.out * 4);
     EXPECT_EQ(std::memcmp(w->data, t.weight.data_ptr<float>(), w->bytes), 0);
     EXPECT_EQ(std::memcmp(b->data, t.bias.data_ptr<float>(), b->bytes), 0);
+    // Streamed to the client instead (ExportTableStream, 1 MiB chunks): the same file, byte for
+    // byte, of the table's tensors.
+    const std::string streamed = absl::StrCat(dir, "/", t.spec.name(), ".streamed");
+    absl::StatusOr<int64_t> bytes = c->ExportTo(t.spec.name(), streamed);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    const std::string server_side = ReadAll(out);
+    EXPECT_EQ(*bytes, static_cast<int64_t>(server_side.size()));
+    EXPECT_TRUE(ReadAll(streamed) == server_side) << t.spec.name();
   }
+  EXPECT_EQ(c->ExportTo("none", dir + "/none").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(::access((dir + "/none").c_str(), F_OK), 0);  // nothing left behind
 }
 
 // Checkpoints whose weights hold NaNs (both signs, several payloads), infinities and zeros of both

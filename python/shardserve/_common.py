@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _safetensors
-from .errors import InvalidArgumentError, code_from_number, error_for_code
+from .errors import InternalError, InvalidArgumentError, code_from_number, error_for_code
 
 # Like the C++ side's (server/grpc_settings.h): a request may carry 2^26 ids and an answer 2^27
 # floats, far over gRPC's 4 MiB default.
@@ -333,20 +333,53 @@ def build_spec(
     return spec, written
 
 
-def export_path(path: Optional[str]) -> Tuple[str, bool]:
-    """(absolute path for ExportTable, whether it is a temporary file to delete after reading)."""
+class ExportAssembly:
+    """The file an ExportTableStream sends, put together from its chunks: each must continue the
+    file where the last ended, within the size the first announced."""
+
+    def __init__(self, table: str) -> None:
+        self.table = table
+        self.buf: Optional[bytearray] = None
+        self.written = 0
+
+    def add(self, chunk: Any) -> None:
+        data = chunk.data
+        if self.buf is None:
+            self.buf = bytearray(chunk.file_bytes)
+        if (chunk.offset != self.written or chunk.file_bytes != len(self.buf)
+                or self.written + len(data) > len(self.buf)):
+            raise InternalError(
+                f"export of {self.table!r}: a chunk of {len(data)} bytes at offset "
+                f"{chunk.offset} of {chunk.file_bytes} after {self.written} bytes"
+            )
+        self.buf[self.written : self.written + len(data)] = data
+        self.written += len(data)
+
+    def finish(self) -> bytearray:
+        if self.buf is None or self.written != len(self.buf):
+            total = 0 if self.buf is None else len(self.buf)
+            raise InternalError(
+                f"export of {self.table!r}: the stream ended after {self.written} of {total} bytes"
+            )
+        return self.buf
+
+
+def check_export_target(path: Optional[str]) -> None:
+    """Refuses, before anything is streamed, a ``path`` an export may not write here: in a
+    directory that does not exist, or over anything but a regular file (a FIFO would block)."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
+        raise InvalidArgumentError(f"path {path!r}: directory {directory!r} does not exist")
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise InvalidArgumentError(f"path {path!r}: exists and is not a regular file")
+
+
+def finish_export(table: str, buf: bytearray, path: Optional[str]) -> Dict[str, np.ndarray]:
+    """The tensors of an exported file (views into ``buf``), written to ``path`` here first if
+    given."""
     if path is not None:
-        return os.path.abspath(path), False
-    name = f"shardserve-export-{uuid.uuid4().hex}.safetensors"
-    return os.path.join(tempfile.gettempdir(), name), True
-
-
-def read_export(path: str, delete: bool) -> Dict[str, np.ndarray]:
-    try:
-        return _safetensors.read(path)
-    finally:
-        if delete:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        _safetensors.write_bytes(os.path.abspath(path), buf)
+    return _safetensors.parse(buf, f"export of {table!r}")

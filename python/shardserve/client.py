@@ -293,16 +293,48 @@ class Client:
         """``{"weight": ..., "bias": ...}`` (bias only for a linear layer that has one), as a
         state dict of the module the table stands for.
 
-        The coordinator writes a safetensors file at ``path`` on its own machine (default: a
-        temporary file, removed after reading) and the client reads it back: the path must be
-        readable here too (same machine or shared file system). ``numpy``: True for numpy
-        arrays, False for torch tensors, None (default) for torch when it is installed.
+        The coordinator streams the table's safetensors file to this client (ExportTableStream:
+        no file system is shared); with ``path``, the client also writes it there, on this
+        machine. Every shard comes from the same creation of the table (ABORTED if it was created
+        again meanwhile). ``numpy``: True for numpy arrays, False for torch tensors, None
+        (default) for torch when it is installed.
         """
-        target, temporary = _common.export_path(path)
-        self._admin_call(
-            "ExportTable", self._pb.ExportTableRequest(name=table, path=target), deadline
-        )
-        return _as_kind(_common.read_export(target, temporary), numpy)
+        _common.check_export_target(path)
+        buf = self._export_bytes(table, time.monotonic() + self._timeout(deadline))
+        return _as_kind(_common.finish_export(table, buf, path), numpy)
+
+    def describe_cluster(self, *, deadline: Optional[float] = None) -> Any:
+        """The coordinator's view of the workers, a ``shardserve.v1.ClusterInfo`` message: each
+        group's epoch and state, and every member (rank, address, device, alive, epoch, tables
+        held and served)."""
+        return self._admin_call("DescribeCluster", self._pb.DescribeClusterRequest(), deadline)
+
+    def _export_bytes(self, table: str, deadline_at: float) -> bytearray:
+        """The exported file's bytes; the whole stream again after UNAVAILABLE (the coordinator
+        sends nothing before it has read every shard)."""
+        request = self._pb.ExportTableStreamRequest(name=table)
+        opts = self.options
+        started = time.monotonic()
+        last: Optional[Error] = None
+        attempts = 0
+        while attempts < opts.max_attempts:
+            remaining = deadline_at - time.monotonic()
+            if remaining <= 0:
+                break
+            attempts += 1
+            assembly = _common.ExportAssembly(table)
+            try:
+                for chunk in self._admin.ExportTableStream(
+                        request, timeout=remaining, wait_for_ready=True):
+                    assembly.add(chunk)
+                return assembly.finish()
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+            if err.code != _UNAVAILABLE:
+                raise err
+            last = err
+            _sleep_until_next(opts.backoff_after(attempts - 1), deadline_at)
+        raise _give_up(last, attempts, started)
 
     # --- internals ------------------------------------------------------------------------------
 
