@@ -1,11 +1,18 @@
 #include "client/client.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "core/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -98,7 +105,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
 // UNAVAILABLE (e.g. a connection that broke while the coordinator restarted).
 template <typename Request, typename Response, typename Method>
 absl::Status Client::CallAdmin(Method method, const Request& request, Response* response) {
-  const absl::Time deadline = absl::Now() + options_.deadline;
+  return CallAdminUntil(method, request, response, absl::Now() + options_.deadline);
+}
+
+template <typename Request, typename Response, typename Method>
+absl::Status Client::CallAdminUntil(Method method, const Request& request, Response* response,
+                                    absl::Time deadline) {
   absl::Status status;
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
     grpc::ClientContext context;
@@ -117,19 +129,58 @@ absl::Status Client::CallAdmin(Method method, const Request& request, Response* 
   if (!status.ok()) return status
 
 absl::StatusOr<v1::TableInfo> Client::CreateTable(const v1::TableSpec& spec) {
+  const absl::Time deadline = absl::Now() + options_.deadline;
   v1::CreateTableRequest request;
   *request.mutable_table() = spec;
-  v1::TableInfo response;
-  SHARDSERVE_ADMIN_CALL(CreateTable, request, response);
-  router_->Forget(spec.name());  // a map read before (e.g. NOT_FOUND) is not this table's
-  return response;
+  v1::TableInfo info;
+  // (Retried on UNAVAILABLE like any admin call: CreateTable is idempotent.)
+  absl::Status status =
+      CallAdminUntil(&v1::AdminService::Stub::CreateTable, request, &info, deadline);
+  if (!status.ok()) return status;
+  router_->Forget(spec.name());  // a table of that name may have been dropped and created again
+  // The coordinator answered a margin before the deadline: wait for what is left of it. Each
+  // wait ends a margin before its own deadline, so these get shorter; below 100 ms, one would
+  // answer at once.
+  while ((info.state() == v1::TABLE_STATE_LOADING ||
+          info.state() == v1::TABLE_STATE_UNAVAILABLE) &&
+         deadline - absl::Now() > absl::Milliseconds(100)) {
+    absl::StatusOr<v1::TableInfo> waited = WaitTableUntil(spec.name(), deadline);
+    if (!waited.ok()) return waited.status();
+    info = *std::move(waited);
+  }
+  if (info.state() == v1::TABLE_STATE_FAILED) {
+    const int code = info.error_code();
+    return absl::Status(code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code)
+                                               : absl::StatusCode::kUnknown,
+                        absl::StrCat("table \"", spec.name(), "\" could not be loaded: ",
+                                     info.error()));
+  }
+  return info;
 }
 
-absl::Status Client::DropTable(const std::string& name) {
+absl::StatusOr<v1::TableInfo> Client::WaitTable(const std::string& name, absl::Duration timeout) {
+  return WaitTableUntil(name, absl::Now() + timeout);
+}
+
+absl::StatusOr<v1::TableInfo> Client::WaitTableUntil(const std::string& name,
+                                                     absl::Time deadline) {
+  v1::WaitTableRequest request;
+  request.set_name(name);  // no timeout of its own: the call's deadline bounds the wait
+  v1::TableInfo info;
+  absl::Status status =
+      CallAdminUntil(&v1::AdminService::Stub::WaitTable, request, &info, deadline);
+  if (!status.ok()) return status;
+  return info;
+}
+
+absl::Status Client::DropTable(const std::string& name, std::vector<int>* serving_ranks) {
   v1::DropTableRequest request;
   request.set_name(name);
   v1::DropTableResponse response;
   SHARDSERVE_ADMIN_CALL(DropTable, request, response);
+  if (serving_ranks != nullptr) {
+    serving_ranks->assign(response.serving_ranks().begin(), response.serving_ranks().end());
+  }
   router_->Forget(name);
   return absl::OkStatus();
 }
@@ -156,6 +207,130 @@ absl::StatusOr<v1::ExportTableResponse> Client::ExportTable(const std::string& n
   request.set_path(path);
   v1::ExportTableResponse response;
   SHARDSERVE_ADMIN_CALL(ExportTable, request, response);
+  return response;
+}
+
+namespace {
+
+// A file written under a temporary name beside its target and renamed over it once complete;
+// removed if it never is.
+class FileBeside {
+ public:
+  ~FileBeside() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!tmp_.empty()) ::unlink(tmp_.c_str());
+  }
+
+  absl::Status Open(const std::string& path) {
+    path_ = path;
+    struct stat st;
+    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("path \"", path, "\": exists and is not a regular file"));
+    }
+    static std::atomic<uint64_t> files{0};
+    tmp_ = absl::StrCat(path, ".tmp.", ::getpid(), ".", files++);
+    // Always a new file (O_EXCL, never through a link): one put there could be a FIFO.
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
+      const int error = errno;
+      tmp_.clear();
+      return absl::InvalidArgumentError(absl::StrCat("path \"", path, "\": cannot create a file "
+                                                     "beside it: ", std::strerror(error)));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Append(const std::string& data) {
+    for (size_t done = 0; done < data.size();) {
+      const ssize_t n = ::write(fd_, data.data() + done, data.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return Error("cannot write it");
+      done += static_cast<size_t>(n);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Commit() {
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) return Error("cannot write it");
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0) return Error("cannot rename it into place");
+    tmp_.clear();
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Error(const char* what) const {
+    const int error = errno;
+    const std::string message =
+        absl::StrCat("path \"", path_, "\": ", what, ": ", std::strerror(error));
+    return error == ENOSPC || error == EDQUOT ? absl::ResourceExhaustedError(message)
+                                              : absl::InternalError(message);
+  }
+
+  std::string path_, tmp_;
+  int fd_ = -1;
+};
+
+}  // namespace
+
+absl::StatusOr<int64_t> Client::ExportTo(const std::string& name, const std::string& path) {
+  const absl::Time deadline = absl::Now() + options_.deadline;
+  v1::ExportTableStreamRequest request;
+  request.set_name(name);
+  absl::Status status;
+  // The coordinator reads every shard before it sends a byte, so an attempt that fails on
+  // UNAVAILABLE (it restarted, say) has written nothing worth keeping: it starts again.
+  for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
+    FileBeside file;
+    SHARDSERVE_RETURN_IF_ERROR(file.Open(path));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    context.set_wait_for_ready(true);
+    std::unique_ptr<grpc::ClientReader<v1::ExportTableChunk>> reader =
+        admin_->ExportTableStream(&context, request);
+    v1::ExportTableChunk chunk;
+    int64_t written = 0, total = -1;
+    status = absl::OkStatus();
+    while (status.ok() && reader->Read(&chunk)) {
+      // Each chunk continues the file where the last ended, within the size the first announced.
+      if (chunk.offset() != written || (total >= 0 && chunk.file_bytes() != total) ||
+          chunk.file_bytes() < written + static_cast<int64_t>(chunk.data().size())) {
+        status = absl::InternalError(absl::StrCat(
+            "export of \"", name, "\": a chunk of ", chunk.data().size(), " bytes at offset ",
+            chunk.offset(), " of ", chunk.file_bytes(), " after ", written, " bytes"));
+        break;
+      }
+      total = chunk.file_bytes();
+      status = file.Append(chunk.data());
+      written += static_cast<int64_t>(chunk.data().size());
+    }
+    if (!status.ok()) {
+      context.TryCancel();
+      (void)reader->Finish();
+      return status;
+    }
+    status = FromGrpcStatus(reader->Finish());
+    if (status.ok() && written != total) {
+      return absl::InternalError(absl::StrCat("export of \"", name, "\": the stream ended after ",
+                                              written, " of ", total, " bytes"));
+    }
+    if (status.ok()) {
+      SHARDSERVE_RETURN_IF_ERROR(file.Commit());
+      return written;
+    }
+    if (status.code() != absl::StatusCode::kUnavailable || absl::Now() >= deadline) break;
+    absl::SleepFor(
+        std::min(options_.backoff * (1 << std::min(attempt, 6)), deadline - absl::Now()));
+  }
+  return status;
+}
+
+absl::StatusOr<v1::ClusterInfo> Client::DescribeCluster() {
+  v1::DescribeClusterRequest request;
+  v1::ClusterInfo response;
+  SHARDSERVE_ADMIN_CALL(DescribeCluster, request, response);
   return response;
 }
 

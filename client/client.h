@@ -47,12 +47,34 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& coordinator,
                                                          ClientOptions options = {});
 
+  // Creates a table - or finds the same one there: CreateTable is idempotent, so a retry after a
+  // lost answer is safe - and waits, within the client's deadline, until every rank serves it
+  // (the coordinator's CreateTable waits, then WaitTable for what is left of the deadline): its
+  // TableInfo, SERVING, or LOADING / UNAVAILABLE when the deadline came first (it goes on
+  // loading). A rank that could not load it: that load error (its code, e.g. RESOURCE_EXHAUSTED).
+  // ALREADY_EXISTS when another spec has the name; INVALID_ARGUMENT, NOT_FOUND (a checkpoint).
   absl::StatusOr<v1::TableInfo> CreateTable(const v1::TableSpec& spec);
-  absl::Status DropTable(const std::string& name);
+  // Waits up to `timeout` until `name` serves on every rank or a rank could not load it: the
+  // TableInfo then (SERVING, FAILED with error and error_code, or as it is when the time ran out;
+  // the coordinator answers a margin before the end of `timeout`). NOT_FOUND.
+  absl::StatusOr<v1::TableInfo> WaitTable(const std::string& name, absl::Duration timeout);
+  // Returns once no worker serves the table any more, within the client's deadline; if that ran
+  // out first the table is dropped all the same, and `serving_ranks` (if given) gets the ranks
+  // that still served it then (each stops at its next heartbeat reply). NOT_FOUND.
+  absl::Status DropTable(const std::string& name, std::vector<int>* serving_ranks = nullptr);
   absl::StatusOr<std::vector<v1::TableInfo>> ListTables();
   absl::StatusOr<v1::TableInfo> DescribeTable(const std::string& name);
   absl::StatusOr<v1::ExportTableResponse> ExportTable(const std::string& name,
                                                       const std::string& path);
+  // Exports the table to a safetensors file at `path` on this machine: the coordinator streams
+  // the file's bytes (ExportTableStream), written beside `path` and renamed over it once whole
+  // (a failed export leaves nothing). `path` may be relative (to this process's directory); it
+  // must not be anything but a regular file already. The file's size in bytes, or INVALID_ARGUMENT
+  // (path), NOT_FOUND, UNAVAILABLE, ABORTED (created again during the export), INTERNAL (a
+  // stream that does not add up), RESOURCE_EXHAUSTED (memory on the coordinator, or this disk).
+  absl::StatusOr<int64_t> ExportTo(const std::string& name, const std::string& path);
+  // The coordinator's view of the workers (groups, epochs, every member and its tables).
+  absl::StatusOr<v1::ClusterInfo> DescribeCluster();
 
   absl::StatusOr<DenseTensor> Embedding(const v1::EmbeddingRequest& request);
   absl::StatusOr<DenseTensor> EmbeddingBag(const v1::EmbeddingBagRequest& request);
@@ -66,6 +88,10 @@ class Client {
   absl::StatusOr<DenseTensor> CallData(const Request& request, const char* method);
   template <typename Request, typename Response, typename Method>
   absl::Status CallAdmin(Method method, const Request& request, Response* response);
+  template <typename Request, typename Response, typename Method>
+  absl::Status CallAdminUntil(Method method, const Request& request, Response* response,
+                              absl::Time deadline);
+  absl::StatusOr<v1::TableInfo> WaitTableUntil(const std::string& name, absl::Time deadline);
 
   const std::string coordinator_;
   const ClientOptions options_;

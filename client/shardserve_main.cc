@@ -7,7 +7,8 @@
 //                           [--device=cuda:0]]
 //                           [--seed=S | --checkpoint=PATH] [--padding_idx=P] [--max_norm=M]
 //                           [--norm_type=2] [--no_bias]
-//   shardserve tables | describe T | drop T | export T PATH
+//   shardserve wait T | tables | describe T | drop T | export T PATH [--on_coordinator]
+//   shardserve cluster [--json]
 //   shardserve embedding --table=T --ids='[[1,2],[3,4]]'          (or --ids_file=F)
 //   shardserve bag --table=T --ids='[1,2,3]' --offsets='[0,2]' [--weights=...]
 //   [--mode=sum|mean|max]
@@ -76,7 +77,9 @@ ABSL_FLAG(double, norm_type, 2.0, "norm_type");
 ABSL_FLAG(bool, no_bias, false, "linear without bias");
 ABSL_FLAG(std::string, place_on_groups, "",
           "create-table: the replica groups that hold the table, e.g. 0,2 (default: every group)");
-ABSL_FLAG(bool, json, false, "tables, describe, create-table: print TableInfo as JSON");
+ABSL_FLAG(bool, json, false,
+          "tables, describe, create-table, wait, cluster: print the answer as JSON (TableInfo, "
+          "ClusterInfo)");
 // data calls
 ABSL_FLAG(std::string, table, "", "table of a data call");
 ABSL_FLAG(std::string, ids, "", "ids as a JSON array");
@@ -88,6 +91,11 @@ ABSL_FLAG(bool, include_last_offset, false, "offsets end with the number of ids"
 ABSL_FLAG(std::string, input, "", "linear input as a JSON array");
 ABSL_FLAG(std::string, input_file, "", "file with the linear input as a JSON array");
 ABSL_FLAG(std::string, output, "", "write the result here instead of stdout");
+// export
+ABSL_FLAG(bool, on_coordinator, false,
+          "export: have the coordinator write PATH (absolute) on its own machine, instead of "
+          "streaming the file to PATH here");
+// cluster
 
 namespace shardserve::client {
 namespace {
@@ -185,6 +193,7 @@ std::string Json(const google::protobuf::Message& message) {
   std::string json;
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;  // group 0, state 0: present, not implied
   (void)google::protobuf::util::MessageToJsonString(message, &json, options);
   return json;
 }
@@ -202,6 +211,36 @@ void PrintInfos(const std::vector<v1::TableInfo>& infos, bool one) {
   } else {
     std::printf("[%s]\n", absl::StrJoin(objects, ",").c_str());
   }
+}
+
+int PrintCluster(const v1::ClusterInfo& cluster) {
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", Json(cluster).c_str());
+    return 0;
+  }
+  for (const v1::GroupInfo& group : cluster.groups()) {
+    std::printf("group %s  %s  epoch %llu  %d ranks\n", group.name().c_str(),
+                std::string(absl::StripPrefix(v1::GroupState_Name(group.state()), "GROUP_STATE_"))
+                    .c_str(),
+                static_cast<unsigned long long>(group.epoch()), group.world_size());
+    for (const v1::MemberInfo& m : group.members()) {
+      std::printf("    rank %d  %-6s %-21s %-5s epoch %llu%s  %s\n", m.rank(),
+                  m.device().empty() ? "-" : m.device().c_str(),
+                  m.address().empty() ? "(none)" : m.address().c_str(),
+                  m.alive() ? "alive" : "dead", static_cast<unsigned long long>(m.epoch()),
+                  m.group_broken() ? " (broken)" : "",
+                  m.last_heartbeat_ms() < 0
+                      ? "no heartbeat"
+                      : absl::StrCat("heartbeat ", m.last_heartbeat_ms(), " ms ago").c_str());
+      std::printf("        serving [%s]  loaded [%s]\n",
+                  absl::StrJoin(m.serving_tables(), ", ").c_str(),
+                  absl::StrJoin(m.loaded_tables(), ", ").c_str());
+      for (const auto& [table, error] : m.load_errors()) {
+        std::printf("        could not load %s: %s\n", table.c_str(), error.c_str());
+      }
+    }
+  }
+  return 0;
 }
 
 absl::StatusOr<v1::TableSpec> SpecFromFlags() {
@@ -450,7 +489,8 @@ int Up(const std::string& argv0) {
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "shardserve <up|create-table|tables|describe|drop|export|embedding|bag|linear> [flags]");
+      "shardserve <up|create-table|wait|tables|describe|drop|export|cluster|embedding|bag|"
+      "linear> [flags]");
   core::SetUpServingProcess();
   server::BlockShutdownSignals();  // `up` waits for them (its children start unblocked)
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
@@ -464,13 +504,35 @@ int Main(int argc, char** argv) {
   if (!client.ok()) return Fail(client.status());
   Client& c = **client;
   auto arg = [&](size_t i) -> std::string { return args.size() > i ? args[i] : ""; };
-  if (command == "create-table") {
-    absl::StatusOr<v1::TableSpec> spec = SpecFromFlags();
-    if (!spec.ok()) return Fail(spec.status());
-    absl::StatusOr<v1::TableInfo> info = c.CreateTable(*spec);
+  if (command == "create-table" || command == "wait") {
+    // create-table returns once every rank serves the table, within --deadline_ms (the client
+    // waits for it, see Client::CreateTable); a table still loading then is an error here (exit
+    // 1), though it stays created and goes on loading: `wait` waits for it again.
+    absl::StatusOr<v1::TableInfo> info;
+    if (command == "wait") {
+      info = c.WaitTable(arg(2), absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms)));
+    } else {
+      absl::StatusOr<v1::TableSpec> spec = SpecFromFlags();
+      if (!spec.ok()) return Fail(spec.status());
+      info = c.CreateTable(*spec);
+    }
     if (!info.ok()) return Fail(info.status());
     PrintInfos({*info}, /*one=*/true);
-    return 0;
+    if (info->state() == v1::TABLE_STATE_SERVING) return 0;
+    std::fprintf(stderr, "shardserve: table \"%s\" is %s after --deadline_ms=%d%s%s\n",
+                 info->spec().name().c_str(), StateName(info->state()).c_str(),
+                 absl::GetFlag(FLAGS_deadline_ms),
+                 info->error().empty() ? "" : ": ", info->error().c_str());
+    if (info->state() != v1::TABLE_STATE_FAILED) {
+      std::fprintf(stderr, "shardserve: it goes on loading; `shardserve wait %s` waits for it\n",
+                   info->spec().name().c_str());
+    }
+    return 1;
+  }
+  if (command == "cluster") {
+    absl::StatusOr<v1::ClusterInfo> cluster = c.DescribeCluster();
+    if (!cluster.ok()) return Fail(cluster.status());
+    return PrintCluster(*cluster);
   }
   if (command == "tables") {
     absl::StatusOr<std::vector<v1::TableInfo>> tables = c.ListTables();
@@ -485,14 +547,29 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (command == "drop") {
-    absl::Status status = c.DropTable(arg(2));
-    return status.ok() ? 0 : Fail(status);
+    std::vector<int> serving;
+    absl::Status status = c.DropTable(arg(2), &serving);
+    if (!status.ok()) return Fail(status);
+    if (!serving.empty()) {
+      std::fprintf(stderr,
+                   "shardserve: dropped; rank %s still served it at --deadline_ms and stops at "
+                   "its next heartbeat reply\n",
+                   absl::StrJoin(serving, ", rank ").c_str());
+    }
+    return 0;
   }
   if (command == "export") {
-    absl::StatusOr<v1::ExportTableResponse> r = c.ExportTable(arg(2), arg(3));
-    if (!r.ok()) return Fail(r.status());
-    std::printf("wrote %s (%lld bytes of tensors)\n", r->path().c_str(),
-                static_cast<long long>(r->bytes()));
+    if (absl::GetFlag(FLAGS_on_coordinator)) {
+      absl::StatusOr<v1::ExportTableResponse> r = c.ExportTable(arg(2), arg(3));
+      if (!r.ok()) return Fail(r.status());
+      std::printf("the coordinator wrote %s (%lld bytes of tensors)\n", r->path().c_str(),
+                  static_cast<long long>(r->bytes()));
+      return 0;
+    }
+    if (arg(3).empty()) return Fail(absl::InvalidArgumentError("export: give T and PATH"));
+    absl::StatusOr<int64_t> bytes = c.ExportTo(arg(2), arg(3));
+    if (!bytes.ok()) return Fail(bytes.status());
+    std::printf("wrote %s (%lld bytes)\n", arg(3).c_str(), static_cast<long long>(*bytes));
     return 0;
   }
   const std::string table = absl::GetFlag(FLAGS_table);

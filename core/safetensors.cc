@@ -301,9 +301,7 @@ absl::Status CheckOutputPath(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::Status WriteSafetensors(const std::string& path,
-                              const std::vector<SafetensorsEntry>& entries) {
-  SHARDSERVE_RETURN_IF_ERROR(CheckOutputPath(path));
+std::string SafetensorsHeader(const std::vector<SafetensorsEntry>& entries) {
   std::string header = "{";
   int64_t offset = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -315,9 +313,15 @@ absl::Status WriteSafetensors(const std::string& path,
   }
   header += "}";
   while ((8 + header.size()) % 8 != 0) header += ' ';  // align the data
-  const uint64_t len = header.size();
+  const uint64_t len = header.size();  // little-endian, as the hosts we run on
+  return std::string(reinterpret_cast<const char*>(&len), 8) + header;
+}
+
+absl::Status WriteSafetensors(const std::string& path,
+                              const std::vector<SafetensorsEntry>& entries) {
+  SHARDSERVE_RETURN_IF_ERROR(CheckOutputPath(path));
+  const std::string header = SafetensorsHeader(entries);
   std::vector<std::pair<const char*, int64_t>> pieces = {
-      {reinterpret_cast<const char*>(&len), 8},
       {header.data(), static_cast<int64_t>(header.size())}};
   for (const SafetensorsEntry& e : entries) {
     pieces.emplace_back(static_cast<const char*>(e.data), e.bytes);

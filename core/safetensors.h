@@ -64,6 +64,10 @@ struct SafetensorsEntry {
 // that exists, and not anything but a regular file already (a device, a directory, a link).
 absl::Status CheckOutputPath(const std::string& path);
 
+// What a safetensors file of `entries` holds before their data (which follows in their order):
+// the 8-byte header length and the JSON header, padded with spaces so that the data is aligned.
+std::string SafetensorsHeader(const std::vector<SafetensorsEntry>& entries);
+
 // Writes the tensors to `path` (atomically: a temporary file renamed into place; nothing is left
 // behind when it fails). `path` must pass CheckOutputPath.
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries);

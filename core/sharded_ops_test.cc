@@ -73,6 +73,15 @@ ShardingSpec Spec(int dim, const std::vector<int>& ranks) {
   return *spec;
 }
 
+// Chunks on some of the `world` ranks only (placement i on ranks[i]); the others hold nothing.
+ShardingSpec SubsetSpec(int dim, const std::vector<int>& ranks, int world) {
+  std::vector<std::string> placements;
+  for (int r : ranks) placements.push_back(absl::StrCat("rank:", r, "/cpu"));
+  absl::StatusOr<ShardingSpec> spec = ShardingSpec::Create(dim, placements, world);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return *spec;
+}
+
 // The placement orders the conformance suite runs (reference §8.1 plus W = 1, 2, 3).
 std::vector<std::vector<int>> PlacementOrders() {
   return {{0, 1, 2, 3}, {2, 3, 0, 1}, {3, 0, 1, 2}, {0}, {1, 0}, {2, 0, 1}};
@@ -756,6 +765,39 @@ TEST(ShardedOps, WorldLargerThanShardedDimServesEmptyChunks) {
   cases.pop_back();
   CheckCases(5, cases);
   CheckCases(4, four);
+}
+
+// ChunkShardingSpec with fewer placements than the group has ranks: the weight is chunked over the
+// placements (torch.chunk into as many pieces), and the ranks without one hold an empty shard but
+// bring their own requests (each is an entry rank) and take part in every exchange. Every op and
+// mode, both sharding dims, max_norm renorms, against the unsharded op.
+TEST(ShardedOps, ChunksOnASubsetOfTheRanksServeThroughRanksThatHoldNothing) {
+  struct Layout {
+    int world;
+    std::vector<int> ranks;  // placement i on ranks[i]
+  };
+  // 1 chunk on a 2-rank group (rank 0 holds nothing); 2 chunks, permuted, on 3 ranks (rank 1
+  // holds nothing); 2 chunks on 4 ranks, one of them empty (4 over 2: 2 + 2; 3 over 2: 2 + 1).
+  for (const Layout& l : {Layout{2, {1}}, Layout{3, {2, 0}}, Layout{4, {3, 1}}}) {
+    for (int dim : {0, 1}) {
+      const ShardingSpec spec = SubsetSpec(dim, l.ranks, l.world);
+      std::vector<Case> cases;
+      cases.push_back(EmbeddingCase({{5, 3}, 11, 6}, spec, true));
+      cases.push_back(EmbeddingCase({{4}, 9, 5, -2, 0.8, 3.0}, spec, true));
+      cases.push_back(EmbeddingCase({{6}, 7, 4, {}, 0.6, INFINITY}, spec, false));
+      for (PoolMode mode : {PoolMode::kSum, PoolMode::kMean, PoolMode::kMax}) {
+        cases.push_back(BagCase({{4, 3}, 10, 6, mode, {}, false, {}, 2.0, 1}, spec, true));
+        cases.push_back(BagCase({{12}, 10, 6, mode, 4, true, 0.9, 2.0}, spec, true));
+      }
+      cases.push_back(BagCase({{9}, 8, 5, PoolMode::kSum, 3, false, {}, 2.0, {}, true}, spec,
+                              true));
+      cases.push_back(LinearCase({4, 7}, 7, 5, spec, true));
+      cases.push_back(LinearCase({2, 3, 6}, 6, 9, spec, false, /*bias=*/false));
+      CheckCases(l.world, cases);
+      for (Case& kase : cases) kase.label += " (device paths)";
+      CheckCases(l.world, cases, /*separate_memory=*/true);
+    }
+  }
 }
 
 // ---- bad input: errors, nobody hangs, nothing changes ----

@@ -1,8 +1,12 @@
 // ChunkShardingSpec and the shard arithmetic of torch.chunk (reference §1).
 //
-// A ShardingSpec says which dimension of a 2-D weight is split and which rank holds each chunk:
-// placement idx holds chunk idx, and placements may be any permutation of ranks. ShardLayout turns
-// a spec plus the sharded dimension's size into per-rank offsets and sizes. Unlike PyTorch 1.13,
+// A ShardingSpec says which dimension of a 2-D weight is split and which rank of a group holds
+// each chunk: placement idx holds chunk idx, and placements may be any permutation of ranks. A spec
+// may place its chunks on a subset of the group's ranks (ChunkShardingSpec allows fewer placements
+// than ranks): the weight is split into as many chunks as there are placements, and the ranks
+// without one hold an empty shard - they still take part in every step of the group, and may be
+// the entry rank of requests, exactly as ranks whose trailing chunk is empty. ShardLayout turns a
+// spec plus the sharded dimension's size into per-rank offsets and sizes. Unlike PyTorch 1.13,
 // empty trailing chunks are legal (their rank simply holds zero rows/columns).
 //
 // Value types; thread-compatible. Parse/Create return INVALID_ARGUMENT naming the bad field.
@@ -52,19 +56,28 @@ class ShardingSpec {
   static absl::StatusOr<ShardingSpec> Create(int dim, std::vector<Placement> placements);
   // Parses placement strings, e.g. {"rank:2/cpu", "rank:0/cpu", "rank:1/cpu"}.
   static absl::StatusOr<ShardingSpec> Create(int dim, const std::vector<std::string>& placements);
+  // Chunks on some of the ranks of a group of `world_size`: at least one placement, at most
+  // `world_size`, each naming a different rank in [0, world_size).
+  static absl::StatusOr<ShardingSpec> Create(int dim, std::vector<Placement> placements,
+                                             int world_size);
+  static absl::StatusOr<ShardingSpec> Create(int dim, const std::vector<std::string>& placements,
+                                             int world_size);
   // The identity placement rank:0..W-1 on `device`.
   static ShardingSpec Contiguous(int dim, int world_size, Device device = Device());
 
   int dim() const { return dim_; }
-  int world_size() const { return static_cast<int>(placements_.size()); }
+  // The ranks of the group (those with a placement and those without).
+  int world_size() const { return static_cast<int>(placement_index_of_rank_.size()); }
+  // The chunks the weight is split into: one per placement.
+  int num_chunks() const { return static_cast<int>(placements_.size()); }
   const std::vector<Placement>& placements() const { return placements_; }
-  // Index into placements() of the chunk that `rank` holds.
+  // Index into placements() of the chunk that `rank` holds; -1 for a rank without a placement.
   int PlacementIndexOfRank(int rank) const { return placement_index_of_rank_[rank]; }
   bool IsIdentityOrder() const;
   std::string ToString() const;
 
  private:
-  ShardingSpec(int dim, std::vector<Placement> placements);
+  ShardingSpec(int dim, std::vector<Placement> placements, int world_size);
 
   int dim_;
   std::vector<Placement> placements_;
@@ -79,7 +92,8 @@ class ShardLayout {
   int64_t n() const { return n_; }
   int world_size() const { return static_cast<int>(size_of_rank_.size()); }
   int64_t split() const { return split_; }
-  // First index and number of indices of the chunk held by `rank`.
+  // First index and number of indices of the chunk held by `rank` (n and 0 for a rank without a
+  // placement, as for an empty trailing chunk).
   int64_t OffsetOfRank(int rank) const { return offset_of_rank_[rank]; }
   int64_t SizeOfRank(int rank) const { return size_of_rank_[rank]; }
   // Rank that holds index i (0 <= i < n).

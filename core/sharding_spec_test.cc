@@ -53,6 +53,46 @@ TEST(ShardingSpec, EmptyTrailingChunkWhenWorldExceedsDim) {
   EXPECT_EQ(layout.OwnerOf(2), 2);
 }
 
+TEST(ShardingSpec, ChunksOnASubsetOfTheGroupLeaveTheOtherRanksEmpty) {
+  // ChunkShardingSpec with 2 placements on a group of 4: torch.chunk(n, 2), ranks 0 and 2 hold
+  // nothing (offset n, size 0: as an empty trailing chunk).
+  absl::StatusOr<ShardingSpec> spec =
+      ShardingSpec::Create(0, std::vector<std::string>{"rank:3/cpu", "rank:1/cpu"}, 4);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->world_size(), 4);
+  EXPECT_EQ(spec->num_chunks(), 2);
+  EXPECT_EQ(spec->PlacementIndexOfRank(1), 1);
+  EXPECT_EQ(spec->PlacementIndexOfRank(0), -1);
+  EXPECT_FALSE(spec->IsIdentityOrder());
+  EXPECT_EQ(spec->ToString(), "ChunkShardingSpec(dim=0, placements=[rank:3/cpu, rank:1/cpu], "
+                              "world=4)");
+  ShardLayout layout(*spec, 7);
+  EXPECT_EQ(layout.world_size(), 4);
+  EXPECT_EQ(layout.split(), 4);
+  EXPECT_EQ(layout.OffsetOfRank(3), 0);
+  EXPECT_EQ(layout.SizeOfRank(3), 4);
+  EXPECT_EQ(layout.OffsetOfRank(1), 4);
+  EXPECT_EQ(layout.SizeOfRank(1), 3);
+  for (int empty : {0, 2}) {
+    EXPECT_EQ(layout.OffsetOfRank(empty), 7);
+    EXPECT_EQ(layout.SizeOfRank(empty), 0);
+  }
+  EXPECT_EQ(layout.OwnerOf(3), 3);
+  EXPECT_EQ(layout.OwnerOf(4), 1);
+  // One placement on a group of two: rank 1 holds it all.
+  ShardLayout one(*ShardingSpec::Create(1, std::vector<std::string>{"rank:1"}, 2), 5);
+  EXPECT_EQ(one.SizeOfRank(1), 5);
+  EXPECT_EQ(one.SizeOfRank(0), 0);
+  // More placements than ranks, or a rank outside the group: refused.
+  absl::StatusOr<ShardingSpec> more =
+      ShardingSpec::Create(0, std::vector<std::string>{"rank:0", "rank:1", "rank:2"}, 2);
+  EXPECT_THAT(std::string(more.status().message()),
+              HasSubstr("3 placements, but the group has 2 ranks"));
+  absl::StatusOr<ShardingSpec> outside =
+      ShardingSpec::Create(0, std::vector<std::string>{"rank:2"}, 2);
+  EXPECT_THAT(std::string(outside.status().message()), HasSubstr("rank 2 is out of range [0, 2)"));
+}
+
 TEST(ShardingSpec, PermutedPlacementsGiveOffsetsInPlacementOrder) {
   // get_chunk_sharding_params(21, 4, ...) from the reference.
   ShardLayout identity(ShardingSpec::Contiguous(0, 4), 21);

@@ -8,12 +8,34 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "core/sharding_spec.h"
 #include "core/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/table_spec.h"
 
 namespace shardserve::server {
+namespace {
+
+// What differs between a registered spec and one asked for under its name, as "field: registered
+// -> asked" lines joined with "; " (empty: the same table). The generation is the coordinator's;
+// an unset norm_type is 2 (as in nn.Embedding) and an unset dtype FLOAT32.
+std::string SpecDifference(v1::TableSpec registered, v1::TableSpec asked) {
+  for (v1::TableSpec* spec : {&registered, &asked}) {
+    spec->clear_generation();
+    if (!spec->has_norm_type()) spec->set_norm_type(2.0);
+    if (spec->dtype() == v1::DTYPE_UNSPECIFIED) spec->set_dtype(v1::FLOAT32);
+  }
+  google::protobuf::util::MessageDifferencer differencer;
+  std::string report;
+  differencer.ReportDifferencesToString(&report);
+  if (differencer.Compare(registered, asked)) return "";
+  return absl::StrJoin(absl::StrSplit(absl::StripSuffix(report, "\n"), '\n'), "; ");
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ControlPlane>> ControlPlane::Create(ControlPlaneOptions options) {
   if (options.world_size < 1 || options.world_size > 4096) {
@@ -119,9 +141,6 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
                                                         absl::Time deadline) {
   SHARDSERVE_ASSIGN_OR_RETURN(core::TableConfig config,
                               ConfigFromSpec(spec, options_.world_size));
-  if (spec.init_case() == v1::TableSpec::kCheckpoint) {
-    SHARDSERVE_RETURN_IF_ERROR(CheckCheckpoint(spec));  // (reads the file: not under the lock)
-  }
   std::set<int> placed;
   for (int g : spec.groups()) {
     if (g < 0 || g >= options_.groups || !placed.insert(g).second) {
@@ -130,11 +149,39 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
           g < 0 || g >= options_.groups ? absl::StrCat(options_.groups, ")") : ""));
     }
   }
+  const std::string name = spec.name();
+  v1::TableSpec stored = spec;
+  stored.set_dtype(v1::FLOAT32);
+  stored.clear_generation();  // output only
+  if (config.padding_idx) stored.set_padding_idx(*config.padding_idx);  // normalised
+  bool registered = false;  // a retry: the same spec is registered under the name
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = tables_.find(name);
+    registered = it != tables_.end() && SpecDifference(it->second, stored).empty();
+  }
+  if (spec.init_case() == v1::TableSpec::kCheckpoint && !registered) {
+    // (Reads the file: not under the lock.) A retry's answer does not depend on the file, which
+    // may be gone by now: it is not read again.
+    SHARDSERVE_RETURN_IF_ERROR(CheckCheckpoint(spec));
+  }
   absl::MutexLock lock(&mu_);
   SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
-  const std::string name = spec.name();
-  if (tables_.count(name)) {
-    return absl::AlreadyExistsError(absl::StrCat("table \"", name, "\" already exists"));
+  if (auto it = tables_.find(name); it != tables_.end()) {
+    const uint64_t generation = it->second.generation();
+    if (!unserved_.count(name) || LoadError(it->second) == nullptr) {
+      // A retry (its answer lost, or its wait over) finds its own table: the same answer again.
+      const std::string differs = SpecDifference(it->second, stored);
+      if (!differs.empty()) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "table \"", name, "\" already exists with another spec (registered -> asked: ",
+            differs, "); drop it first, or use another name"));
+      }
+      return AwaitCreation(name, generation, deadline);
+    }
+    // Its creation failed on the workers after its caller's wait had ended: undone now, as that
+    // wait would have, and this call creates the table anew.
+    SHARDSERVE_RETURN_IF_ERROR(UndoCreation(name));
   }
   // A placement names the device its rank holds the shard on: that rank's worker's (in every
   // group that holds the table), where the worker has registered. (Tables stored before are
@@ -153,10 +200,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
       }
     }
   }
-  v1::TableSpec stored = spec;
-  stored.set_dtype(v1::FLOAT32);
   stored.set_generation(last_generation_ + 1);
-  if (config.padding_idx) stored.set_padding_idx(*config.padding_idx);  // normalised
   const uint64_t generation = stored.generation();
   tables_[name] = std::move(stored);
   last_generation_ = generation;
@@ -165,6 +209,13 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
     last_generation_ = generation - 1;
     return s;
   }
+  unserved_.insert(name);
+  return AwaitCreation(name, generation, deadline);
+}
+
+absl::StatusOr<v1::TableInfo> ControlPlane::AwaitCreation(const std::string& name,
+                                                          uint64_t generation,
+                                                          absl::Time deadline) {
   // Wait (bounded) until every rank has loaded it, or one cannot. Errors and tables of an earlier
   // creation under this name do not count.
   auto ours = [this, &name, generation]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -177,19 +228,17 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   auto done = [this, &name, &ours, &load_error]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return stop_ || !ours() || CreationServing(name) || load_error() != nullptr;
   };
-  creating_.insert(name);  // (Reconcile leaves its generation alone meanwhile)
-  clock_.AwaitWithDeadline(mu_, absl::Condition(&done),
-                           std::min(deadline, clock_.Now() + options_.create_wait));
-  creating_.erase(creating_.find(name));
+  clock_.AwaitWithDeadline(mu_, absl::Condition(&done), WaitEnd(deadline));
+  ForgetServedCreations();
   if (const absl::Status* error = load_error()) {
-    // A rank could not load it: undo the creation, so that a failed CreateTable changes nothing.
+    // A table that has served, and that a rank could not load again since (its worker restarted
+    // and the checkpoint is gone): no creation failed, it stays as it is, FAILED.
+    if (!unserved_.count(name)) return InfoOf(tables_.at(name));
+    // A rank could not load this creation: undo it, so that a failed CreateTable changes nothing.
     const absl::Status status(error->code(), absl::StrCat("table \"", name,
                                                           "\" could not be loaded: ",
                                                           error->message()));
-    const v1::TableSpec created = tables_.at(name);
-    tables_.erase(name);
-    if (absl::Status s = SaveRegistry(); !s.ok()) {
-      tables_[name] = created;  // still registered, as on disk (state FAILED)
+    if (absl::Status s = UndoCreation(name); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat(status.message(), "; and it stays registered: ",
                                                  s.message()));
     }
@@ -199,7 +248,68 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   return InfoOf(tables_.at(name));
 }
 
-absl::Status ControlPlane::DropTable(const std::string& name) {
+absl::Status ControlPlane::UndoCreation(const std::string& name) {
+  auto it = tables_.find(name);
+  if (it == tables_.end()) return absl::OkStatus();
+  const v1::TableSpec created = std::move(it->second);
+  tables_.erase(it);
+  if (absl::Status s = SaveRegistry(); !s.ok()) {
+    tables_[name] = created;  // still registered, as on disk (state FAILED)
+    return s;
+  }
+  unserved_.erase(name);
+  return absl::OkStatus();
+}
+
+void ControlPlane::ForgetServedCreations() {
+  for (auto it = unserved_.begin(); it != unserved_.end();) {
+    it = !tables_.count(*it) || TableServing(*it) ? unserved_.erase(it) : std::next(it);
+  }
+}
+
+absl::Time ControlPlane::WaitEnd(absl::Time deadline) const {
+  const absl::Time now = clock_.Now();
+  const absl::Time longest = now + options_.create_wait;
+  if (deadline == absl::InfiniteFuture()) return longest;
+  // The answer leaves a margin before the caller gives up: a tenth of the time left, 50 ms at
+  // least (a deadline that close, or past, gets it at once).
+  const absl::Duration margin = std::max(absl::Milliseconds(50), (deadline - now) / 10);
+  return std::min(longest, deadline - margin);
+}
+
+absl::StatusOr<v1::TableInfo> ControlPlane::WaitTable(const std::string& name,
+                                                      absl::Duration timeout,
+                                                      absl::Time deadline) {
+  if (timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout_ms: ", absl::ToInt64Milliseconds(timeout),
+                     " must be >= 0 (0: as long as the call's deadline allows)"));
+  }
+  absl::MutexLock lock(&mu_);
+  SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
+  if (!tables_.count(name)) {
+    return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
+  }
+  // Whatever the table's generation now (it may be created again, or loaded again after a
+  // restart, meanwhile): the wait is for the name to serve.
+  auto done = [this, &name]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    auto it = tables_.find(name);
+    return stop_ || it == tables_.end() || TableServing(name) || LoadError(it->second) != nullptr;
+  };
+  const absl::Time until = timeout == absl::InfiniteDuration()
+                               ? WaitEnd(deadline)
+                               : std::min(WaitEnd(deadline), clock_.Now() + timeout);
+  clock_.AwaitWithDeadline(mu_, absl::Condition(&done), until);
+  ForgetServedCreations();
+  auto it = tables_.find(name);
+  if (it == tables_.end()) {
+    return absl::NotFoundError(absl::StrCat("table \"", name, "\" was dropped while waited for"));
+  }
+  return InfoOf(it->second);
+}
+
+absl::StatusOr<v1::DropTableResponse> ControlPlane::DropTable(const std::string& name,
+                                                              absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
   auto it = tables_.find(name);
@@ -222,7 +332,38 @@ absl::Status ControlPlane::DropTable(const std::string& name) {
     replica_generations_.insert(replicas.begin(), replicas.end());
     return s;
   }
-  return absl::OkStatus();
+  unserved_.erase(name);
+  // Until a worker has reported since the drop, it may still serve the table: its last report was
+  // built before it applied a reply without it. A report sent since that does not list it was
+  // built after such a reply (a worker has one heartbeat in flight at a time), and no later reply
+  // lists it again - unless the name is created anew, which ends the wait.
+  std::vector<const Member*> members;
+  std::vector<uint64_t> heard;
+  for (const Group& g : groups_) {
+    for (const Member& m : g.members) {
+      members.push_back(&m);
+      heard.push_back(m.heartbeats);
+    }
+  }
+  auto serves = [this, &name, &members, &heard](size_t w) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const Member& m = *members[w];
+    if (!Alive(m)) return false;
+    return m.heartbeats == heard[w] ||
+           std::find(m.serving.begin(), m.serving.end(), name) != m.serving.end();
+  };
+  auto done = [this, &name, &serves, &members]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    if (stop_ || tables_.count(name)) return true;
+    for (size_t w = 0; w < members.size(); ++w) {
+      if (serves(w)) return false;
+    }
+    return true;
+  };
+  clock_.AwaitWithDeadline(mu_, absl::Condition(&done), WaitEnd(deadline));
+  v1::DropTableResponse response;
+  for (size_t w = 0; w < members.size() && !tables_.count(name); ++w) {
+    if (serves(w)) response.add_serving_ranks(static_cast<int>(w));  // group * W + rank
+  }
+  return response;
 }
 
 absl::StatusOr<std::vector<v1::TableInfo>> ControlPlane::ListTables() const {
@@ -243,10 +384,59 @@ absl::StatusOr<v1::TableInfo> ControlPlane::DescribeTable(const std::string& nam
   return InfoOf(it->second);
 }
 
+v1::ClusterInfo ControlPlane::DescribeCluster() const {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  v1::ClusterInfo cluster;
+  for (int g = 0; g < options_.groups; ++g) {
+    const Group& group = groups_[g];
+    v1::GroupInfo* info = cluster.add_groups();
+    info->set_name(absl::StrCat("g", g));
+    info->set_world_size(options_.world_size);
+    info->set_epoch(group.epoch);
+    bool broken = false;
+    for (size_t r = 0; r < group.members.size(); ++r) {
+      const Member& m = group.members[r];
+      broken = broken || !Alive(m) || (m.broken && m.epoch == group.epoch && group.epoch != 0);
+      v1::MemberInfo* member = info->add_members();
+      member->set_rank(static_cast<int>(r));
+      member->set_address(m.address);
+      member->set_device(m.device);
+      member->set_alive(Alive(m));
+      member->set_epoch(m.epoch);
+      member->set_group_broken(m.broken);
+      member->set_last_heartbeat_ms(m.last_seen == absl::InfinitePast()
+                                        ? -1
+                                        : absl::ToInt64Milliseconds(now - m.last_seen));
+      member->set_incarnation(m.incarnation);
+      for (const std::string& name : m.loaded) member->add_loaded_tables(name);
+      for (const std::string& name : m.serving) member->add_serving_tables(name);
+      for (const auto& [name, error] : m.load_errors) {
+        (*member->mutable_load_errors())[name] = std::string(error.second.message());
+      }
+    }
+    info->set_state(group.learning   ? v1::GROUP_STATE_LEARNING
+                    : GroupServing(g) ? v1::GROUP_STATE_SERVING
+                    : broken          ? v1::GROUP_STATE_BROKEN
+                                      : v1::GROUP_STATE_FORMING);
+  }
+  return cluster;
+}
+
 absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanExport(
     const std::string& name, const std::string& path) const {
   // The path is on this machine: checked before any shard is read (and again when written).
   SHARDSERVE_RETURN_IF_ERROR(CheckExportPath(path, options_.state_dir));
+  return PlanReads(name, path);
+}
+
+absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanStreamedExport(
+    const std::string& name) const {
+  return PlanReads(name, /*path=*/"");
+}
+
+absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanReads(
+    const std::string& name, const std::string& path) const {
   v1::TableSpec spec;
   std::vector<std::string> addresses;
   {
@@ -299,6 +489,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   if (request.group_broken() && !m.broken) m.broken_since = now;
   m.broken = request.group_broken();
   m.last_seen = now;
+  ++m.heartbeats;
   m.loaded.assign(request.loaded_tables().begin(), request.loaded_tables().end());
   m.loaded_specs.clear();
   for (const v1::TableSpec& spec : request.loaded_specs()) m.loaded_specs[spec.name()] = spec;
@@ -318,6 +509,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     ReloadAfterPartialRenorm(g, request.rank(), held);
   }
   Reconcile(g);
+  ForgetServedCreations();
   v1::internal::HeartbeatResponse response;
   response.set_world_size(options_.world_size);
   if (group.learning) {
@@ -341,7 +533,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     if (!PlacedOn(spec, g)) continue;
     *response.add_tables() = SpecFor(spec, g);
     if (TableReady(name, g)) response.add_serving_tables(name);
-    if (creating_.count(name)) response.add_creating_tables(name);
+    if (unserved_.count(name)) response.add_creating_tables(name);
     if (const absl::Status* error = LoadError(spec)) {
       (*response.mutable_load_errors())[name] = std::string(error->message());
     }
@@ -456,6 +648,7 @@ ServingState ControlPlane::Serving() const {
 void ControlPlane::Tick() {
   absl::MutexLock lock(&mu_);
   Reconcile();
+  ForgetServedCreations();
 }
 
 uint64_t ControlPlane::epoch(int group) const {
@@ -594,7 +787,10 @@ v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
   }
   // SERVING while any replica serves (the error, if any, says why another could not load it).
   const absl::Status* error = LoadError(spec);
-  if (error != nullptr) info.set_error(std::string(error->message()));
+  if (error != nullptr) {
+    info.set_error(std::string(error->message()));
+    info.set_error_code(static_cast<int>(error->code()));
+  }
   info.set_state(serving            ? v1::TABLE_STATE_SERVING
                  : error != nullptr ? v1::TABLE_STATE_FAILED
                  : held_somewhere   ? v1::TABLE_STATE_UNAVAILABLE
@@ -614,9 +810,9 @@ v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
 void ControlPlane::ReloadAfterPartialRenorm(int group, int rank, const v1::TableSpec& held) {
   auto it = tables_.find(held.name());
   // Another generation than the rank held: its group's workers load that one anew anyway. While
-  // its CreateTable still waits, the rank reports again at its next heartbeats.
+  // its creation has not served yet, the rank reports again at its next heartbeats.
   if (it == tables_.end() || SpecFor(it->second, group).generation() != held.generation() ||
-      creating_.count(held.name())) {
+      unserved_.count(held.name())) {
     return;
   }
   const std::pair<std::string, int> replica(held.name(), group);
@@ -767,7 +963,7 @@ void ControlPlane::Reconcile(int g) {
   bool reloads = false;
   for (auto& [name, spec] : tables_) {
     if (!(fresh && kept) || !PlacedOn(spec, g) || !spec.has_max_norm() ||
-        spec.sharding().dim() != 1 || creating_.count(name) ||
+        spec.sharding().dim() != 1 || unserved_.count(name) ||
         reloaded_while_down_.count({name, g})) {
       continue;
     }

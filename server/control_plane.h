@@ -11,11 +11,13 @@
 //   - the rendezvous stores the workers form their groups over (GroupRendezvous, one per group);
 //   - each table's placement over groups (TableSpec.groups: all by default), its state per
 //     replica and overall (TableInfo: SERVING while any replica serves, LOADING, UNAVAILABLE,
-//     FAILED with its error), the wait of CreateTable, export planning (TableExport), and routing
-//     (PickWorker, over the serving groups).
+//     FAILED with its error), the waits of CreateTable and WaitTable, export planning
+//     (TableExport), and routing (PickWorker, over the serving groups).
 //
 // Time comes from a Clock (a fake in tests): liveness, join grace, the broken-group timer and
-// every wait run on it. Every wait is bounded.
+// every wait run on it. Every wait is bounded: an admin call's wait ends a margin before its
+// caller's deadline (a tenth of the time left, at least 50 ms), so that the answer - the state
+// the wait ended in - reaches the caller before it gives up, and after create_wait at most.
 //
 // Thread-safe: every public method may be called from any thread. One lock guards the state; the
 // registry is written under it (a save is a few small writes and two fsyncs).
@@ -58,7 +60,7 @@ struct ControlPlaneOptions {
   // (its tables are learnt when it reports in full; one created meanwhile under a name it holds
   // replaces its copy).
   absl::Duration learn_time = absl::Seconds(4);
-  absl::Duration create_wait = absl::Seconds(30);  // CreateTable waits at most this long
+  absl::Duration create_wait = absl::Seconds(30);  // an admin call waits at most this long
   Clock* clock = nullptr;    // not owned; null: Clock::Real()
   FileOps* files = nullptr;  // not owned, for the registry; null: FileOps::Posix()
 };
@@ -90,24 +92,50 @@ class ControlPlane {
   void Shutdown();
 
   // --- Admin (AdminService) ---
-  // Registers `spec` (validated; a new generation) and waits until every rank serves it, a rank
-  // cannot load it, or `deadline` (at most create_wait from now): the table's TableInfo (SERVING,
-  // or LOADING if the wait ran out). INVALID_ARGUMENT (spec, checkpoint, a placement on another
-  // device than its rank's worker serves), ALREADY_EXISTS, ABORTED (dropped while it waited), the
-  // load error's code when a rank could not load it (the creation is then undone), UNAVAILABLE
-  // while a coordinator without state_dir is still learning the tables, and the registry's
-  // RESOURCE_EXHAUSTED / INTERNAL when it cannot be saved (then nothing has changed).
+  // Registers `spec` (validated; a new generation) and waits until every rank of every formed
+  // group it is placed on serves it (and one replica at least), a rank cannot load it, or the wait
+  // for a caller whose call ends at `deadline` ends (see above): the table's TableInfo (SERVING,
+  // or LOADING / UNAVAILABLE if the wait ran out: the table stays registered and goes on
+  // loading). Idempotent: the same spec again (equal once normalised, its generation aside)
+  // registers nothing, waits for the table the same way and answers its state; another spec under
+  // the name is ALREADY_EXISTS, naming the fields that differ. A creation that failed on the
+  // workers after its caller's wait had ended (FAILED, never served) is undone by the next
+  // CreateTable of the name, which creates the table anew.
+  // INVALID_ARGUMENT (spec, groups, checkpoint, a placement on another device than its rank's
+  // worker serves), ALREADY_EXISTS, ABORTED (dropped while it waited), the load error's code when
+  // a rank could not load this creation (it is then undone), UNAVAILABLE while a coordinator
+  // without state_dir is still learning the tables, and the registry's RESOURCE_EXHAUSTED /
+  // INTERNAL when it cannot be saved (then nothing has changed).
   absl::StatusOr<v1::TableInfo> CreateTable(const v1::TableSpec& spec, absl::Time deadline);
-  // NOT_FOUND; UNAVAILABLE while learning (no state_dir); the registry's errors as above.
-  absl::Status DropTable(const std::string& name);
+  // Waits until `name` serves (on a replica) or a rank cannot load it (FAILED), for at most
+  // `timeout` (InfiniteDuration: no limit of its own) and within the caller's `deadline` as
+  // above: the TableInfo as it is then. NOT_FOUND (also when it is dropped meanwhile),
+  // INVALID_ARGUMENT (a negative timeout), UNAVAILABLE while learning (no state_dir).
+  absl::StatusOr<v1::TableInfo> WaitTable(const std::string& name, absl::Duration timeout,
+                                          absl::Time deadline);
+  // Takes `name` out of the registry, then waits until no live worker serves it: each has sent a
+  // heartbeat since that does not list it among the tables it serves (it builds that list after
+  // applying the reply that no longer has the table, and refuses calls for it from then on; a
+  // worker that is dead - silent for the liveness timeout - is not waited for). If the wait for a
+  // caller whose call ends at `deadline` runs out first (see the top), the table is dropped all
+  // the same: the answer lists the live workers that had not said so yet (as group * W + rank).
+  // NOT_FOUND; UNAVAILABLE while learning (no state_dir); the registry's errors as above (then
+  // nothing has changed).
+  absl::StatusOr<v1::DropTableResponse> DropTable(const std::string& name, absl::Time deadline);
   // UNAVAILABLE while learning (no state_dir).
   absl::StatusOr<std::vector<v1::TableInfo>> ListTables() const;
   // NOT_FOUND; UNAVAILABLE while learning (no state_dir).
   absl::StatusOr<v1::TableInfo> DescribeTable(const std::string& name) const;
+  // Every group and member as this coordinator sees them (never refused: while a group is
+  // learnt, its state says so).
+  v1::ClusterInfo DescribeCluster() const;
   // What an export of `name` to `path` reads from which rank: INVALID_ARGUMENT for the path (see
   // table_export.h), NOT_FOUND, UNAVAILABLE (not serving), RESOURCE_EXHAUSTED (no memory here).
   absl::StatusOr<std::unique_ptr<TableExport>> PlanExport(const std::string& name,
                                                           const std::string& path) const;
+  // The same, for an export streamed to the caller (TableExport::File): NOT_FOUND, UNAVAILABLE,
+  // RESOURCE_EXHAUSTED.
+  absl::StatusOr<std::unique_ptr<TableExport>> PlanStreamedExport(const std::string& name) const;
 
   // --- Workers (CoordinatorInternal) ---
   // Records a worker's heartbeat and answers what it must do for its group (while the group is
@@ -156,6 +184,7 @@ class ControlPlane {
     std::vector<std::string> serving;  // tables the worker accepts calls for
     // Tables it could not load: the generation of the spec that failed, and why.
     std::map<std::string, std::pair<uint64_t, absl::Status>> load_errors;
+    uint64_t heartbeats = 0;  // received from this rank's workers (DropTable counts them)
   };
 
   // One replica group: its members (by rank), epoch and rendezvous.
@@ -172,6 +201,20 @@ class ControlPlane {
 
   ControlPlane(ControlPlaneOptions options, Clock& clock, std::unique_ptr<RegistryStore> store);
   absl::Status LoadRegistry();
+  // PlanExport's reads, to `path` (empty: to the caller).
+  absl::StatusOr<std::unique_ptr<TableExport>> PlanReads(const std::string& name,
+                                                         const std::string& path) const;
+  // When the wait of a call that ends at `deadline` must end (see the top of this file).
+  absl::Time WaitEnd(absl::Time deadline) const;
+  // CreateTable's wait for the creation of `name` as `generation`, and its answer.
+  absl::StatusOr<v1::TableInfo> AwaitCreation(const std::string& name, uint64_t generation,
+                                              absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes a creation that failed on the workers out of the registry (a failed creation changes
+  // nothing): the registry's error if it cannot be saved (then it stays, FAILED).
+  absl::Status UndoCreation(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets the creations that now serve (or are gone).
+  void ForgetServedCreations() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SaveRegistry() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // UNAVAILABLE while a coordinator without a registry has not learnt the tables yet.
   absl::Status RefuseWhileLearning() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -222,7 +265,10 @@ class ControlPlane {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, v1::TableSpec> tables_ ABSL_GUARDED_BY(mu_);
   uint64_t last_generation_ ABSL_GUARDED_BY(mu_) = 0;  // TableSpec.generation, persisted
-  std::multiset<std::string> creating_ ABSL_GUARDED_BY(mu_);  // tables CreateTable waits for
+  // Tables created and not served yet (this creation): calls for them are refused as being
+  // created; Reconcile leaves their generation alone; a failure to load them undoes them. (Not
+  // persisted: after a restart, tables not served yet are loaded as any other.)
+  std::set<std::string> unserved_ ABSL_GUARDED_BY(mu_);
   // Replicas (table, group) given a new generation while their group did not serve them (after a
   // partial renorm): until it serves them, no lookup renorms their new loads, so a worker's restart
   // meanwhile reloads nothing more.

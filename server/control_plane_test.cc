@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
+#include "core/safetensors.h"
 #include "gtest/gtest.h"
 #include "server/fake_clock.h"
 #include "server/file_ops.h"
@@ -385,7 +386,7 @@ TEST_F(ControlPlaneTest, WithoutAStateDirTheTablesEveryRankHoldsAlikeAreLearnt) 
   // Until every rank has reported, nothing is known about the tables: admin calls wait.
   EXPECT_EQ(cp->ListTables().status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(cp->DescribeTable("kept").status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(cp->DropTable("kept").code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cp->DropTable("kept", clock_.Now()).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(cp->CreateTable(Seeded("kept"), clock_.Now()).status().code(),
             absl::StatusCode::kUnavailable);
   Settle(*cp, workers);
@@ -429,8 +430,195 @@ TEST_F(ControlPlaneTest, CreateTableWaitsUntilEveryRankServesIt) {
   EXPECT_EQ(created->state(), v1::TABLE_STATE_SERVING);
   EXPECT_EQ(created->shards_size(), 2);
   EXPECT_EQ(created->shards(1).address(), workers[1].Request().address());
-  EXPECT_EQ(cp->CreateTable(Seeded("t"), clock_.Now()).status().code(),
-            absl::StatusCode::kAlreadyExists);
+  // The same spec again finds the table: OK, its state, nothing registered anew. Another spec
+  // under the name is refused, saying what differs.
+  absl::StatusOr<v1::TableInfo> again = cp->CreateTable(Seeded("t"), clock_.Now());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(again->spec().generation(), created->spec().generation());
+  v1::TableSpec other = Seeded("t");
+  other.set_num_rows(12);
+  absl::Status s = cp->CreateTable(other, clock_.Now()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("num_rows: 10 -> 12"));
+}
+
+// The answer must reach the caller before its deadline: the wait ends a tenth of the time left
+// before it (50 ms at least), with the state then - never at the deadline itself, which used to
+// turn a registered table into a DEADLINE_EXCEEDED.
+TEST_F(ControlPlaneTest, CreateTableEndsItsWaitAMarginBeforeTheDeadline) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  workers[1].loads = false;
+  const absl::Time start = clock_.Now();
+  std::atomic<bool> done{false};
+  absl::StatusOr<v1::TableInfo> created;
+  std::thread create([&] {
+    created = cp->CreateTable(Seeded("t"), start + absl::Seconds(2));
+    done = true;
+  });
+  while (!cp->DescribeTable("t").ok()) absl::SleepFor(absl::Milliseconds(1));  // registered
+  for (int i = 0; i < 17; ++i) {
+    clock_.Advance(absl::Milliseconds(100));
+    for (FakeWorker& w : workers) ASSERT_TRUE(w.Report(*cp).ok());
+  }
+  clock_.Advance(absl::Milliseconds(90));  // 1.79 s: the wait goes on
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(done);
+  clock_.Advance(absl::Milliseconds(20));  // 1.81 s: past 2 s - 200 ms, it ends
+  create.join();
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->state(), v1::TABLE_STATE_LOADING);
+  // A deadline closer than the least margin (or past) gets the state at once.
+  const absl::Time before = clock_.Now();
+  absl::StatusOr<v1::TableInfo> close =
+      cp->CreateTable(Seeded("t"), before + absl::Milliseconds(30));
+  ASSERT_TRUE(close.ok()) << close.status();
+  EXPECT_EQ(close->state(), v1::TABLE_STATE_LOADING);
+  EXPECT_EQ(clock_.Now(), before);
+}
+
+// A caller whose CreateTable answered LOADING retries it (the same spec: OK, the same table), then
+// waits with WaitTable until it serves; calls for it meanwhile are told it is being created.
+TEST_F(ControlPlaneTest, ARetriedCreateFindsItsTableAndWaitTableWaitsUntilItServes) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  workers[1].loads = false;
+  v1::TableSpec spec = Seeded("t");
+  spec.set_padding_idx(-1);  // registered normalised, as 9
+  absl::StatusOr<v1::TableInfo> first = cp->CreateTable(spec, clock_.Now());
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->state(), v1::TABLE_STATE_LOADING);
+  EXPECT_EQ(first->spec().padding_idx(), 9);
+  Settle(*cp, workers);
+  EXPECT_THAT(workers[0].last.creating_tables(), ElementsAre("t"));  // its wait is over
+  spec.set_generation(12345);   // output only: ignored
+  spec.set_norm_type(2.0);      // the default, said explicitly
+  absl::StatusOr<v1::TableInfo> retry = cp->CreateTable(spec, clock_.Now());
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->state(), v1::TABLE_STATE_LOADING);
+  EXPECT_EQ(retry->spec().generation(), first->spec().generation());
+  EXPECT_EQ(cp->ListTables()->size(), 1u);
+  // WaitTable: bounded by its timeout, and by the caller's deadline less the margin.
+  EXPECT_EQ(cp->WaitTable("t", absl::ZeroDuration(), absl::InfiniteFuture())->state(),
+            v1::TABLE_STATE_LOADING);
+  absl::StatusOr<v1::TableInfo> waited;
+  std::atomic<bool> done{false};
+  const absl::Time start = clock_.Now();
+  std::thread wait([&] {
+    waited = cp->WaitTable("t", absl::Milliseconds(500), absl::InfiniteFuture());
+    done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(50));  // (it has begun to wait, with the clock still)
+  Settle(*cp, workers, 9);  // 450 ms: the wait goes on
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(done);
+  Settle(*cp, workers, 2);  // 550 ms: past its timeout, it ends
+  wait.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ(waited->state(), v1::TABLE_STATE_LOADING);
+  EXPECT_EQ(clock_.Now() - start, absl::Milliseconds(550));
+  done = false;
+  std::thread serve([&] {
+    waited = cp->WaitTable("t", absl::InfiniteDuration(), clock_.Now() + absl::Seconds(20));
+    done = true;
+  });
+  Settle(*cp, workers, 3);
+  EXPECT_FALSE(done);
+  workers[1].loads = true;
+  while (!done) Settle(*cp, workers, 1);
+  serve.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ(waited->state(), v1::TABLE_STATE_SERVING);
+  Settle(*cp, workers, 1);
+  EXPECT_EQ(workers[0].last.creating_tables_size(), 0);  // served: no longer being created
+  // Bad waits.
+  EXPECT_EQ(cp->WaitTable("none", absl::ZeroDuration(), absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kNotFound);
+  absl::Status bad = cp->WaitTable("t", absl::Milliseconds(-5), absl::InfiniteFuture()).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("timeout_ms: -5"));
+}
+
+// A retry of a creation from a checkpoint finds its table even once the file is gone (the first
+// call read it; the answer does not depend on it), while a new creation from it is refused.
+TEST_F(ControlPlaneTest, ARetriedCreateFromACheckpointNeedsTheFileNoMore) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  const std::string path = NewDir() + "/t.safetensors";
+  const std::vector<float> weight(10 * 4, 0.5f);
+  ASSERT_TRUE(core::WriteSafetensors(path, {{"weight", "F32", {10, 4}, weight.data(), 160}}).ok());
+  v1::TableSpec spec = Seeded("t");
+  spec.set_checkpoint(path);
+  absl::StatusOr<v1::TableInfo> first = cp->CreateTable(spec, clock_.Now());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  absl::StatusOr<v1::TableInfo> retry = cp->CreateTable(spec, clock_.Now());
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->spec().generation(), first->spec().generation());
+  spec.set_name("u");
+  EXPECT_EQ(cp->CreateTable(spec, clock_.Now()).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ControlPlaneTest, WaitTableForATableDroppedMeanwhileIsNotFound) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  workers[1].loads = false;
+  ASSERT_TRUE(cp->CreateTable(Seeded("t"), clock_.Now()).ok());
+  absl::StatusOr<v1::TableInfo> waited;
+  absl::Notification done;
+  std::thread wait([&] {
+    waited = cp->WaitTable("t", absl::InfiniteDuration(), clock_.Now() + absl::Seconds(20));
+    done.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(50));  // (it has begun to wait)
+  Settle(*cp, workers, 2);
+  ASSERT_TRUE(cp->DropTable("t", clock_.Now()).ok());
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) Settle(*cp, workers, 1);
+  wait.join();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kNotFound) << waited.status();
+  EXPECT_THAT(std::string(waited.status().message()), HasSubstr("dropped"));
+}
+
+// A creation that fails on the workers after its caller's wait has ended stays FAILED (WaitTable
+// and DescribeTable say why, with the error's code) until the next CreateTable of the name, which
+// undoes it and creates the table anew.
+TEST_F(ControlPlaneTest, ACreationThatFailedAfterItsCallerLeftIsUndoneByTheNextCreate) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  workers[1].load_errors["t"] = "cannot allocate 1 TiB";
+  absl::StatusOr<v1::TableInfo> first = cp->CreateTable(Seeded("t"), clock_.Now());
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->state(), v1::TABLE_STATE_LOADING);
+  Settle(*cp, workers);
+  absl::StatusOr<v1::TableInfo> waited =
+      cp->WaitTable("t", absl::InfiniteDuration(), absl::InfiniteFuture());  // at once
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ(waited->state(), v1::TABLE_STATE_FAILED);
+  EXPECT_THAT(waited->error(), HasSubstr("cannot allocate 1 TiB"));
+  EXPECT_EQ(waited->error_code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  // The same spec again: undone, created anew (a new generation), and failed again - now within
+  // this call's wait, which reports the error and leaves nothing behind.
+  absl::StatusOr<v1::TableInfo> again;
+  absl::Notification done;
+  std::thread create([&] {
+    again = cp->CreateTable(Seeded("t"), absl::InfiniteFuture());
+    done.Notify();
+  });
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) Settle(*cp, workers, 1);
+  create.join();
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kResourceExhausted) << again.status();
+  EXPECT_EQ(cp->DescribeTable("t").status().code(), absl::StatusCode::kNotFound);
+  // Once the workers can load it, it is created as any other.
+  workers[1].load_errors.clear();
+  Serve(*cp, workers, {"t"});
+  EXPECT_EQ(cp->DescribeTable("t")->state(), v1::TABLE_STATE_SERVING);
+  EXPECT_GT(cp->DescribeTable("t")->spec().generation(), first->spec().generation());
 }
 
 TEST_F(ControlPlaneTest, CreateTableAnswersLoadingWhenItsDeadlinePasses) {
@@ -490,6 +678,11 @@ TEST_F(ControlPlaneTest, TableStatesFollowTheRanks) {
   absl::StatusOr<v1::TableInfo> info = cp->DescribeTable("t");
   EXPECT_EQ(info->state(), v1::TABLE_STATE_FAILED);
   EXPECT_THAT(info->error(), HasSubstr("checkpoint gone"));
+  // It served before: no creation failed, and the same spec again answers it as it is.
+  absl::StatusOr<v1::TableInfo> again = cp->CreateTable(Seeded("t"), clock_.Now());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->state(), v1::TABLE_STATE_FAILED);
+  EXPECT_EQ(again->spec().generation(), info->spec().generation());
   absl::StatusOr<HeartbeatResponse> r = cp->Heartbeat(workers[0].Request());
   EXPECT_THAT(r->load_errors().at("t"), HasSubstr("checkpoint gone"));
   // Not loaded on every rank, no error: LOADING.
@@ -502,14 +695,84 @@ TEST_F(ControlPlaneTest, ADroppedTableIsGoneFromTheRegistryAndTheHeartbeats) {
   auto cp = Make();
   std::vector<FakeWorker> workers = Workers();
   Serve(*cp, workers, {"a", "b"});
-  ASSERT_TRUE(cp->DropTable("a").ok());
-  EXPECT_EQ(cp->DropTable("a").code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(cp->DropTable("a", clock_.Now()).ok());
+  EXPECT_EQ(cp->DropTable("a", clock_.Now()).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(cp->DescribeTable("a").status().code(), absl::StatusCode::kNotFound);
   Settle(*cp, workers);
   ASSERT_EQ(workers[0].last.tables_size(), 1);
   EXPECT_EQ(workers[0].last.tables(0).name(), "b");
   EXPECT_FALSE(workers[0].loaded.count("a"));
   EXPECT_EQ(cp->Serving().tables.count("a"), 0u);
+}
+
+// DropTable returns once every live worker has reported, since the drop, that it no longer serves
+// the table - the report it builds after the reply without the table - and not before.
+TEST_F(ControlPlaneTest, DropTableReturnsOnceNoLiveRankServesTheTable) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"a", "b"});
+  absl::StatusOr<v1::DropTableResponse> dropped;
+  std::atomic<bool> done{false};
+  std::thread drop([&] {
+    dropped = cp->DropTable("a", clock_.Now() + absl::Seconds(10));
+    done = true;
+  });
+  while (cp->DescribeTable("a").ok()) absl::SleepFor(absl::Milliseconds(1));  // out of the registry
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(done);  // no worker has heard of it yet
+  // Each worker's first report since still lists it (built before the reply that drops it).
+  for (FakeWorker& w : workers) {
+    EXPECT_TRUE(w.Request().serving_tables().size() == 2);
+    ASSERT_TRUE(w.Report(*cp).ok());
+  }
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(done);
+  ASSERT_TRUE(workers[0].Report(*cp).ok());  // rank 0 no longer serves it; rank 1 has not said
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(done);
+  ASSERT_TRUE(workers[1].Report(*cp).ok());
+  drop.join();
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->serving_ranks_size(), 0);
+  EXPECT_THAT(workers[1].serving, ElementsAre("b"));
+}
+
+// A dead worker is not waited for; a live one that goes on serving the table (it does not apply
+// the replies) holds the drop until the caller's deadline less the margin: the table is dropped
+// all the same, and the answer names the rank.
+TEST_F(ControlPlaneTest, DropTableWaitsForLiveRanksOnlyAndNamesThoseStillServingAtItsDeadline) {
+  auto cp = Make(3);
+  std::vector<FakeWorker> workers = Workers(3);
+  Serve(*cp, workers, {"a"});
+  for (int i = 0; i < 16; ++i) {  // rank 2 falls silent: dead after the liveness timeout
+    clock_.Advance(absl::Milliseconds(100));
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(workers[r].Report(*cp).ok());
+  }
+  // Rank 1 goes on serving "a" whatever it is told (its replies are lost, say). (With rank 2
+  // dead, the group no longer serves it: a worker that applies the replies does not.)
+  HeartbeatRequest stuck = workers[1].Request();
+  stuck.clear_serving_tables();
+  stuck.add_serving_tables("a");
+  absl::StatusOr<v1::DropTableResponse> dropped;
+  std::atomic<bool> done{false};
+  const absl::Time start = clock_.Now();
+  std::thread drop([&] {
+    dropped = cp->DropTable("a", start + absl::Seconds(1));
+    done = true;
+  });
+  while (cp->DescribeTable("a").ok()) absl::SleepFor(absl::Milliseconds(1));
+  for (int i = 0; i < 8; ++i) {  // 800 ms
+    clock_.Advance(absl::Milliseconds(100));
+    ASSERT_TRUE(workers[0].Report(*cp).ok());
+    ASSERT_TRUE(cp->Heartbeat(stuck).ok());
+  }
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(done);
+  clock_.Advance(absl::Milliseconds(110));  // 910 ms: past 1 s - 100 ms
+  drop.join();
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_THAT(dropped->serving_ranks(), ElementsAre(1));
+  EXPECT_EQ(cp->DescribeTable("a").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(ControlPlaneTest, BadSpecsAndPlacementsOnAnotherDeviceAreRefused) {
@@ -581,6 +844,13 @@ TEST_F(ReplicaGroupsTest, GroupsFormApartAndOnesRestartLeavesTheOtherAlone) {
   Settle(*cp_, rest);
   EXPECT_THAT(cp_->Serving().groups, ElementsAre(false, true));
   EXPECT_TRUE(cp_->Serving().group);
+  v1::ClusterInfo cluster = cp_->DescribeCluster();
+  ASSERT_EQ(cluster.groups_size(), 2);
+  EXPECT_EQ(cluster.groups(0).name(), "g0");
+  EXPECT_EQ(cluster.groups(0).state(), v1::GROUP_STATE_BROKEN);
+  EXPECT_FALSE(cluster.groups(0).members(1).alive());
+  EXPECT_EQ(cluster.groups(1).state(), v1::GROUP_STATE_SERVING);
+  EXPECT_EQ(cluster.groups(1).epoch(), e1);
   for (int i = 0; i < 4; ++i) EXPECT_EQ(cp_->PickWorker()->group, 1);
   // It comes back: group 0 forms anew, group 1 is untouched.
   workers_ = {rest[0], Restarted(workers_[1]), rest[1], rest[2]};
@@ -723,6 +993,59 @@ TEST_F(ReplicaGroupsTest, WithoutAStateDirAReplicasOwnGenerationIsLearnt) {
   EXPECT_EQ(info->replicas(1).state(), v1::TABLE_STATE_SERVING);
 }
 
+// --- The cluster's description ---
+
+TEST_F(ControlPlaneTest, DescribeClusterShowsTheGroupAndEveryMemberAsTheyChange) {
+  auto cp = Make();
+  // Before every rank has reported: the coordinator is learning the group.
+  v1::ClusterInfo info = cp->DescribeCluster();
+  ASSERT_EQ(info.groups_size(), 1);
+  EXPECT_EQ(info.groups(0).state(), v1::GROUP_STATE_LEARNING);
+  ASSERT_EQ(info.groups(0).members_size(), 2);
+  EXPECT_FALSE(info.groups(0).members(1).alive());
+  EXPECT_EQ(info.groups(0).members(1).last_heartbeat_ms(), -1);
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"t"});
+  workers[1].load_errors["u"] = "no memory";
+  ASSERT_TRUE(workers[1].Report(*cp).ok());
+  clock_.Advance(absl::Milliseconds(30));
+  info = cp->DescribeCluster();
+  const v1::GroupInfo& g = info.groups(0);
+  EXPECT_EQ(g.name(), "g0");
+  EXPECT_EQ(g.state(), v1::GROUP_STATE_SERVING);
+  EXPECT_EQ(g.epoch(), cp->epoch());
+  EXPECT_EQ(g.world_size(), 2);
+  const v1::MemberInfo& m = g.members(1);
+  EXPECT_EQ(m.rank(), 1);
+  EXPECT_EQ(m.address(), workers[1].Request().address());
+  EXPECT_EQ(m.device(), "cpu");
+  EXPECT_TRUE(m.alive());
+  EXPECT_EQ(m.epoch(), cp->epoch());
+  EXPECT_EQ(m.incarnation(), 101u);
+  EXPECT_EQ(m.last_heartbeat_ms(), 30);
+  EXPECT_THAT(m.loaded_tables(), ElementsAre("t"));
+  EXPECT_THAT(m.serving_tables(), ElementsAre("t"));
+  EXPECT_THAT(m.load_errors().at("u"), HasSubstr("no memory"));
+  // Rank 1 falls silent: dead, and the group broken until it is back.
+  for (int i = 0; i < 16; ++i) {
+    clock_.Advance(absl::Milliseconds(100));
+    ASSERT_TRUE(workers[0].Report(*cp).ok());
+  }
+  info = cp->DescribeCluster();
+  EXPECT_EQ(info.groups(0).state(), v1::GROUP_STATE_BROKEN);
+  EXPECT_FALSE(info.groups(0).members(1).alive());
+  EXPECT_TRUE(info.groups(0).members(0).alive());
+  // A new worker process on rank 1: a new epoch forms.
+  workers[1].incarnation = 777;
+  workers[1].joined = 0;
+  ASSERT_TRUE(workers[1].Report(*cp).ok());
+  cp->Tick();
+  info = cp->DescribeCluster();
+  EXPECT_EQ(info.groups(0).state(), v1::GROUP_STATE_FORMING);
+  Settle(*cp, workers);
+  EXPECT_EQ(cp->DescribeCluster().groups(0).state(), v1::GROUP_STATE_SERVING);
+}
+
 // --- The registry ---
 
 TEST_F(ControlPlaneTest, TablesAndGenerationsSurviveARestart) {
@@ -779,7 +1102,7 @@ TEST_F(ControlPlaneTest, AFailedSaveFailsTheCallAndChangesNothing) {
   absl::Status s = cp->CreateTable(Seeded("new"), absl::InfiniteFuture()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr(state + "/tables.pb"));
-  s = cp->DropTable("kept");
+  s = cp->DropTable("kept", absl::InfiniteFuture()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   absl::StatusOr<std::vector<v1::TableInfo>> tables = cp->ListTables();
   ASSERT_EQ(tables->size(), 1u);

@@ -1,10 +1,15 @@
 #include "server/coordinator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <map>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "core/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -28,8 +33,8 @@ absl::Status Into(absl::StatusOr<T> result, T* response) {
   return result.status();
 }
 
-// Reads every shard of `plan` over the workers' ReadShard streams, then writes the file.
-absl::StatusOr<v1::ExportTableResponse> Export(TableExport& plan, absl::Time deadline) {
+// Reads every shard of `plan` over the workers' ReadShard streams.
+absl::Status ReadShards(TableExport& plan, absl::Time deadline) {
   for (const TableExport::ShardRead& read : plan.reads()) {
     auto stub = v1::internal::WorkerInternal::NewStub(CreateChannel(read.address));
     grpc::ClientContext call;
@@ -48,7 +53,37 @@ absl::StatusOr<v1::ExportTableResponse> Export(TableExport& plan, absl::Time dea
     }
     SHARDSERVE_RETURN_IF_ERROR(plan.EndShard(read.rank));
   }
-  return plan.Write();
+  return absl::OkStatus();
+}
+
+// Sends `file` (pieces, in order) in chunks of at most kExportChunkBytes.
+absl::Status SendFile(const std::vector<absl::string_view>& file,
+                      grpc::ServerWriter<v1::ExportTableChunk>& writer) {
+  constexpr size_t kExportChunkBytes = size_t{1} << 20;
+  int64_t total = 0;
+  for (absl::string_view piece : file) total += static_cast<int64_t>(piece.size());
+  v1::ExportTableChunk chunk;
+  int64_t sent = 0;
+  auto send = [&]() -> absl::Status {
+    if (chunk.data().empty()) return absl::OkStatus();
+    chunk.set_offset(sent);
+    chunk.set_file_bytes(total);
+    sent += static_cast<int64_t>(chunk.data().size());
+    if (!writer.Write(chunk)) {
+      return absl::UnavailableError("export: the caller is gone (cancelled, or past its deadline)");
+    }
+    chunk.clear_data();
+    return absl::OkStatus();
+  };
+  for (absl::string_view piece : file) {
+    while (!piece.empty()) {
+      const size_t n = std::min(piece.size(), kExportChunkBytes - chunk.data().size());
+      chunk.mutable_data()->append(piece.data(), n);
+      piece.remove_prefix(n);
+      if (chunk.data().size() == kExportChunkBytes) SHARDSERVE_RETURN_IF_ERROR(send());
+    }
+  }
+  return send();
 }
 
 }  // namespace
@@ -63,9 +98,20 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
         control_.CreateTable(request->table(), absl::FromChrono(context->deadline())), response));
   }
 
-  grpc::Status DropTable(grpc::ServerContext*, const v1::DropTableRequest* request,
-                         v1::DropTableResponse*) override {
-    return ToGrpcStatus(control_.DropTable(request->name()));
+  grpc::Status WaitTable(grpc::ServerContext* context, const v1::WaitTableRequest* request,
+                         v1::TableInfo* response) override {
+    const absl::Duration timeout = request->timeout_ms() == 0
+                                       ? absl::InfiniteDuration()
+                                       : absl::Milliseconds(request->timeout_ms());
+    return ToGrpcStatus(Into(
+        control_.WaitTable(request->name(), timeout, absl::FromChrono(context->deadline())),
+        response));
+  }
+
+  grpc::Status DropTable(grpc::ServerContext* context, const v1::DropTableRequest* request,
+                         v1::DropTableResponse* response) override {
+    return ToGrpcStatus(Into(
+        control_.DropTable(request->name(), absl::FromChrono(context->deadline())), response));
   }
 
   grpc::Status ListTables(grpc::ServerContext*, const v1::ListTablesRequest*,
@@ -82,6 +128,12 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     return ToGrpcStatus(Into(control_.DescribeTable(request->name()), response));
   }
 
+  grpc::Status DescribeCluster(grpc::ServerContext*, const v1::DescribeClusterRequest*,
+                               v1::ClusterInfo* response) override {
+    *response = control_.DescribeCluster();
+    return grpc::Status::OK;
+  }
+
   grpc::Status ExportTable(grpc::ServerContext* context, const v1::ExportTableRequest* request,
                            v1::ExportTableResponse* response) override {
     absl::StatusOr<std::unique_ptr<TableExport>> plan =
@@ -90,7 +142,34 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     // The caller's deadline, and ten minutes at most.
     const absl::Time deadline =
         std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(10));
-    return ToGrpcStatus(Into(Export(**plan, deadline), response));
+    if (absl::Status read = ReadShards(**plan, deadline); !read.ok()) return ToGrpcStatus(read);
+    return ToGrpcStatus(Into((*plan)->Write(), response));
+  }
+
+  grpc::Status ExportTableStream(grpc::ServerContext* context,
+                                 const v1::ExportTableStreamRequest* request,
+                                 grpc::ServerWriter<v1::ExportTableChunk>* writer) override {
+    absl::StatusOr<std::unique_ptr<TableExport>> plan =
+        control_.PlanStreamedExport(request->name());
+    if (!plan.ok()) return ToGrpcStatus(plan.status());
+    const absl::Time deadline =
+        std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(10));
+    // A blocking Write waits for the caller to take what was sent (flow control), and a server
+    // call has no deadline of its own: a caller that stops reading would hold this thread as long
+    // as it keeps its connection. The call is cancelled at the deadline instead.
+    absl::Notification finished;
+    std::thread watchdog([&] {
+      if (!finished.WaitForNotificationWithDeadline(deadline)) context->TryCancel();
+    });
+    absl::Status status = ReadShards(**plan, deadline);
+    if (status.ok()) {
+      // Sent only once every shard is here: a stream that fails has sent nothing.
+      absl::StatusOr<std::vector<absl::string_view>> file = (*plan)->File();
+      status = file.ok() ? SendFile(*file, *writer) : file.status();
+    }
+    finished.Notify();
+    watchdog.join();
+    return ToGrpcStatus(status);
   }
 
  private:

@@ -29,7 +29,7 @@ struct CoordinatorOptions {
   std::string state_dir;  // empty: nothing persisted (tables are learnt from the workers)
   absl::Duration liveness_timeout = absl::Milliseconds(1500);  // missed heartbeats = dead
   absl::Duration join_grace = absl::Seconds(8);  // epoch not joined by all in time: new epoch
-  absl::Duration create_wait = absl::Seconds(30);  // CreateTable waits this long for SERVING
+  absl::Duration create_wait = absl::Seconds(30);  // admin calls wait at most this long
 };
 
 class Coordinator {

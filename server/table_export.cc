@@ -43,7 +43,7 @@ absl::Status CheckExportPath(const std::string& path, const std::string& state_d
 absl::StatusOr<std::unique_ptr<TableExport>> TableExport::Create(
     const v1::TableSpec& spec, int world_size, std::vector<std::string> addresses,
     std::string path, std::string state_dir) {
-  SHARDSERVE_RETURN_IF_ERROR(CheckExportPath(path, state_dir));
+  if (!path.empty()) SHARDSERVE_RETURN_IF_ERROR(CheckExportPath(path, state_dir));
   SHARDSERVE_ASSIGN_OR_RETURN(core::TableConfig config, ConfigFromSpec(spec, world_size));
   if (static_cast<int>(addresses.size()) != world_size) {
     return absl::InternalError(absl::StrCat("export: ", addresses.size(), " worker addresses for ",
@@ -125,7 +125,7 @@ absl::Status TableExport::EndShard(int rank) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::ExportTableResponse> TableExport::Write() {
+absl::StatusOr<std::vector<core::SafetensorsEntry>> TableExport::Entries() {
   for (size_t rank = 0; rank < ended_.size(); ++rank) {
     if (!ended_[rank]) {
       return absl::InternalError(absl::StrCat("export: the shard of rank ", rank, " is missing"));
@@ -135,16 +135,33 @@ absl::StatusOr<v1::ExportTableResponse> TableExport::Write() {
   if (config_.kind == core::TableKind::kLinear && config_.has_bias && bias_.empty()) {
     return absl::InternalError("export: no rank sent the bias");
   }
-  // Checked again: the reads took a while, and the directory may have changed meanwhile.
-  SHARDSERVE_RETURN_IF_ERROR(CheckExportPath(path_, state_dir_));
   std::vector<core::SafetensorsEntry> entries = {
       {"weight", "F32", {rows, cols}, weight_.data(), rows * cols * 4}};
   if (!bias_.empty()) entries.push_back({"bias", "F32", {rows}, bias_.data(), rows * 4});
+  return entries;
+}
+
+absl::StatusOr<v1::ExportTableResponse> TableExport::Write() {
+  if (path_.empty()) return absl::InternalError("export: this export has no path to write");
+  SHARDSERVE_ASSIGN_OR_RETURN(std::vector<core::SafetensorsEntry> entries, Entries());
+  // Checked again: the reads took a while, and the directory may have changed meanwhile.
+  SHARDSERVE_RETURN_IF_ERROR(CheckExportPath(path_, state_dir_));
   SHARDSERVE_RETURN_IF_ERROR(core::WriteSafetensors(path_, entries));
   v1::ExportTableResponse response;
   response.set_path(path_);
-  response.set_bytes(rows * cols * 4 + static_cast<int64_t>(bias_.size()) * 4);
+  response.set_bytes(config_.num_rows * config_.num_cols * 4 +
+                     static_cast<int64_t>(bias_.size()) * 4);
   return response;
+}
+
+absl::StatusOr<std::vector<absl::string_view>> TableExport::File() {
+  SHARDSERVE_ASSIGN_OR_RETURN(std::vector<core::SafetensorsEntry> entries, Entries());
+  header_ = core::SafetensorsHeader(entries);
+  std::vector<absl::string_view> file = {header_};
+  for (const core::SafetensorsEntry& e : entries) {
+    file.emplace_back(static_cast<const char*>(e.data), static_cast<size_t>(e.bytes));
+  }
+  return file;
 }
 
 }  // namespace shardserve::server

@@ -1,7 +1,8 @@
-// One ExportTable: which shard to read from which rank, the checks on every chunk a rank sends
-// (it must lie within that rank's shard, and the shard must arrive whole), and the safetensors
-// file written from them. gRPC-free: the coordinator's handler streams each rank's ReadShard and
-// hands the chunks here.
+// One ExportTable (or ExportTableStream): which shard to read from which rank, the checks on every
+// chunk a rank sends (it must lie within that rank's shard, and the shard must arrive whole), and
+// the safetensors file made from them - written on the coordinator's machine, or handed out as
+// bytes to stream to the caller. gRPC-free: the coordinator's handler streams each rank's
+// ReadShard and hands the chunks here.
 //
 // Where an export may write: an absolute path on the coordinator's machine, in a directory that
 // exists, never over anything but a regular file, and never into the coordinator's state
@@ -16,6 +17,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/safetensors.h"
 #include "core/sharding_spec.h"
 #include "core/table_config.h"
 #include "proto/internal.pb.h"
@@ -37,9 +40,10 @@ class TableExport {
     v1::internal::ReadShardRequest request;
   };
 
-  // An export of `spec` (as registered) from the workers at `addresses` (by rank) to `path`.
-  // INVALID_ARGUMENT for the path or a spec that does not fit the cluster, RESOURCE_EXHAUSTED when
-  // this host cannot hold the full table.
+  // An export of `spec` (as registered) from the workers at `addresses` (by rank) to `path` - or,
+  // with an empty `path`, to the caller (File; Write then fails). INVALID_ARGUMENT for the path or
+  // a spec that does not fit the cluster, RESOURCE_EXHAUSTED when this host cannot hold the full
+  // table.
   static absl::StatusOr<std::unique_ptr<TableExport>> Create(const v1::TableSpec& spec,
                                                              int world_size,
                                                              std::vector<std::string> addresses,
@@ -57,9 +61,14 @@ class TableExport {
   // Writes the file: INTERNAL when a shard is missing or a layer's bias never came,
   // INVALID_ARGUMENT when the path is no longer one an export may write (checked again).
   absl::StatusOr<v1::ExportTableResponse> Write();
+  // The file's bytes, in order (the same Write writes): views into this export, valid while it
+  // lives. INTERNAL as Write.
+  absl::StatusOr<std::vector<absl::string_view>> File();
 
  private:
   TableExport(core::TableConfig config, std::string path, std::string state_dir);
+  // The tensors of the file, once every shard (and a layer's bias) has come: INTERNAL otherwise.
+  absl::StatusOr<std::vector<core::SafetensorsEntry>> Entries();
 
   const core::TableConfig config_;
   const core::ShardLayout layout_;
@@ -70,6 +79,7 @@ class TableExport {
   std::vector<bool> ended_;         // per rank
   std::vector<float> weight_;
   std::vector<float> bias_;
+  std::string header_;  // File's
 };
 
 }  // namespace shardserve::server

@@ -5,6 +5,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -90,6 +92,39 @@ TEST(TableExport, ReadsEveryRankAndPlacesEachShardWhereItsChunkBelongs) {
   for (int64_t r = 0; r < 5; ++r) {
     for (int64_t c = 0; c < 3; ++c) EXPECT_EQ(values[r * 3 + c], Value(r, c)) << r << "," << c;
   }
+}
+
+// The bytes streamed to a caller are the file Write writes; an export to the caller has no file.
+TEST(TableExport, FileHoldsTheBytesWriteWrites) {
+  for (v1::TableKind kind : {v1::TABLE_KIND_EMBEDDING, v1::TABLE_KIND_LINEAR}) {
+    const std::string path = NewDir() + "/t.safetensors";
+    auto to_file = Plan(path, kind);
+    absl::StatusOr<std::unique_ptr<TableExport>> streamed =
+        TableExport::Create(Spec(kind), 2, {"w0:1", "w1:1"}, "", "");
+    ASSERT_TRUE(streamed.ok()) << streamed.status();
+    for (TableExport* plan : {to_file.get(), streamed->get()}) {
+      v1::internal::ReadShardChunk first = Chunk(0, 5, 2, 1);
+      if (kind == v1::TABLE_KIND_LINEAR) first.set_bias(std::string(5 * 4, '\x3f'));
+      ASSERT_TRUE(plan->AddChunk(0, first).ok());
+      ASSERT_TRUE(plan->EndShard(0).ok());
+      ASSERT_TRUE(plan->AddChunk(1, Chunk(0, 5, 0, 2)).ok());
+      ASSERT_TRUE(plan->EndShard(1).ok());
+    }
+    ASSERT_TRUE(to_file->Write().ok());
+    EXPECT_EQ((*streamed)->Write().status().code(), absl::StatusCode::kInternal);
+    absl::StatusOr<std::vector<absl::string_view>> file = (*streamed)->File();
+    ASSERT_TRUE(file.ok()) << file.status();
+    std::string bytes;
+    for (absl::string_view piece : *file) bytes.append(piece.data(), piece.size());
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream written;
+    written << in.rdbuf();
+    EXPECT_TRUE(bytes == written.str()) << bytes.size() << " vs " << written.str().size();
+  }
+  // Not whole yet: no file.
+  auto partial = Plan("");
+  ASSERT_TRUE(partial->AddChunk(0, Chunk(0, 5, 2, 1)).ok());
+  EXPECT_EQ(partial->File().status().code(), absl::StatusCode::kInternal);
 }
 
 TEST(TableExport, AChunkThatDoesNotFitItsShardIsRefusedNamingTheRank) {

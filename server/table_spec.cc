@@ -50,13 +50,15 @@ absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int 
   }
   std::vector<std::string> placements(spec.sharding().placements().begin(),
                                       spec.sharding().placements().end());
-  if (static_cast<int>(placements.size()) != world_size) {
+  // Chunks may sit on some of the ranks only (ChunkShardingSpec allows it): the others hold
+  // empty shards and still take part in the group's steps.
+  if (static_cast<int64_t>(placements.size()) > world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("table.sharding.placements: ", placements.size(),
                      " placements, but the cluster has ", world_size, " ranks"));
   }
-  SHARDSERVE_ASSIGN_OR_RETURN(config.spec,
-                              core::ShardingSpec::Create(spec.sharding().dim(), placements));
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      config.spec, core::ShardingSpec::Create(spec.sharding().dim(), placements, world_size));
   if (spec.has_padding_idx()) config.padding_idx = spec.padding_idx();
   if (spec.has_max_norm()) config.max_norm = spec.max_norm();
   if (spec.has_norm_type()) config.norm_type = spec.norm_type();

@@ -17,7 +17,8 @@ namespace shardserve::server {
 std::string DTypeName(v1::DType d);
 
 // Validates a table spec for a cluster of `world_size` ranks and turns it into a TableConfig:
-// INVALID_ARGUMENT naming the field, the value and the bound.
+// INVALID_ARGUMENT naming the field, the value and the bound. The placements name 1 to
+// `world_size` different ranks; ranks without one hold an empty shard.
 absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int world_size);
 
 // For a spec initialised from a checkpoint: the file holds "weight" (and a layer's "bias") as F32

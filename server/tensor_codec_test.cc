@@ -59,8 +59,14 @@ TEST(TensorCodec, ValidatesTableSpecs) {
   absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, 2);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->spec.placements()[0].rank, 1);
-  EXPECT_THAT(std::string(ConfigFromSpec(spec, 3).status().message()),
-              HasSubstr("2 placements, but the cluster has 3 ranks"));
+  EXPECT_THAT(std::string(ConfigFromSpec(spec, 1).status().message()),
+              HasSubstr("2 placements, but the cluster has 1 ranks"));
+  // Fewer placements than ranks: the chunks sit on those ranks, rank 2 holds an empty shard.
+  config = ConfigFromSpec(spec, 3);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->spec.world_size(), 3);
+  EXPECT_EQ(config->spec.num_chunks(), 2);
+  EXPECT_EQ(config->spec.PlacementIndexOfRank(2), -1);
   spec.set_name("a|b");
   EXPECT_THAT(std::string(ConfigFromSpec(spec, 2).status().message()), HasSubstr("forbidden"));
   spec.set_name(std::string(257, 'n'));

@@ -162,6 +162,15 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
     EXPECT_EQ(exported.status().code(), absl::StatusCode::kInvalidArgument) << path;
     EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << path;
   }
+  // An export streamed to this client is written here under the same rule: never over anything
+  // but a regular file (nothing opens the FIFO), and into a directory that exists.
+  for (const std::string& path : {dir, not_files.fifo, not_files.socket, not_files.dir,
+                                  not_files.link, dir + "/none/emb.safetensors"}) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<int64_t> exported = c->ExportTo("emb", path);
+    EXPECT_EQ(exported.status().code(), absl::StatusCode::kInvalidArgument) << path;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << path;
+  }
   EXPECT_FALSE(FifoHasReader(not_files.fifo));
 
   auto code_and_message = [](const absl::StatusOr<DenseTensor>& r) {
@@ -252,7 +261,12 @@ TEST(Cluster, BadRequestsGetClearErrorsAndChangeNothing) {
   spec.mutable_sharding()->add_placements("rank:0/cpu");
   EXPECT_THAT(std::string(c->CreateTable(spec).status().message()),
               HasSubstr("rank 0 appears more than once"));
-  EXPECT_EQ(c->CreateTable(emb.spec).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(c->CreateTable(emb.spec).ok());  // the same spec: the same table (idempotent)
+  spec = emb.spec;
+  spec.set_max_norm(0.75);  // another under its name
+  EXPECT_THAT(std::string(c->CreateTable(spec).status().message()),
+              HasSubstr("already exists with another spec (registered -> asked: modified: "
+                        "max_norm: 0.5 -> 0.75)"));
   spec = emb.spec;
   spec.set_name("badckpt");
   spec.set_num_rows(11);

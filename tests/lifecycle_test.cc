@@ -123,6 +123,49 @@ TEST(Cluster, DroppingATableUnderLoadFailsOnlyItsCallsAndTheGroupServesOn) {
   EXPECT_GT(lin_refused.load(), 0);
 }
 
+// DropTable returns once no worker serves the table: right after it returns, a call for it to any
+// worker (straight, without retries) or through the coordinator is refused - NOT_FOUND, or
+// UNAVAILABLE while a worker still holds the shard - and never answered. (Workers used to go on
+// answering for a heartbeat or two, ~100-200 ms, after DropTable returned.)
+TEST(Cluster, AfterDropTableReturnsNoWorkerAnswersCallsForTheTable) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  const std::vector<std::string> addresses = {
+      cluster->worker_address(0), cluster->worker_address(1), cluster->coordinator_address()};
+  for (int round = 0; round < 6; ++round) {
+    const std::string name = absl::StrCat("t", round);
+    ASSERT_TRUE(
+        c->CreateTable(MakeTable(name, v1::TABLE_KIND_EMBEDDING, 20, 4, round % 2, {0, 1}, dir)
+                           .spec)
+            .ok());
+    v1::EmbeddingRequest r;
+    r.set_table(name);
+    *r.mutable_ids() = client::Int64Tensor({2}, {1, 19});
+    auto call = [&](const std::string& address) {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      v1::TensorResponse response;
+      return DataStub(address)->Embedding(&context, r, &response);
+    };
+    for (const std::string& address : addresses) {
+      const grpc::Status served = call(address);
+      EXPECT_TRUE(served.ok()) << address << ": " << served.error_message();
+    }
+    std::vector<int> serving = {-1};
+    ASSERT_TRUE(c->DropTable(name, &serving).ok());
+    EXPECT_TRUE(serving.empty()) << serving[0];
+    for (const std::string& address : addresses) {
+      const grpc::Status refused = call(address);
+      EXPECT_TRUE(refused.error_code() == grpc::StatusCode::NOT_FOUND ||
+                  refused.error_code() == grpc::StatusCode::UNAVAILABLE)
+          << "round " << round << ", " << address << ": " << refused.error_code() << " "
+          << refused.error_message();
+    }
+  }
+}
+
 // A table dropped and created again at once under the same name with new weights - its
 // checkpoint rewritten in place, the same path - within a heartbeat, so a worker may never see it
 // gone: CreateTable returns once every worker holds the new weights, and calls get them.
@@ -293,6 +336,113 @@ TEST(Cluster, CallsForATableBeingCreatedGetFailedPrecondition) {
   create.join();
   EXPECT_GT(refused, 0);
   EXPECT_TRUE(once->Embedding(r).ok());
+}
+
+// DescribeCluster: every worker, whether or not it holds a table - its address, device, liveness,
+// epoch and the tables it holds and serves - and the group's epoch and state, as they change.
+TEST(Cluster, DescribeClusterListsEveryWorkerAndFollowsTheGroup) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  absl::StatusOr<v1::ClusterInfo> info;
+  ASSERT_TRUE(WaitFor([&] {
+    info = c->DescribeCluster();
+    return info.ok() && info->groups(0).state() == v1::GROUP_STATE_SERVING;
+  }, absl::Seconds(20))) << (info.ok() ? info->ShortDebugString() : info.status().ToString());
+  ASSERT_EQ(info->groups_size(), 1);
+  const v1::GroupInfo& group = info->groups(0);
+  EXPECT_EQ(group.world_size(), 2);
+  EXPECT_NE(group.epoch(), 0u);
+  ASSERT_EQ(group.members_size(), 2);
+  for (int r = 0; r < 2; ++r) {
+    const v1::MemberInfo& m = group.members(r);
+    EXPECT_EQ(m.rank(), r);
+    EXPECT_EQ(m.address(), cluster->worker_address(r));
+    EXPECT_EQ(m.device(), "cpu");
+    EXPECT_TRUE(m.alive());
+    EXPECT_EQ(m.epoch(), group.epoch());
+    EXPECT_GE(m.last_heartbeat_ms(), 0);
+    EXPECT_LT(m.last_heartbeat_ms(), 1000);
+    EXPECT_EQ(m.loaded_tables_size(), 0);
+  }
+  ASSERT_TRUE(
+      c->CreateTable(MakeTable("t", v1::TABLE_KIND_EMBEDDING, 20, 4, 1, {1, 0}, TempDir()).spec)
+          .ok());
+  ASSERT_TRUE(WaitFor([&] {
+    info = c->DescribeCluster();
+    if (!info.ok()) return false;
+    for (const v1::MemberInfo& m : info->groups(0).members()) {
+      if (m.serving_tables_size() != 1 || m.loaded_tables_size() != 1) return false;
+    }
+    return true;
+  }, absl::Seconds(10))) << info->ShortDebugString();
+  EXPECT_EQ(info->groups(0).members(1).serving_tables(0), "t");
+  // A worker that dies: not alive once silent for the liveness timeout, and the group broken.
+  ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  ASSERT_TRUE(WaitFor([&] {
+    info = c->DescribeCluster();
+    return info.ok() && !info->groups(0).members(1).alive() &&
+           info->groups(0).state() == v1::GROUP_STATE_BROKEN;
+  }, absl::Seconds(10))) << info->ShortDebugString();
+  EXPECT_GE(info->groups(0).members(1).last_heartbeat_ms(), 600);
+  EXPECT_TRUE(info->groups(0).members(0).alive());
+}
+
+// A seeded table of 1 GiB over two workers: its load takes a while (seconds here).
+v1::TableSpec BigSeeded(const std::string& name) {
+  v1::TableSpec spec;
+  spec.set_name(name);
+  spec.set_kind(v1::TABLE_KIND_EMBEDDING);
+  spec.set_num_rows(4000000);
+  spec.set_num_cols(64);
+  spec.mutable_sharding()->set_dim(1);
+  spec.mutable_sharding()->add_placements("rank:0/cpu");
+  spec.mutable_sharding()->add_placements("rank:1/cpu");
+  spec.set_seed(3);
+  return spec;
+}
+
+// A CreateTable whose deadline is shorter than the load answers OK + LOADING before its deadline
+// (it used to answer DEADLINE_EXCEEDED at it, and still go on to serve; a retry then got
+// ALREADY_EXISTS). A retry of the same spec is OK and finds the same table; another spec under
+// the name is ALREADY_EXISTS saying what differs; WaitTable waits until it serves.
+TEST(Cluster, ACreateTableWithAShortDeadlineAnswersLoadingAndARetryAndWaitTableFindIt) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  ASSERT_TRUE(WaitFor([&] { return Health(cluster->coordinator_address(), "") ==
+                                   grpc::health::v1::HealthCheckResponse::SERVING; },
+                      absl::Seconds(10)));  // the group has formed
+  const v1::TableSpec spec = BigSeeded("big");
+  auto admin = v1::AdminService::NewStub(
+      grpc::CreateChannel(cluster->coordinator_address(), grpc::InsecureChannelCredentials()));
+  v1::CreateTableRequest request;
+  *request.mutable_table() = spec;
+  v1::TableInfo info;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  const grpc::Status status = admin->CreateTable(&context, request, &info);
+  ASSERT_TRUE(status.ok()) << status.error_code() << ": " << status.error_message();
+  EXPECT_EQ(info.state(), v1::TABLE_STATE_LOADING);
+  // The retry a client makes after such an answer (or after losing it).
+  auto once = ConnectOnce(*cluster, absl::Seconds(1));
+  absl::StatusOr<v1::TableInfo> retry = once->CreateTable(spec);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->spec().generation(), info.spec().generation());
+  auto c = Connect(*cluster);
+  v1::TableSpec other = spec;
+  other.set_num_cols(32);
+  const absl::Status refused = c->CreateTable(other).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("num_cols: 64 -> 32"));
+  absl::StatusOr<v1::TableInfo> waited = c->WaitTable("big", absl::Seconds(60));
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ(waited->state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(waited->spec().generation(), info.spec().generation());
+  v1::EmbeddingRequest r;
+  r.set_table("big");
+  *r.mutable_ids() = client::Int64Tensor({2}, {1, 3999999});
+  EXPECT_TRUE(c->Embedding(r).ok());
+  EXPECT_EQ(c->WaitTable("none", absl::Seconds(1)).status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

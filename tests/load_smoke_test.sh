@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # shardserve-load against a real local cluster: closed loop (unary and stream) and open loop runs
 # finish, report calls without errors, and write a JSON report and an SVG chart; callers whose
-# calls fail back off, and the failed calls' latency is reported.
+# calls fail back off, and the failed calls' latency is reported. And the CLI's admin commands:
+# create-table again, wait, cluster, export (streamed here, or written by the coordinator).
 set -euo pipefail
 root="${TEST_SRCDIR:?}/shardserve"
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
@@ -15,6 +16,30 @@ coordinator=$(grep -o 'coordinator on [0-9.:]*' "$tmp/up.log" | awk '{print $3}'
   --world=2 --seed=1 >/dev/null
 "$root/client/shardserve" create-table --coordinator="$coordinator" --name=l --kind=linear --rows=8 \
   --cols=16 --world=2 --sharding_dim=0 --seed=1 >/dev/null
+# The same create-table again is fine (the same spec finds the table); wait returns at once.
+"$root/client/shardserve" create-table --coordinator="$coordinator" --name=t --rows=1000 --cols=16 \
+  --world=2 --seed=1 >/dev/null
+"$root/client/shardserve" wait t --coordinator="$coordinator" | grep -q SERVING
+# The cluster's description: one group serving, both ranks alive and serving both tables.
+"$root/client/shardserve" cluster --coordinator="$coordinator" --json >"$tmp/cluster.json"
+python3 - "$tmp/cluster.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+g, = c["groups"]
+assert g["state"] == "GROUP_STATE_SERVING", g
+assert [m["rank"] for m in g["members"]] == [0, 1], g
+for m in g["members"]:
+    assert m["alive"] and sorted(m["serving_tables"]) == ["l", "t"], m
+print("cluster:", g["state"], len(g["members"]), "ranks")
+PY
+"$root/client/shardserve" cluster --coordinator="$coordinator" | grep -q "rank 1"
+# export streams the file here (a relative path is fine); --on_coordinator has the coordinator
+# write it: the same bytes.
+(cd "$tmp" && "$root/client/shardserve" export t here.safetensors --coordinator="$coordinator") \
+  >/dev/null
+"$root/client/shardserve" export t "$tmp/there.safetensors" --on_coordinator \
+  --coordinator="$coordinator" >/dev/null
+cmp "$tmp/here.safetensors" "$tmp/there.safetensors"
 # Flags that contradict each other are refused, naming both, and create nothing.
 refused() {  # expected message, create-table flags...
   if out=$("$root/client/shardserve" create-table --coordinator="$coordinator" --name=bad \

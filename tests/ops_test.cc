@@ -2,6 +2,7 @@
 // against the unsharded LibTorch op, concurrent callers, streams, and export.
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -9,10 +10,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -93,6 +96,70 @@ TEST(Cluster, EveryOpMatchesUnshardedForEveryShardingPlacementAndWorld) {
   }
 }
 
+// ChunkShardingSpec with fewer placements than the group has ranks: the chunks sit on the ranks
+// named, the others hold empty shards but still take part in every step and answer their own
+// callers (each worker is called as the entry rank here), and the export is the whole weight.
+TEST(Cluster, ATableOnSomeRanksOfTheGroupIsServedThroughEveryRank) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  std::vector<Table> tables = {
+      MakeTable("emb_one", v1::TABLE_KIND_EMBEDDING, 37, 11, 1, {2}, dir),
+      MakeTable("emb_two", v1::TABLE_KIND_EMBEDDING, 37, 11, 0, {2, 0}, dir),
+      MakeTable("lin_one", v1::TABLE_KIND_LINEAR, 9, 13, 1, {1}, dir),
+      MakeTable("lin_two", v1::TABLE_KIND_LINEAR, 9, 13, 0, {0, 1}, dir),
+  };
+  for (Table& t : tables) {
+    if (t.spec.name() == "emb_one") t.spec.set_max_norm(2.0);  // renorms across empty shards
+    absl::StatusOr<v1::TableInfo> info = c->CreateTable(t.spec);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->state(), v1::TABLE_STATE_SERVING);
+    ASSERT_EQ(info->shards_size(), t.spec.sharding().placements_size());  // chunks only
+    const int64_t n = t.spec.sharding().dim() == 0 ? t.spec.num_rows() : t.spec.num_cols();
+    EXPECT_EQ(info->shards(0).size(), (n + info->shards_size() - 1) / info->shards_size());
+  }
+  for (int r = 0; r < 3; ++r) {
+    // A client whose data calls all go to worker r (its "coordinator" is that worker).
+    ClientOptions options;
+    options.direct = false;
+    auto entry = Client::Connect(cluster->worker_address(r), options);
+    ASSERT_TRUE(entry.ok());
+    for (const Table& t : tables) {
+      if (t.spec.has_max_norm()) continue;  // checked below, where the renorms can be followed
+      CheckOps(**entry, t, absl::StrCat(t.spec.name(), " entry rank ", r));
+    }
+  }
+  // max_norm: lookups through every rank renorm the stored rows of the one rank that holds them,
+  // norms taken over the whole row.
+  c10::InferenceMode guard;
+  at::Tensor weight = tables[0].weight.clone();
+  for (int r = 0; r < 3; ++r) {
+    ClientOptions options;
+    options.direct = false;
+    auto entry = Client::Connect(cluster->worker_address(r), options);
+    ASSERT_TRUE(entry.ok());
+    const at::Tensor ids = at::randint(0, 37, {6}, at::kLong);
+    at::embedding_renorm_(weight, ids, 2.0, 2.0);
+    v1::EmbeddingRequest er;
+    er.set_table("emb_one");
+    *er.mutable_ids() = ToProto(ids);
+    ExpectClose((*entry)->Embedding(er), at::embedding(weight, ids),
+                absl::StrCat("max_norm, entry rank ", r));
+  }
+  for (const Table& t : tables) {
+    const std::string out = absl::StrCat(dir, "/", t.spec.name(), ".exported");
+    ASSERT_TRUE(c->ExportTable(t.spec.name(), out).ok());
+    auto file = core::SafetensorsFile::Open(out);
+    ASSERT_TRUE(file.ok());
+    const at::Tensor want = t.spec.has_max_norm() ? weight : t.weight;
+    const core::SafetensorsTensor* w = (*file)->Find("weight");
+    ASSERT_NE(w, nullptr);
+    at::Tensor got = at::from_blob(const_cast<char*>(w->data), want.sizes(), at::kFloat);
+    EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-6)) << t.spec.name();
+  }
+}
+
 TEST(Cluster, ConcurrentCallersOnDifferentEntryRanksGetTheirOwnRows) {
   auto cluster = StartCluster(3);
   ASSERT_NE(cluster, nullptr);
@@ -168,6 +235,13 @@ TEST(Cluster, StreamPipelinesManyBatchesOnOneStream) {
   }
 }
 
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
 TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
   auto cluster = StartCluster(3);
   ASSERT_NE(cluster, nullptr);
@@ -196,7 +270,17 @@ TEST(Cluster, ExportWritesTheCheckpointBackByteForByte) {
     ASSERT_EQ(b->bytes, shape.out * 4);
     EXPECT_EQ(std::memcmp(w->data, t.weight.data_ptr<float>(), w->bytes), 0);
     EXPECT_EQ(std::memcmp(b->data, t.bias.data_ptr<float>(), b->bytes), 0);
+    // Streamed to the client instead (ExportTableStream, 1 MiB chunks): the same file, byte for
+    // byte, of the table's tensors.
+    const std::string streamed = absl::StrCat(dir, "/", t.spec.name(), ".streamed");
+    absl::StatusOr<int64_t> bytes = c->ExportTo(t.spec.name(), streamed);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    const std::string server_side = ReadAll(out);
+    EXPECT_EQ(*bytes, static_cast<int64_t>(server_side.size()));
+    EXPECT_TRUE(ReadAll(streamed) == server_side) << t.spec.name();
   }
+  EXPECT_EQ(c->ExportTo("none", dir + "/none").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(::access((dir + "/none").c_str(), F_OK), 0);  // nothing left behind
 }
 
 // Checkpoints whose weights hold NaNs (both signs, several payloads), infinities and zeros of both

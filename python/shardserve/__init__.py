@@ -3,7 +3,8 @@
 - :class:`Client` (blocking) and :mod:`shardserve.aio` ``Client`` (asyncio):
   ``embedding``, ``embedding_bag``, ``linear`` (as ``torch.nn.functional``'s, on the served
   table's weight; numpy arrays or torch tensors in, the same kind out), ``stream()`` (pipelined
-  batches), and the admin calls ``create_table``, ``drop``, ``tables``, ``describe``, ``export``.
+  batches), and the admin calls ``create_table``, ``drop``, ``tables``, ``describe``,
+  ``export``, ``wait_table``, ``describe_cluster``.
 - :mod:`shardserve.torch`: ``RemoteEmbedding``, ``RemoteEmbeddingBag``, ``RemoteLinear``,
   ``from_module`` (needs torch; nothing else here does).
 - Errors: :class:`Error` and one subclass per gRPC status code (``.code``, ``.message``).

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _safetensors
-from .errors import InvalidArgumentError
+from .errors import InternalError, InvalidArgumentError, code_from_number, error_for_code
 
 # Like the C++ side's (server/grpc_settings.h): a request may carry 2^26 ids and an answer 2^27
 # floats, far over gRPC's 4 MiB default.
@@ -231,9 +231,11 @@ class TableInfo:
 
     ``num_rows``/``num_cols`` are num_embeddings/embedding_dim for embeddings and
     out_features/in_features for linear layers. ``state`` is one of "loading", "serving",
-    "unavailable", "failed" (then ``error`` says why). ``shards`` are in placement (chunk) order.
-    ``replicas`` lists each group that holds the table (``shards`` are the first serving
-    replica's). ``proto`` is the ``shardserve.v1.TableInfo`` message itself.
+    "unavailable", "failed" (then ``error`` says why, and ``error_code`` is its google.rpc.Code
+    number). ``shards`` are in placement (chunk) order, one per placement (ranks without a
+    placement hold nothing and are not listed). ``replicas`` lists each group that holds the
+    table (``shards`` are the first serving replica's). ``proto`` is the ``shardserve.v1.TableInfo``
+    message itself.
     """
 
     name: str
@@ -252,8 +254,9 @@ class TableInfo:
     state: str
     error: str
     shards: Tuple[ShardInfo, ...]
-    replicas: Tuple["ReplicaInfo", ...]
-    proto: Any = field(repr=False, compare=False)
+    replicas: Tuple["ReplicaInfo", ...] = ()
+    error_code: int = 0  # state "failed": the load error's google.rpc.Code number
+    proto: Any = field(default=None, repr=False, compare=False)
 
     @property
     def addresses(self) -> List[str]:
@@ -299,8 +302,26 @@ def table_info(message: Any) -> TableInfo:
         # (A coordinator that knows no replicas: its one group.)
         or (ReplicaInfo(0, _STATE_NAMES.get(message.state, str(message.state)),
                         spec.generation, _shards(message.shards)),),
+        error_code=message.error_code,
         proto=message,
     )
+
+
+# TableInfo.state numbers a create waits on: LOADING, UNAVAILABLE.
+WAITING_STATES = (1, 3)
+FAILED_STATE = 4
+# Below this many seconds left, a WaitTable would answer at once (the coordinator answers a
+# margin, at least 50 ms, before the call's deadline): a create stops waiting.
+LEAST_WAIT = 0.1
+
+
+def raise_if_failed(message: Any) -> None:
+    """A TableInfo message in state FAILED as the Error of its load error's code."""
+    if message.state == FAILED_STATE:
+        raise error_for_code(
+            code_from_number(message.error_code),
+            f'table "{message.spec.name}" could not be loaded: {message.error}',
+        )
 
 
 # --- table specs from tensors and modules -------------------------------------------------------
@@ -436,20 +457,53 @@ def build_spec(
     return spec, written
 
 
-def export_path(path: Optional[str]) -> Tuple[str, bool]:
-    """(absolute path for ExportTable, whether it is a temporary file to delete after reading)."""
+class ExportAssembly:
+    """The file an ExportTableStream sends, put together from its chunks: each must continue the
+    file where the last ended, within the size the first announced."""
+
+    def __init__(self, table: str) -> None:
+        self.table = table
+        self.buf: Optional[bytearray] = None
+        self.written = 0
+
+    def add(self, chunk: Any) -> None:
+        data = chunk.data
+        if self.buf is None:
+            self.buf = bytearray(chunk.file_bytes)
+        if (chunk.offset != self.written or chunk.file_bytes != len(self.buf)
+                or self.written + len(data) > len(self.buf)):
+            raise InternalError(
+                f"export of {self.table!r}: a chunk of {len(data)} bytes at offset "
+                f"{chunk.offset} of {chunk.file_bytes} after {self.written} bytes"
+            )
+        self.buf[self.written : self.written + len(data)] = data
+        self.written += len(data)
+
+    def finish(self) -> bytearray:
+        if self.buf is None or self.written != len(self.buf):
+            total = 0 if self.buf is None else len(self.buf)
+            raise InternalError(
+                f"export of {self.table!r}: the stream ended after {self.written} of {total} bytes"
+            )
+        return self.buf
+
+
+def check_export_target(path: Optional[str]) -> None:
+    """Refuses, before anything is streamed, a ``path`` an export may not write here: in a
+    directory that does not exist, or over anything but a regular file (a FIFO would block)."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
+        raise InvalidArgumentError(f"path {path!r}: directory {directory!r} does not exist")
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise InvalidArgumentError(f"path {path!r}: exists and is not a regular file")
+
+
+def finish_export(table: str, buf: bytearray, path: Optional[str]) -> Dict[str, np.ndarray]:
+    """The tensors of an exported file (views into ``buf``), written to ``path`` here first if
+    given."""
     if path is not None:
-        return os.path.abspath(path), False
-    name = f"shardserve-export-{uuid.uuid4().hex}.safetensors"
-    return os.path.join(tempfile.gettempdir(), name), True
-
-
-def read_export(path: str, delete: bool) -> Dict[str, np.ndarray]:
-    try:
-        return _safetensors.read(path)
-    finally:
-        if delete:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        _safetensors.write_bytes(os.path.abspath(path), buf)
+    return _safetensors.parse(buf, f"export of {table!r}")

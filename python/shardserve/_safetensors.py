@@ -10,7 +10,7 @@ import json
 import os
 import struct
 import tempfile
-from typing import Dict, Mapping
+from typing import Any, Dict, Mapping, Sequence
 
 import numpy as np
 
@@ -41,14 +41,28 @@ def write(path: str, tensors: Mapping[str, np.ndarray]) -> None:
         offset += array.nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    pieces = [struct.pack("<Q", len(text)), text]
+    pieces += [memoryview(array.reshape(-1)).cast("B") for array in arrays]
+    _write_atomically(path, pieces)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Writes a whole file's bytes (an export streamed from the coordinator) to ``path``, as
+    :func:`write` does: never half a file. Refuses a path that is anything but a regular file."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        from .errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"path {path!r}: exists and is not a regular file")
+    _write_atomically(path, [data])
+
+
+def _write_atomically(path: str, pieces: Sequence[Any]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".shardserve-", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            for array in arrays:
-                f.write(memoryview(array.reshape(-1)).cast("B"))
+            for piece in pieces:
+                f.write(piece)
         os.chmod(tmp, 0o644)  # workers (maybe other users) read it
         os.replace(tmp, path)
     except BaseException:
@@ -71,11 +85,20 @@ def read(path: str) -> Dict[str, np.ndarray]:
             if not n:
                 break
             got += n
-    if got != size or size < 8:
+    if got != size:
         raise InternalError(f"safetensors file {path!r}: {got} of {size} bytes read")
+    return parse(buf, f"safetensors file {path!r}")
+
+
+def parse(buf: bytearray, what: str) -> Dict[str, np.ndarray]:
+    """Every tensor of a safetensors file held in ``buf``, as writable arrays over it. ``what``
+    names the file in errors."""
+    size = len(buf)
+    if size < 8:
+        raise InternalError(f"{what}: {size} bytes, too short for a safetensors file")
     (header_len,) = struct.unpack_from("<Q", buf, 0)
     if header_len > size - 8:
-        raise InternalError(f"safetensors file {path!r}: header length {header_len} too large")
+        raise InternalError(f"{what}: header length {header_len} too large")
     header = json.loads(bytes(buf[8 : 8 + header_len]).decode("utf-8"))
     base = 8 + header_len
     out: Dict[str, np.ndarray] = {}
@@ -84,12 +107,12 @@ def read(path: str) -> Dict[str, np.ndarray]:
             continue
         dtype = _DTYPES.get(entry["dtype"])
         if dtype is None:
-            raise InternalError(f"safetensors file {path!r}: {name}: dtype {entry['dtype']}")
+            raise InternalError(f"{what}: {name}: dtype {entry['dtype']}")
         begin, end = entry["data_offsets"]
         shape = tuple(int(d) for d in entry["shape"])
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if end - begin != count * dtype.itemsize or base + end > size:
-            raise InternalError(f"safetensors file {path!r}: {name}: bad data_offsets")
+            raise InternalError(f"{what}: {name}: bad data_offsets")
         out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=base + begin).reshape(
             shape
         )

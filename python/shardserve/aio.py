@@ -166,10 +166,22 @@ class Client:
             world=world, device=device, padding_idx=padding_idx, max_norm=max_norm,
             norm_type=norm_type, checkpoint_dir=self.checkpoint_dir,
         )
-        info = await self._admin_call("CreateTable", self._pb.CreateTableRequest(table=spec),
-                                      deadline)
+        deadline_at = time.monotonic() + self._timeout(deadline)
+        info = await self._admin_call_until(
+            "CreateTable", self._pb.CreateTableRequest(table=spec), deadline_at)
         self._routes.forget(name)
+        while (info.state in _common.WAITING_STATES
+               and deadline_at - time.monotonic() > _common.LEAST_WAIT):
+            info = await self._admin_call_until(
+                "WaitTable", self._pb.WaitTableRequest(name=name), deadline_at)
+        _common.raise_if_failed(info)
         return _common.table_info(info)
+
+    async def wait_table(self, table: str, *, timeout: Optional[float] = None) -> TableInfo:
+        """See :meth:`shardserve.Client.wait_table`."""
+        deadline_at = time.monotonic() + self._timeout(timeout)
+        return _common.table_info(await self._admin_call_until(
+            "WaitTable", self._pb.WaitTableRequest(name=table), deadline_at))
 
     async def drop(self, table: str, *, deadline: Optional[float] = None) -> None:
         """See :meth:`shardserve.Client.drop`."""
@@ -195,10 +207,40 @@ class Client:
                            numpy: Optional[bool] = None,
                            deadline: Optional[float] = None) -> Dict[str, Tensor]:
         """See :meth:`shardserve.Client.export_state`."""
-        target, temporary = _common.export_path(path)
-        await self._admin_call("ExportTable",
-                               self._pb.ExportTableRequest(name=table, path=target), deadline)
-        return _as_kind(_common.read_export(target, temporary), numpy)
+        _common.check_export_target(path)
+        buf = await self._export_bytes(table, time.monotonic() + self._timeout(deadline))
+        return _as_kind(_common.finish_export(table, buf, path), numpy)
+
+    async def describe_cluster(self, *, deadline: Optional[float] = None) -> Any:
+        """See :meth:`shardserve.Client.describe_cluster`."""
+        return await self._admin_call("DescribeCluster", self._pb.DescribeClusterRequest(),
+                                      deadline)
+
+    async def _export_bytes(self, table: str, deadline_at: float) -> bytearray:
+        request = self._pb.ExportTableStreamRequest(name=table)
+        opts = self.options
+        started = time.monotonic()
+        last: Optional[Error] = None
+        attempts = 0
+        while attempts < opts.max_attempts:
+            remaining = deadline_at - time.monotonic()
+            if remaining <= 0:
+                break
+            attempts += 1
+            assembly = _common.ExportAssembly(table)
+            try:
+                call = self._admin_stub().ExportTableStream(request, timeout=remaining,
+                                                            wait_for_ready=True)
+                async for chunk in call:
+                    assembly.add(chunk)
+                return assembly.finish()
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+            if err.code != _UNAVAILABLE:
+                raise err
+            last = err
+            await _sleep_until_next(opts.backoff_after(attempts - 1), deadline_at)
+        raise _give_up(last, attempts, started)
 
     # --- internals ------------------------------------------------------------------------------
 

@@ -199,8 +199,12 @@ class Client:
         norm_type: Optional[float] = None,
         deadline: Optional[float] = None,
     ) -> TableInfo:
-        """Creates a table and returns once every rank serves it (state "serving"; "loading" if
-        the deadline ran out first).
+        """Creates a table and returns once every rank serves it (state "serving"; "loading" or
+        "unavailable" if the deadline ran out first: the table stays created and goes on loading,
+        :meth:`wait_table` waits for it). Idempotent: the same spec again (a retry) finds the
+        table and waits for it the same way; another spec under the name is ALREADY_EXISTS. (A
+        weight given as a tensor or module is written to a new checkpoint file on every call, so
+        only retries inside this call are the same spec.)
 
         The weight comes from exactly one of:
 
@@ -219,9 +223,11 @@ class Client:
         Sharding: ``sharding_dim`` of the ``(rows, cols)`` weight (1: columns, "col-wise" for
         embeddings; for linear layers 0 splits outputs, 1 splits inputs), over ``placements``
         (``["rank:1/cpu", "rank:0/cpu"]``: chunk i on the i-th placement) or ``world=W``
-        (``rank:0..W-1`` on ``device``); their number must be the cluster's world size.
+        (``rank:0..W-1`` on ``device``): at most the cluster's world size, each a different rank
+        (ranks without a placement hold nothing and still serve calls).
         ``bias=False`` (or a linear ``kind`` without a bias) makes a linear layer without bias.
-        Errors: ALREADY_EXISTS, INVALID_ARGUMENT (bad spec, naming the field).
+        Errors: ALREADY_EXISTS, INVALID_ARGUMENT (bad spec, naming the field), and the error of a
+        rank that could not load the table (e.g. RESOURCE_EXHAUSTED).
         """
         spec, _ = _common.build_spec(
             self._pb, name, weight, kind=kind, bias=bias, num_rows=rows, num_cols=cols,
@@ -229,9 +235,29 @@ class Client:
             world=world, device=device, padding_idx=padding_idx, max_norm=max_norm,
             norm_type=norm_type, checkpoint_dir=self.checkpoint_dir,
         )
-        info = self._admin_call("CreateTable", self._pb.CreateTableRequest(table=spec), deadline)
+        deadline_at = time.monotonic() + self._timeout(deadline)
+        info = self._admin_call_until(
+            "CreateTable", self._pb.CreateTableRequest(table=spec), deadline_at
+        )
         self._routes.forget(name)
+        # The coordinator answered a margin before the deadline: wait for what is left of it.
+        while (info.state in _common.WAITING_STATES
+               and deadline_at - time.monotonic() > _common.LEAST_WAIT):
+            info = self._admin_call_until(
+                "WaitTable", self._pb.WaitTableRequest(name=name), deadline_at
+            )
+        _common.raise_if_failed(info)
         return _common.table_info(info)
+
+    def wait_table(self, table: str, *, timeout: Optional[float] = None) -> TableInfo:
+        """Waits up to ``timeout`` seconds (default: the client's deadline) until every rank
+        serves ``table`` or a rank could not load it, and returns its :class:`TableInfo` then:
+        state "serving", "failed" (``error``, ``error_code``), or as it is when the time ran out
+        (the coordinator answers a little before the end of ``timeout``). NOT_FOUND."""
+        deadline_at = time.monotonic() + self._timeout(timeout)
+        return _common.table_info(self._admin_call_until(
+            "WaitTable", self._pb.WaitTableRequest(name=table), deadline_at
+        ))
 
     def drop(self, table: str, *, deadline: Optional[float] = None) -> None:
         """Drops a table (NOT_FOUND if there is none). Checkpoints written by create_table are
@@ -272,16 +298,48 @@ class Client:
         """``{"weight": ..., "bias": ...}`` (bias only for a linear layer that has one), as a
         state dict of the module the table stands for.
 
-        The coordinator writes a safetensors file at ``path`` on its own machine (default: a
-        temporary file, removed after reading) and the client reads it back: the path must be
-        readable here too (same machine or shared file system). ``numpy``: True for numpy
-        arrays, False for torch tensors, None (default) for torch when it is installed.
+        The coordinator streams the table's safetensors file to this client (ExportTableStream:
+        no file system is shared); with ``path``, the client also writes it there, on this
+        machine. Every shard comes from the same creation of the table (ABORTED if it was created
+        again meanwhile). ``numpy``: True for numpy arrays, False for torch tensors, None
+        (default) for torch when it is installed.
         """
-        target, temporary = _common.export_path(path)
-        self._admin_call(
-            "ExportTable", self._pb.ExportTableRequest(name=table, path=target), deadline
-        )
-        return _as_kind(_common.read_export(target, temporary), numpy)
+        _common.check_export_target(path)
+        buf = self._export_bytes(table, time.monotonic() + self._timeout(deadline))
+        return _as_kind(_common.finish_export(table, buf, path), numpy)
+
+    def describe_cluster(self, *, deadline: Optional[float] = None) -> Any:
+        """The coordinator's view of the workers, a ``shardserve.v1.ClusterInfo`` message: each
+        group's epoch and state, and every member (rank, address, device, alive, epoch, tables
+        held and served)."""
+        return self._admin_call("DescribeCluster", self._pb.DescribeClusterRequest(), deadline)
+
+    def _export_bytes(self, table: str, deadline_at: float) -> bytearray:
+        """The exported file's bytes; the whole stream again after UNAVAILABLE (the coordinator
+        sends nothing before it has read every shard)."""
+        request = self._pb.ExportTableStreamRequest(name=table)
+        opts = self.options
+        started = time.monotonic()
+        last: Optional[Error] = None
+        attempts = 0
+        while attempts < opts.max_attempts:
+            remaining = deadline_at - time.monotonic()
+            if remaining <= 0:
+                break
+            attempts += 1
+            assembly = _common.ExportAssembly(table)
+            try:
+                for chunk in self._admin.ExportTableStream(
+                        request, timeout=remaining, wait_for_ready=True):
+                    assembly.add(chunk)
+                return assembly.finish()
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+            if err.code != _UNAVAILABLE:
+                raise err
+            last = err
+            _sleep_until_next(opts.backoff_after(attempts - 1), deadline_at)
+        raise _give_up(last, attempts, started)
 
     # --- internals ------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ describe (the placement map, as torch.chunk splits), drop, export; blocking and 
 
 import asyncio
 import os
+import time
 
 import numpy as np
 import pytest
@@ -140,3 +141,71 @@ def test_aio_admin(cluster, name):
             return exported
 
     torch.testing.assert_close(asyncio.run(main()), weight, atol=0, rtol=0)
+
+
+def test_create_is_idempotent_answers_loading_in_time_and_wait_table_waits(client, name):
+    """A create whose deadline runs out while the table loads answers "loading" (not a deadline
+    error), a retry of it finds the same table, and wait_table waits until it serves."""
+    big = dict(seed=5, rows=2_000_000, cols=64, world=2)  # 512 MB from a seed: loads a while
+    started = time.monotonic()
+    info = client.create_table(name, **big, deadline=1.0)
+    assert time.monotonic() - started < 1.0
+    assert info.state in ("loading", "serving")
+    again = client.create_table(name, **big, deadline=1.0)
+    assert again.generation == info.generation
+    with pytest.raises(shardserve.AlreadyExistsError) as e:
+        client.create_table(name, **dict(big, cols=32), deadline=5)
+    assert "num_cols: 64 -> 32" in e.value.message
+    assert client.wait_table(name, timeout=60).state == "serving"
+    assert client.wait_table(name, timeout=0.01).state == "serving"
+
+    async def aio():
+        async with shardserve.aio.Client(client.coordinator) as c:
+            assert (await c.create_table(name, **big)).state == "serving"
+            return (await c.wait_table(name)).generation
+
+    assert asyncio.run(aio()) == info.generation
+    client.drop(name)
+    with pytest.raises(shardserve.NotFoundError):
+        client.wait_table(name)
+
+
+def test_export_streams_the_file_the_coordinator_would_write(client, name, tmp_path):
+    """export needs no shared file system: the coordinator streams the table's file to the
+    client, which writes it here too when given a path - the bytes ExportTable writes on the
+    coordinator's machine."""
+    weight = torch.randn(300, 7)
+    client.create_table(name, weight, world=2, sharding_dim=1)
+    here = tmp_path / "here.safetensors"
+    torch.testing.assert_close(client.export(name, str(here)), weight, atol=0, rtol=0)
+    there = tmp_path / "there.safetensors"
+    pb, _ = shardserve._stubs.load()
+    client._admin.ExportTable(pb.ExportTableRequest(name=name, path=str(there)), timeout=30)
+    assert here.read_bytes() == there.read_bytes()
+
+    async def aio():
+        async with shardserve.aio.Client(client.coordinator) as c:
+            return await c.export(name, numpy=True)
+
+    np.testing.assert_array_equal(asyncio.run(aio()), weight.numpy())
+    with pytest.raises(shardserve.InvalidArgumentError):  # a directory is no file to write
+        client.export(name, str(tmp_path))
+    client.drop(name)
+
+
+def test_describe_cluster_lists_every_worker(client, cluster):
+    info = client.describe_cluster()
+    (group,) = info.groups
+    assert group.state == 1 and group.world_size == 2 and group.epoch > 0  # GROUP_STATE_SERVING
+    assert [m.rank for m in group.members] == [0, 1]
+    for m in group.members:
+        assert m.alive and m.device == "cpu" and m.epoch == group.epoch
+        assert m.address.startswith("127.0.0.1:")
+
+    async def aio():
+        async with shardserve.aio.Client(cluster.address) as c:
+            return await c.describe_cluster()
+
+    assert [m.address for m in asyncio.run(aio()).groups[0].members] == [
+        m.address for m in group.members
+    ]
