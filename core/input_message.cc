@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/op_inputs.h"
 
 namespace shardserve::core {
 namespace {
@@ -124,8 +125,9 @@ absl::StatusOr<GatheredInputs> DecodeInputs(InputKind kind, const TableConfig& t
     }
     s.num_ids = num;
     s.ids = words + l.ids;
-    const auto [lo, hi] = std::minmax_element(s.ids, s.ids + num);
-    if (num > 0 && (*lo < 0 || *hi >= table.num_rows)) return bad("holds ids outside the table");
+    if (!IdsInRange(absl::MakeConstSpan(s.ids, num), table.num_rows)) {
+      return bad("holds ids outside the table");
+    }
     if (!bagged) continue;
     s.num_bags = num_bags;
     s.offsets = words + l.offsets;

@@ -22,6 +22,10 @@
 
 namespace shardserve::core {
 
+// Whether every id is in [0, rows): one unsigned compare each (a negative id is a huge unsigned
+// one) and no branch, so the compiler can vectorise it - the checks of every step's ids take it.
+bool IdsInRange(absl::Span<const int64_t> ids, int64_t rows);
+
 // F.embedding(input, weight): ids of any shape; result shape + [embedding_dim].
 struct EmbeddingInput {
   absl::Span<const int64_t> ids;
