@@ -14,6 +14,9 @@
 //     FAILED with its error), the waits of CreateTable and WaitTable, export planning
 //     (TableExport), and routing (PickWorker, over the serving groups).
 //
+// control_plane.cc holds the registry, the admin calls and the table states;
+// control_plane_groups.cc the heartbeats, groups, epochs, rendezvous, routing and health.
+//
 // Time comes from a Clock (a fake in tests): liveness, join grace, the broken-group timer and
 // every wait run on it. Every wait is bounded: an admin call's wait ends a margin before its
 // caller's deadline (a tenth of the time left, at least 50 ms), so that the answer - the state

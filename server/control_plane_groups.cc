@@ -1,0 +1,420 @@
+// ControlPlane's replica groups: heartbeats, membership, epochs, learning a group after a
+// restart, the rendezvous stores, routing and health. (The class is declared in control_plane.h;
+// its registry, admin calls and table states are in control_plane.cc.)
+#include "server/control_plane.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "server/table_spec.h"
+
+namespace shardserve::server {
+
+bool ControlPlane::AnyLearning() const {
+  for (const Group& g : groups_) {
+    if (g.learning) return true;
+  }
+  return false;
+}
+
+// --- Workers ---
+
+absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
+    const v1::internal::HeartbeatRequest& request) {
+  absl::MutexLock lock(&mu_);
+  if (request.group() < 0 || request.group() >= options_.groups) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group: ", request.group(), " is out of range [0, ", options_.groups, ")"));
+  }
+  if (request.rank() < 0 || request.rank() >= options_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank: ", request.rank(),
+                                                   " is out of range [0, ", options_.world_size,
+                                                   ")"));
+  }
+  const int g = request.group();
+  Group& group = groups_[g];
+  Member& m = group.members[request.rank()];
+  if (Alive(m) && m.incarnation != request.incarnation() && m.incarnation != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("rank ", request.rank(), " of group ", g,
+                                                 " is held by a live worker at ", m.address));
+  }
+  const absl::Time now = clock_.Now();
+  m.address = request.address();
+  m.device = request.device();
+  m.incarnation = request.incarnation();
+  m.epoch = request.epoch();
+  if (request.group_broken() && !m.broken) m.broken_since = now;
+  m.broken = request.group_broken();
+  m.last_seen = now;
+  ++m.heartbeats;
+  m.loaded.assign(request.loaded_tables().begin(), request.loaded_tables().end());
+  m.loaded_specs.clear();
+  for (const v1::TableSpec& spec : request.loaded_specs()) m.loaded_specs[spec.name()] = spec;
+  m.serving.assign(request.serving_tables().begin(), request.serving_tables().end());
+  m.load_errors.clear();
+  for (const v1::internal::TableLoadError& e : request.load_errors()) {
+    // An error it is: a code that is none (OK, or out of range) would read as success.
+    const absl::StatusCode code = e.code() >= 1 && e.code() <= 16
+                                      ? static_cast<absl::StatusCode>(e.code())
+                                      : absl::StatusCode::kUnknown;
+    const absl::Status status(
+        code, absl::StrCat(options_.groups > 1 ? absl::StrCat("group ", g, " ") : "", "rank ",
+                           request.rank(), ": ", e.message()));
+    m.load_errors[e.table()] = {e.generation(), status};
+  }
+  for (const v1::TableSpec& held : request.renorm_unsure()) {
+    ReloadAfterPartialRenorm(g, request.rank(), held);
+  }
+  Reconcile(g);
+  ForgetServedCreations();
+  v1::internal::HeartbeatResponse response;
+  response.set_world_size(options_.world_size);
+  if (group.learning) {
+    // Until every member of its group has reported, this coordinator does not know the group,
+    // nor (without a registry) the tables: the worker goes on as while it could not reach it.
+    response.set_keep_serving(true);
+    return response;
+  }
+  response.set_epoch(group.epoch);
+  for (int r = 0; r < options_.world_size; ++r) {
+    const Member& other = group.members[r];
+    v1::internal::Member* member = response.add_members();
+    member->set_rank(r);
+    member->set_address(other.address);
+    if (group.epoch != 0 && other.epoch == group.epoch && other.incarnation != 0 &&
+        !Alive(other)) {
+      response.add_silent_ranks(r);
+    }
+  }
+  for (const auto& [name, spec] : tables_) {
+    if (!PlacedOn(spec, g)) continue;
+    *response.add_tables() = SpecFor(spec, g);
+    if (TableReady(name, g)) response.add_serving_tables(name);
+    if (unserved_.count(name)) response.add_creating_tables(name);
+    if (const absl::Status* error = LoadError(spec)) {
+      (*response.mutable_load_errors())[name] = std::string(error->message());
+    }
+  }
+  return response;
+}
+
+absl::Status ControlPlane::RendezvousSet(const std::string& key, std::string value) {
+  GroupRendezvous* store = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    store = groups_[0].rendezvous.get();
+    for (Group& g : groups_) {
+      if (g.epoch != 0 && absl::StartsWith(key, absl::StrCat("group/epoch-", g.epoch, "/"))) {
+        store = g.rendezvous.get();
+      }
+    }
+  }
+  return store->Set(key, std::move(value));  // (the stores live as long as the control plane)
+}
+
+absl::StatusOr<std::string> ControlPlane::RendezvousGet(const std::string& key,
+                                                        absl::Duration timeout) {
+  GroupRendezvous* store = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    store = groups_[0].rendezvous.get();
+    for (Group& g : groups_) {
+      if (g.epoch != 0 && absl::StartsWith(key, absl::StrCat("group/epoch-", g.epoch, "/"))) {
+        store = g.rendezvous.get();
+      }
+    }
+  }
+  return store->Get(key, timeout);
+}
+
+// --- Routing and health ---
+
+absl::StatusOr<WorkerRoute> ControlPlane::PickWorker() {
+  absl::MutexLock lock(&mu_);
+  // Every member of every group that serves (or, while its group learns, that reports a healthy
+  // group), round robin.
+  std::vector<WorkerRoute> routes;
+  for (int g = 0; g < options_.groups; ++g) {
+    const Group& group = groups_[g];
+    const bool serves = !group.learning && GroupServing(g);
+    for (int r = 0; r < options_.world_size; ++r) {
+      const Member& m = group.members[r];
+      if (group.learning ? Alive(m) && m.epoch != 0 && !m.broken : serves) {
+        routes.push_back(WorkerRoute{g, r, m.address});
+      }
+    }
+  }
+  if (routes.empty()) {
+    return absl::UnavailableError(
+        AnyLearning() ? "group not known yet: the coordinator has just started, and no worker in "
+                        "a group has reported"
+                      : "group not formed: waiting for all ranks");
+  }
+  return routes[next_worker_++ % routes.size()];
+}
+
+absl::StatusOr<v1::TableInfo> ControlPlane::ForwardingMap(const std::string& table) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tables_.find(table);
+  v1::TableInfo info;
+  if (it != tables_.end()) info = InfoOf(it->second);
+  for (int g = 0; g < options_.groups; ++g) {
+    const Group& group = groups_[g];
+    if (!group.learning || (it != tables_.end() && !PlacedOn(it->second, g))) continue;
+    v1::ReplicaInfo* replica = nullptr;
+    for (v1::ReplicaInfo& r : *info.mutable_replicas()) {
+      if (r.group() == g) replica = &r;
+    }
+    if (replica == nullptr) {
+      replica = info.add_replicas();
+      replica->set_group(g);
+    }
+    replica->clear_shards();
+    for (int r = 0; r < options_.world_size; ++r) {
+      const Member& m = group.members[r];
+      if (!Alive(m) || m.epoch == 0 || m.broken) continue;
+      v1::ShardInfo* shard = replica->add_shards();
+      shard->set_rank(r);
+      shard->set_address(m.address);
+    }
+    replica->set_state(replica->shards_size() > 0 ? v1::TABLE_STATE_SERVING
+                                                  : v1::TABLE_STATE_UNAVAILABLE);
+  }
+  if (info.replicas_size() == 0) {
+    return absl::NotFoundError(absl::StrCat("table \"", table, "\" not found"));
+  }
+  return info;
+}
+
+ServingState ControlPlane::Serving() const {
+  absl::MutexLock lock(&mu_);
+  ServingState state;
+  for (int g = 0; g < options_.groups; ++g) {
+    state.groups.push_back(GroupServing(g));
+    state.group = state.group || state.groups.back();
+  }
+  for (const auto& [name, spec] : tables_) {
+    state.tables[name] = TableServing(name);
+    for (int g = 0; g < options_.groups; ++g) {
+      if (PlacedOn(spec, g)) state.replicas[{name, g}] = TableServing(name, g);
+    }
+  }
+  return state;
+}
+
+void ControlPlane::Tick() {
+  absl::MutexLock lock(&mu_);
+  Reconcile();
+  ForgetServedCreations();
+}
+
+uint64_t ControlPlane::epoch(int group) const {
+  absl::MutexLock lock(&mu_);
+  return groups_.at(group).epoch;
+}
+
+bool ControlPlane::learning() const {
+  absl::MutexLock lock(&mu_);
+  return AnyLearning();
+}
+
+// --- The groups ---
+
+bool ControlPlane::Alive(const Member& m) const {
+  return m.incarnation != 0 && clock_.Now() - m.last_seen < options_.liveness_timeout;
+}
+
+bool ControlPlane::GroupServing(int group) const {
+  const Group& g = groups_[group];
+  if (g.epoch == 0) return false;
+  for (const Member& m : g.members) {
+    if (!Alive(m) || m.epoch != g.epoch || m.broken) return false;
+  }
+  return true;
+}
+
+void ControlPlane::ReloadAfterPartialRenorm(int group, int rank, const v1::TableSpec& held) {
+  auto it = tables_.find(held.name());
+  // Another generation than the rank held: its group's workers load that one anew anyway. While
+  // its creation has not served yet, the rank reports again at its next heartbeats.
+  if (it == tables_.end() || SpecFor(it->second, group).generation() != held.generation() ||
+      unserved_.count(held.name())) {
+    return;
+  }
+  const std::pair<std::string, int> replica(held.name(), group);
+  const auto before = replica_generations_.find(replica);
+  const std::optional<uint64_t> was =
+      before == replica_generations_.end() ? std::nullopt : std::optional(before->second);
+  replica_generations_[replica] = ++last_generation_;
+  if (absl::Status s = SaveRegistry(); !s.ok()) {
+    // Not reloaded: a coordinator restarted later would bring back the old generation, which some
+    // rank may hold still. The rank reports again.
+    if (was) {
+      replica_generations_[replica] = *was;
+    } else {
+      replica_generations_.erase(replica);
+    }
+    std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
+    return;
+  }
+  if (!GroupServing(group)) reloaded_while_down_.insert(replica);
+  std::fprintf(stderr,
+               "coordinator: table \"%s\" is loaded again on group %d as generation %llu: a step "
+               "failed on its rank %d while it renormed rows, which its ranks may now hold "
+               "differently\n",
+               held.name().c_str(), group, static_cast<unsigned long long>(last_generation_),
+               rank);
+}
+
+void ControlPlane::EndLearning(int g) {
+  Group& group = groups_[g];
+  group.learning = false;
+  if (store_ == nullptr) LearnTables(g);
+  // One healthy group is what every member reports: the same epoch, joined and not broken. (A
+  // worker that restarted reports epoch 0; one whose group failed, broken.)
+  const uint64_t epoch = group.members[0].epoch;
+  bool one_group = epoch != 0, any_group = false;
+  std::string reports;
+  for (size_t r = 0; r < group.members.size(); ++r) {
+    const Member& m = group.members[r];
+    one_group = one_group && m.epoch == epoch && !m.broken;
+    any_group = any_group || m.epoch != 0;
+    absl::StrAppend(&reports, r ? ", " : "", "rank ", r, ": ", m.epoch, m.broken ? " broken" : "");
+  }
+  // (An epoch is one group's: another group reporting it is a worker of a cluster of old.)
+  for (const Group& other : groups_) {
+    one_group = one_group && (&other == &group || other.epoch != epoch);
+  }
+  if (!one_group) {
+    // (Silent when no worker was in a group: the cluster is starting.)
+    if (any_group) {
+      std::fprintf(stderr,
+                   "coordinator: the workers of group %d report no healthy group to adopt (%s)\n",
+                   g, reports.c_str());
+    }
+    return;  // Reconcile forms a new one
+  }
+  StartEpoch(g, epoch);
+  last_epoch_ = std::max(last_epoch_, epoch);
+  std::fprintf(stderr,
+               "coordinator: adopted group epoch %llu from the workers (%d ranks, group %d)\n",
+               static_cast<unsigned long long>(epoch), options_.world_size, g);
+}
+
+void ControlPlane::LearnTables(int g) {
+  // The tables every member of the group holds from the same spec, generation included: what the
+  // previous coordinator last told them to hold and all of them loaded. Tables they hold
+  // differently (a creation, drop or reload under way when it stopped) are left to be dropped.
+  const std::vector<Member>& members = groups_[g].members;
+  for (const auto& [name, spec] : members[0].loaded_specs) {
+    if (!ConfigFromSpec(spec, options_.world_size).ok()) continue;
+    bool everywhere = true;
+    for (const Member& m : members) everywhere = everywhere && Holds(m, spec);
+    if (!everywhere) continue;
+    last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
+    if (auto known = tables_.find(name); known != tables_.end()) {
+      // Learnt from another group already: the same table but for a replica's own generation.
+      v1::TableSpec base = spec;
+      base.set_generation(known->second.generation());
+      if (google::protobuf::util::MessageDifferencer::Equals(base, known->second) &&
+          spec.generation() != known->second.generation()) {
+        replica_generations_[{name, g}] = spec.generation();
+      }
+      continue;
+    }
+    tables_[name] = spec;
+    last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
+    std::fprintf(stderr,
+                 "coordinator: learnt table \"%s\" (generation %llu) from group %d's workers\n",
+                 name.c_str(), static_cast<unsigned long long>(spec.generation()), g);
+  }
+}
+
+void ControlPlane::StartEpoch(int g, uint64_t epoch) {
+  Group& group = groups_[g];
+  group.epoch = epoch;
+  group.epoch_started = clock_.Now();
+  group.epoch_incarnations.clear();
+  for (const Member& m : group.members) group.epoch_incarnations.push_back(m.incarnation);
+  group.rendezvous->StartEpoch(epoch);
+}
+
+void ControlPlane::Reconcile() {
+  for (int g = 0; g < options_.groups; ++g) Reconcile(g);
+}
+
+void ControlPlane::Reconcile(int g) {
+  Group& group = groups_[g];
+  // Once a group serves a table reloaded while none did, lookups may renorm its new loads.
+  for (auto it = reloaded_while_down_.begin(); it != reloaded_while_down_.end();) {
+    it = !tables_.count(it->first) || TableReady(it->first, it->second)
+             ? reloaded_while_down_.erase(it)
+             : std::next(it);
+  }
+  for (const Member& m : group.members) {
+    if (!Alive(m)) return;  // wait for every rank; a dead one comes back with a new incarnation
+  }
+  if (group.learning) EndLearning(g);
+  const absl::Time now = clock_.Now();
+  bool renew = group.epoch == 0;
+  for (int r = 0; r < options_.world_size && !renew; ++r) {
+    const Member& m = group.members[r];
+    if (m.incarnation != group.epoch_incarnations[r]) renew = true;  // a worker restarted
+    // The group failed. Wait one liveness period first: if a peer died, it is then seen as dead
+    // and the group re-forms only once it is back, instead of stalling on a dead rank.
+    if (m.broken && m.epoch == group.epoch &&
+        now - m.broken_since >= options_.liveness_timeout) {
+      renew = true;
+    }
+    if (m.epoch != group.epoch && now - group.epoch_started > options_.join_grace) renew = true;
+  }
+  if (!renew) return;
+  // A worker that restarted loaded its shards anew from their source: rows renormed in place
+  // (max_norm) since are back to their stored values there. Where a column-sharded row spans
+  // ranks, its columns would then disagree; so when restarted ranks meet ranks that kept their
+  // shards, every worker reloads such tables (a new generation), and lookups renorm rows as they
+  // did the first time. (Row-sharded rows live on one rank each: they stay consistent.) Restarted:
+  // another process than at the group's last epoch - or, when this coordinator has formed none
+  // yet, one that never joined a group. Counted once per restart, not again while it re-forms.
+  bool fresh = false, kept = false;
+  for (size_t r = 0; r < group.members.size(); ++r) {
+    const Member& m = group.members[r];
+    const bool restarted = group.epoch_incarnations.empty()
+                               ? m.epoch == 0
+                               : r < group.epoch_incarnations.size() &&
+                                     m.incarnation != group.epoch_incarnations[r];
+    fresh = fresh || restarted;
+    kept = kept || !restarted;
+  }
+  bool reloads = false;
+  for (auto& [name, spec] : tables_) {
+    if (!(fresh && kept) || !PlacedOn(spec, g) || !spec.has_max_norm() ||
+        spec.sharding().dim() != 1 || unserved_.count(name) ||
+        reloaded_while_down_.count({name, g})) {
+      continue;
+    }
+    replica_generations_[{name, g}] = ++last_generation_;  // this group's replica alone
+    reloads = true;
+  }
+  if (reloads) {
+    // Kept in memory even if the save fails: the reload is what makes the ranks consistent, and
+    // a coordinator restarted with the older registry has the workers reload once more.
+    if (absl::Status s = SaveRegistry(); !s.ok()) {
+      std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
+    }
+  }
+  // Epochs are wall-clock milliseconds, unique over groups and across coordinator restarts.
+  last_epoch_ = std::max<uint64_t>({last_epoch_ + 1, group.epoch + 1,
+                                    static_cast<uint64_t>(absl::ToUnixMillis(now))});
+  StartEpoch(g, last_epoch_);
+  std::fprintf(stderr, "coordinator: group epoch %llu with %d ranks (group %d)\n",
+               static_cast<unsigned long long>(group.epoch), options_.world_size, g);
+}
+
+}  // namespace shardserve::server
