@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "grpcpp/client_context.h"
 #include "server/grpc_settings.h"
@@ -44,13 +45,13 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
       Retry(refused);
       return;
     }
+    // (Hedged only where another replica could take it: with one group, no timer at all.)
+    const bool hedgeable = first->route.alternatives;
     Go(first);
-    const absl::Duration hedge = caller_.options_.hedge_after;
+    const absl::Duration hedge = hedgeable ? caller_.HedgeDelay() : absl::ZeroDuration();
     if (hedge > absl::ZeroDuration() && absl::Now() + hedge < deadline_) {
-      // (A weak reference: a call that is over is freed at once, not when its timer comes.)
-      caller_.delayer_.At(absl::Now() + hedge, [weak = weak_from_this()] {
-        if (std::shared_ptr<CallState> self = weak.lock()) self->Hedge();
-      });
+      // (A weak reference: a call that is over is freed at once, not when its hedge is due.)
+      caller_.HedgeAt(absl::Now() + hedge, weak_from_this());
     }
   }
 
@@ -59,6 +60,7 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
     ReplicaRouter::Route route;
     grpc::ClientContext context;
     grpc::ByteBuffer response;
+    absl::Time started;
     bool ended = false;
   };
 
@@ -74,6 +76,7 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
     auto attempt = std::make_unique<Attempt>();
     attempt->route = *std::move(route);
     attempt->context.set_deadline(absl::ToChronoTime(deadline_));
+    attempt->started = absl::Now();
     attempts_.push_back(std::move(attempt));
     ++in_flight_;
     return attempts_.back().get();
@@ -100,8 +103,15 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
         return;
       }
       if (status.error_code() != grpc::StatusCode::UNAVAILABLE) {
-        // An answer, or an error of the request's own: the call's outcome.
-        caller_.router_.Succeeded(table_, a->route);
+        // An answer, or an error of the request's own: the call's outcome. (A deadline that ran
+        // out says nothing of the replica's health.)
+        const grpc::StatusCode code = status.error_code();
+        if (code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::CANCELLED) {
+          caller_.router_.Abandoned(table_, a->route);
+        } else {
+          caller_.router_.Succeeded(table_, a->route);
+        }
+        if (status.ok()) caller_.Answered(absl::Now() - a->started);
         finished_ = true;
         for (auto& other : attempts_) {
           if (!other->ended) cancel.push_back(other.get());
@@ -159,6 +169,7 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
 
   // No answer in time from the only attempt: its group is suspect, and the request goes to another
   // replica too (if there is one, and the budget allows).
+  friend class ReplicaCaller;
   void Hedge() {
     Attempt* hedge = nullptr;
     {
@@ -184,8 +195,8 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
   const absl::Time deadline_;
   const Done done_;
   absl::Mutex mu_;
-  std::vector<std::unique_ptr<Attempt>> attempts_ ABSL_GUARDED_BY(mu_);
-  std::vector<int> tried_ ABSL_GUARDED_BY(mu_);  // groups tried since the last backoff
+  absl::InlinedVector<std::unique_ptr<Attempt>, 2> attempts_ ABSL_GUARDED_BY(mu_);
+  absl::InlinedVector<int, 4> tried_ ABSL_GUARDED_BY(mu_);  // groups tried since the last backoff
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   int rounds_ ABSL_GUARDED_BY(mu_) = 0;  // backoffs so far
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -193,10 +204,50 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
 };
 
 ReplicaCaller::ReplicaCaller(ReplicaRouter& router, ReplicaCallerOptions options)
-    : router_(router), options_(std::move(options)), delayer_(/*slack=*/absl::Milliseconds(1)) {}
+    : router_(router), options_(std::move(options)), hedger_([this] { HedgeLoop(); }) {}
 
 ReplicaCaller::~ReplicaCaller() {
   while (calls_in_flight_.load() > 0) absl::SleepFor(absl::Milliseconds(1));
+  {
+    absl::MutexLock lock(&hedge_mu_);
+    stop_ = true;
+  }
+  hedger_.join();
+}
+
+void ReplicaCaller::HedgeAt(absl::Time when, std::weak_ptr<CallState> call) {
+  absl::MutexLock lock(&hedge_mu_);
+  hedges_.emplace_back(when, std::move(call));
+}
+
+void ReplicaCaller::HedgeLoop() {
+  // Due hedges are taken up to 1 ms late, in batches: the thread wakes about once a millisecond
+  // under load, not once per call.
+  constexpr absl::Duration kSlack = absl::Milliseconds(1);
+  absl::MutexLock lock(&hedge_mu_);
+  std::vector<std::weak_ptr<CallState>> due;
+  while (true) {
+    auto news = [this]() ABSL_SHARED_LOCKS_REQUIRED(hedge_mu_) {
+      return stop_ || !hedges_.empty();
+    };
+    hedge_mu_.Await(absl::Condition(&news));
+    if (stop_) return;
+    const absl::Time now = absl::Now();
+    if (hedges_.front().first > now) {
+      hedge_mu_.AwaitWithDeadline(absl::Condition(&stop_), hedges_.front().first + kSlack);
+      continue;
+    }
+    while (!hedges_.empty() && hedges_.front().first <= now) {
+      due.push_back(std::move(hedges_.front().second));
+      hedges_.pop_front();
+    }
+    hedge_mu_.Unlock();
+    for (std::weak_ptr<CallState>& call : due) {
+      if (std::shared_ptr<CallState> alive = call.lock()) alive->Hedge();
+    }
+    due.clear();
+    hedge_mu_.Lock();
+  }
 }
 
 void ReplicaCaller::Call(const std::string& table, const char* method, grpc::ByteBuffer request,
@@ -216,21 +267,34 @@ grpc::GenericStub& ReplicaCaller::StubFor(const std::string& address) {
   return *stub;
 }
 
+absl::Duration ReplicaCaller::HedgeDelay() {
+  if (options_.hedge_after <= absl::ZeroDuration()) return absl::ZeroDuration();
+  return std::max(options_.hedge_after,
+                  absl::Microseconds(3 * typical_us_.load(std::memory_order_relaxed)));
+}
+
+void ReplicaCaller::Answered(absl::Duration took) {
+  const double us = absl::ToDoubleMicroseconds(took);
+  const double typical = typical_us_.load(std::memory_order_relaxed);
+  typical_us_.store(typical == 0 ? us : 0.95 * typical + 0.05 * us, std::memory_order_relaxed);
+}
+
 void ReplicaCaller::CountCall() {
-  absl::MutexLock lock(&mu_);
-  const absl::Time now = absl::Now();
-  if (now - window_start_ >= absl::Seconds(1)) {
-    window_start_ = now;
-    window_calls_ = 0;
-    window_hedges_ = 0;
+  const int64_t now = absl::ToUnixMicros(absl::Now());
+  int64_t start = window_start_us_.load(std::memory_order_relaxed);
+  if (now - start >= 1000000 && window_start_us_.compare_exchange_strong(start, now)) {
+    window_calls_.store(0, std::memory_order_relaxed);
+    window_hedges_.store(0, std::memory_order_relaxed);
   }
-  ++window_calls_;
+  window_calls_.fetch_add(1, std::memory_order_relaxed);
 }
 
 bool ReplicaCaller::TakeHedge() {
-  absl::MutexLock lock(&mu_);
-  if (window_hedges_ > window_calls_ / 10) return false;
-  ++window_hedges_;
+  if (window_hedges_.load(std::memory_order_relaxed) >
+      window_calls_.load(std::memory_order_relaxed) / 10) {
+    return false;
+  }
+  window_hedges_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 

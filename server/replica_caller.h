@@ -5,10 +5,12 @@
 // - An attempt goes where the ReplicaRouter says. UNAVAILABLE (a dead or broken group, a broken
 //   connection) makes the router avoid that group, and the call goes at once to another replica;
 //   once every replica has failed it, it waits `backoff` (doubling) and tries them again.
-// - An attempt without an answer after `hedge_after` (a hung worker: its sockets stay open and
+// - An attempt without an answer after the hedge delay (a hung worker: its sockets stay open and
 //   nothing fails) makes its group suspect, and the same request goes to another replica too; the
-//   first answer wins and the other attempt is cancelled. Hedges are budgeted (at most about one
-//   call in ten over a second), so that a slow cluster is not sent double its load.
+//   first answer wins and the other attempt is cancelled. The delay is `hedge_after`, or three
+//   times the recent typical answer time if that is longer (calls that are slow by nature are not
+//   hedged for it), and hedges are budgeted (about one call in ten over a second), so that a slow
+//   cluster is not sent double its load.
 // - Every attempt carries the call's deadline: no call ends past it, and `done` runs exactly once.
 //
 // Thread-safe; share one per process. `router` must outlive it; its destructor waits for the calls
@@ -17,10 +19,13 @@
 #define SHARDSERVE_SERVER_REPLICA_CALLER_H_
 
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -63,17 +68,32 @@ class ReplicaCaller {
   // Whether one more hedge fits the budget now (counts it if so).
   bool TakeHedge();
   void CountCall();
+  // Hedges `call` at `when`, unless it is over by then.
+  void HedgeAt(absl::Time when, std::weak_ptr<CallState> call);
+  void HedgeLoop();
+  // The hedge delay now; and an answer's time, for the typical one (a moving average).
+  absl::Duration HedgeDelay();
+  void Answered(absl::Duration took);
 
   ReplicaRouter& router_;
   const ReplicaCallerOptions options_;
   std::atomic<int64_t> calls_in_flight_{0};
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<grpc::GenericStub>> stubs_ ABSL_GUARDED_BY(mu_);
-  // The hedge budget: calls and hedges in the current one-second window.
-  absl::Time window_start_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-  int64_t window_calls_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t window_hedges_ ABSL_GUARDED_BY(mu_) = 0;
-  Delayer delayer_;  // hedges and backoffs (last: destroyed first, running what is due)
+  // The hedge budget: calls and hedges in the current one-second window; and a moving average of
+  // answered attempts' time. (Atomics, loosely kept: every call counts, on many threads.)
+  std::atomic<int64_t> window_start_us_{0};
+  std::atomic<int64_t> window_calls_{0};
+  std::atomic<int64_t> window_hedges_{0};
+  std::atomic<double> typical_us_{0};
+  Delayer delayer_;  // backoffs
+  // Calls to hedge, about in the order they are due (each is a call's start plus the delay of
+  // then): one thread takes the front ones as they come due. (A Delayer entry per call left the
+  // load tester at 0.69x of its rate with 64 single-bag callers; this queue, 0.93x.)
+  absl::Mutex hedge_mu_;
+  std::deque<std::pair<absl::Time, std::weak_ptr<CallState>>> hedges_ ABSL_GUARDED_BY(hedge_mu_);
+  bool stop_ ABSL_GUARDED_BY(hedge_mu_) = false;
+  std::thread hedger_;
 };
 
 }  // namespace shardserve::server

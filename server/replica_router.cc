@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 
 namespace shardserve::server {
@@ -59,8 +60,22 @@ void ReplicaRouter::Update(const std::string& table, const v1::TableInfo& info) 
       r.probing = old.probing;
     }
   }
+  // (Health carried over counts as before; groups the map no longer has count no more.)
+  for (Replica& old : routes.replicas) {
+    bool kept = false;
+    for (const Replica& r : replicas) kept = kept || r.group == old.group;
+    if (!kept) SetHealth(old, false, false);
+  }
   routes.replicas = std::move(replicas);
   routes.stale = false;
+}
+
+void ReplicaRouter::SetHealth(Replica& r, bool suspect, bool probing) {
+  const bool was = r.suspect || r.probing;
+  r.suspect = suspect;
+  r.probing = probing;
+  const bool is = r.suspect || r.probing;
+  if (was != is) unhealthy_.fetch_add(is ? 1 : -1, std::memory_order_relaxed);
 }
 
 ReplicaRouter::Replica* ReplicaRouter::Find(const std::string& table, int group) {
@@ -73,7 +88,7 @@ ReplicaRouter::Replica* ReplicaRouter::Find(const std::string& table, int group)
 }
 
 absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& table,
-                                                        const std::vector<int>& avoid) {
+                                                        absl::Span<const int> avoid) {
   absl::MutexLock lock(&mu_);
   auto it = tables_.find(table);
   if (it == tables_.end()) {
@@ -91,7 +106,7 @@ absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& tabl
   };
   // First a suspect group's probe, once its cooldown is over and the map says it serves (one call
   // at a time); then the healthy replicas that serve; then any left.
-  std::vector<Replica*> tier;
+  absl::InlinedVector<Replica*, 4> tier;  // (no allocation per call)
   bool probe = false;
   for (Replica& r : routes.replicas) {
     if (usable(r) && r.serving && r.suspect && !r.probing && now >= r.suspect_until) {
@@ -125,8 +140,12 @@ absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& tabl
   size_t k = routes.next++ % total;
   for (Replica* r : tier) {
     if (k < r->addresses.size()) {
-      if (probe) r->probing = true;
-      return Route{r->group, r->addresses[k], probe};
+      if (probe) SetHealth(*r, r->suspect, true);
+      bool alternatives = false;
+      for (const Replica& other : routes.replicas) {
+        alternatives = alternatives || (usable(other) && other.group != r->group);
+      }
+      return Route{r->group, r->addresses[k], probe, alternatives};
     }
     k -= r->addresses.size();
   }
@@ -134,11 +153,11 @@ absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& tabl
 }
 
 void ReplicaRouter::Succeeded(const std::string& table, const Route& route) {
+  if (!route.probe && unhealthy_.load(std::memory_order_relaxed) == 0) return;
   absl::MutexLock lock(&mu_);
   Replica* r = Find(table, route.group);
   if (r == nullptr) return;
-  r->suspect = false;
-  r->probing = false;
+  SetHealth(*r, false, false);
 }
 
 void ReplicaRouter::Failed(const std::string& table, const Route& route) {
@@ -149,20 +168,22 @@ void ReplicaRouter::Failed(const std::string& table, const Route& route) {
   wake_ = true;
   Replica* r = Find(table, route.group);
   if (r == nullptr) return;
-  r->suspect = true;
   r->suspect_until = absl::Now() + options_.cooldown;
-  if (route.probe) r->probing = false;
+  SetHealth(*r, true, route.probe ? false : r->probing);
 }
 
 void ReplicaRouter::Abandoned(const std::string& table, const Route& route) {
   if (!route.probe) return;
   absl::MutexLock lock(&mu_);
-  if (Replica* r = Find(table, route.group)) r->probing = false;
+  if (Replica* r = Find(table, route.group)) SetHealth(*r, r->suspect, false);
 }
 
 void ReplicaRouter::Forget(const std::string& table) {
   absl::MutexLock lock(&mu_);
-  tables_.erase(table);
+  auto it = tables_.find(table);
+  if (it == tables_.end()) return;
+  for (Replica& r : it->second.replicas) SetHealth(r, false, false);
+  tables_.erase(it);
 }
 
 void ReplicaRouter::RefreshLoop() {
@@ -181,8 +202,11 @@ void ReplicaRouter::RefreshLoop() {
       if (stop_) return;
       if (info.ok()) {
         if (tables_.count(name)) Update(name, *info);
-      } else if (info.status().code() == absl::StatusCode::kNotFound) {
-        tables_.erase(name);  // dropped: callers get NOT_FOUND from their next first read
+      } else if (auto it = tables_.find(name);
+                 it != tables_.end() && info.status().code() == absl::StatusCode::kNotFound) {
+        // Dropped: callers get NOT_FOUND from their next first read.
+        for (Replica& r : it->second.replicas) SetHealth(r, false, false);
+        tables_.erase(it);
       }
     }
     // (Unlocked while it sleeps: failures meanwhile set wake_ for the next round.)

@@ -15,6 +15,7 @@
 #ifndef SHARDSERVE_SERVER_REPLICA_ROUTER_H_
 #define SHARDSERVE_SERVER_REPLICA_ROUTER_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <string>
@@ -25,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "proto/shardserve.pb.h"
 
 namespace shardserve::server {
@@ -43,6 +45,7 @@ class ReplicaRouter {
     int group = 0;
     std::string address;
     bool probe = false;  // the one call a suspect group gets after its cooldown
+    bool alternatives = false;  // another group's replica could take the call too
   };
 
   ReplicaRouter(MapSource source, Options options);
@@ -51,7 +54,7 @@ class ReplicaRouter {
   // The next entry address for `table`, other than in the groups of `avoid` (tried already by
   // this call). The source's error on a table's first read (NOT_FOUND, ...); UNAVAILABLE when the
   // table has no replica with an address, or every one is in `avoid`.
-  absl::StatusOr<Route> Pick(const std::string& table, const std::vector<int>& avoid = {});
+  absl::StatusOr<Route> Pick(const std::string& table, absl::Span<const int> avoid = {});
   // A call sent where Pick said answered (an answer or an error of the request's own): the group
   // is healthy again.
   void Succeeded(const std::string& table, const Route& route);
@@ -84,6 +87,8 @@ class ReplicaRouter {
   void Update(const std::string& table, const v1::TableInfo& info)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Replica* Find(const std::string& table, int group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets a replica's health, keeping unhealthy_ in step.
+  void SetHealth(Replica& r, bool suspect, bool probing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshLoop();
 
   const MapSource source_;
@@ -91,6 +96,9 @@ class ReplicaRouter {
   absl::Mutex mu_;
   std::map<std::string, Routes> tables_ ABSL_GUARDED_BY(mu_);
   bool wake_ ABSL_GUARDED_BY(mu_) = false;  // a table went stale: read it now
+  // Groups suspect or probing now, over all tables: while none is, a success changes nothing and
+  // takes no lock.
+  std::atomic<int> unhealthy_{0};
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread refresher_;
 };
