@@ -59,6 +59,11 @@ int main(int argc, char** argv) {
   shardserve::server::WorkerOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.rank = absl::GetFlag(FLAGS_rank);
+  if (absl::GetFlag(FLAGS_ranks_per_group) < 0) {
+    std::fprintf(stderr, "--ranks_per_group: %d must be >= 0\n",
+                 absl::GetFlag(FLAGS_ranks_per_group));
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_rank_from_hostname)) {
     char host[256] = {0};
     ::gethostname(host, sizeof(host) - 1);
@@ -77,10 +82,6 @@ int main(int argc, char** argv) {
     }
     options.group = options.rank / per_group;
     options.rank = options.rank % per_group;
-  } else if (absl::GetFlag(FLAGS_ranks_per_group) < 0) {
-    std::fprintf(stderr, "--ranks_per_group: %d must be >= 0\n",
-                 absl::GetFlag(FLAGS_ranks_per_group));
-    return 2;
   }
   options.listen = absl::GetFlag(FLAGS_listen);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
@@ -137,7 +138,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
     return 1;
   }
-  std::fprintf(stderr, "worker rank %d serving on %s\n", options.rank,
+  std::fprintf(stderr, "worker group %d rank %d serving on %s\n", options.group, options.rank,
                (*worker)->address().c_str());
   shardserve::server::WritePortFile(absl::GetFlag(FLAGS_port_file), (*worker)->port());
   shardserve::server::WaitForShutdownSignal();

@@ -27,6 +27,22 @@ expect "--shared_memory_block_mb: -1 must be in [0, 1024]" --coordinator=127.0.0
 expect "--heartbeat_ms: 0 must be >= 1" --coordinator=127.0.0.1:1 --heartbeat_ms=0
 expect "--collective_timeout_ms: -5 must be >= 1" --coordinator=127.0.0.1:1 \
   --collective_timeout_ms=-5
+expect "--group: -1 must be >= 0" --coordinator=127.0.0.1:1 --group=-1
+expect "--ranks_per_group goes with --rank_from_hostname" --coordinator=127.0.0.1:1 \
+  --ranks_per_group=2
+expect "--ranks_per_group: -1 must be >= 0" --coordinator=127.0.0.1:1 --rank_from_hostname \
+  --ranks_per_group=-1
+expect_from "$coordinator" "--groups: 0 must be in [1, 1024]" --listen=127.0.0.1:0 --groups=0
+# A StatefulSet pod's ordinal N is rank N % W of group N / W (in a UTS namespace of its own, where
+# this test may set the hostname; skipped where it may not).
+if unshare -u true 2>/dev/null; then
+  out=$(unshare -u sh -c "hostname shardserve-worker-3 && timeout 3 '$worker' \
+      --coordinator=127.0.0.1:1 --rank_from_hostname --ranks_per_group=2 --listen=127.0.0.1:0" \
+      2>&1)
+  grep -q "worker group 1 rank 1 serving" <<<"$out" || { echo "FAIL: ordinal 3: $out"; exit 1; }
+else
+  echo "skipped: the ordinal -> (group, rank) check needs a UTS namespace"
+fi
 expect_from "$coordinator" "--world_size: 0 must be in [1, 4096]" --listen=127.0.0.1:0 \
   --world_size=0
 expect_from "$coordinator" "--world_size: 100000 must be in [1, 4096]" --listen=127.0.0.1:0 \
