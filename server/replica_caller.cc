@@ -179,7 +179,9 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
       for (auto& a : attempts_) {
         if (!a->ended) slow = a.get();
       }
-      if (!caller_.TakeHedge()) return;
+      // The budget bounds guesses; once the slow attempt's group is known to have failed (an
+      // earlier hedge or call found it out), a hedge is failover, as a retry after UNAVAILABLE.
+      if (!caller_.router_.Suspect(table_, slow->route.group) && !caller_.TakeHedge()) return;
       absl::StatusOr<Attempt*> launched = Launch();  // (not to the slow attempt's group)
       if (!launched.ok()) return;
       caller_.router_.Failed(table_, slow->route);

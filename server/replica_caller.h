@@ -10,7 +10,8 @@
 //   first answer wins and the other attempt is cancelled. The delay is `hedge_after`, or three
 //   times the recent typical answer time if that is longer (calls that are slow by nature are not
 //   hedged for it), and hedges are budgeted (about one call in ten over a second), so that a slow
-//   cluster is not sent double its load.
+//   cluster is not sent double its load - but not those of calls stuck on a group already found
+//   suspect: every one of those goes elsewhere.
 // - Every attempt carries the call's deadline: no call ends past it, and `done` runs exactly once.
 //
 // Thread-safe; share one per process. `router` must outlive it; its destructor waits for the calls

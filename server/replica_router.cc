@@ -178,6 +178,12 @@ void ReplicaRouter::Abandoned(const std::string& table, const Route& route) {
   if (Replica* r = Find(table, route.group)) SetHealth(*r, r->suspect, false);
 }
 
+bool ReplicaRouter::Suspect(const std::string& table, int group) {
+  absl::MutexLock lock(&mu_);
+  const Replica* r = Find(table, group);
+  return r != nullptr && r->suspect;
+}
+
 void ReplicaRouter::Forget(const std::string& table) {
   absl::MutexLock lock(&mu_);
   auto it = tables_.find(table);

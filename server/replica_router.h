@@ -63,6 +63,8 @@ class ReplicaRouter {
   void Failed(const std::string& table, const Route& route);
   // A call sent as a probe ended without telling either (cancelled): another may probe.
   void Abandoned(const std::string& table, const Route& route);
+  // Whether `table`'s replica on `group` is suspect now (a hedge from it is failover, not a guess).
+  bool Suspect(const std::string& table, int group);
   // Forgets the table (dropped or created again): the next Pick reads its map afresh.
   void Forget(const std::string& table);
 
