@@ -14,12 +14,13 @@ WHAT = {
     "python_client": ("bench/run_python_client.sh", "the Python client vs the C++ load tester"),
     "faults": ("bench/run_faults.sh", "fault drill: coordinator outages, a hung worker, unread streams, a full disk"),
     "ab": ("bench/run_ab.sh", "two builds side by side (a change's performance check)"),
+    "failover": ("bench/run_failover.sh", "replica groups: a worker killed or hung under load; throughput against groups"),
 }
 groups = defaultdict(list)
 for name in sorted(os.listdir(HERE)):
     if name == "README.md":
         continue
-    m = re.match(r"([a-z_]+?)_(\d{8}T\d{4,6}Z)", name)
+    m = re.match(r"([a-z0-9_]+?)_(\d{8}T\d{4,6}Z)", name)
     groups[m.group(1) if m else "other"].append((m.group(2) if m else "", name))
 lines = ["# Benchmark results (raw)", "",
          "The raw files behind BENCHMARKS.md, by benchmark, newest first. BENCHMARKS.md cites the",

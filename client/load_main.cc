@@ -71,6 +71,8 @@ ABSL_FLAG(int, deadline_ms, 5000,
           "holds a stream's requests to the stream's deadline)");
 ABSL_FLAG(std::string, report, "", "write the JSON report here");
 ABSL_FLAG(std::string, svg, "", "write the latency/throughput chart here");
+ABSL_FLAG(std::string, calls_csv, "",
+          "write every measured call here as CSV: sent_s,done_s,latency_us,code");
 ABSL_FLAG(bool, progress, true, "live progress line on stderr");
 ABSL_FLAG(uint64_t, seed, 1, "random seed of the generated requests");
 ABSL_FLAG(int, timeline_ms, 1000, "width of the report's timeline bins");
@@ -425,6 +427,7 @@ int Main(int argc, char** argv) {
   const absl::Time end = measure_from + absl::Seconds(absl::GetFlag(FLAGS_duration_s));
   LoadStats stats(start, measure_from,
                   absl::Milliseconds(std::max(1, absl::GetFlag(FLAGS_timeline_ms))));
+  if (!absl::GetFlag(FLAGS_calls_csv).empty()) stats.KeepCalls();
   Delayer delayer;
   const absl::Duration deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   std::atomic<bool> done{false};
@@ -549,6 +552,9 @@ int Main(int argc, char** argv) {
       absl::GetFlag(FLAGS_bag), absl::GetFlag(FLAGS_dist), stubs.size());
   if (const std::string path = absl::GetFlag(FLAGS_report); !path.empty()) {
     std::ofstream(path) << ReportJson(config, stats, end - measure_from, item_name);
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_calls_csv); !path.empty()) {
+    std::ofstream(path) << stats.CallsCsv();
   }
   if (const std::string path = absl::GetFlag(FLAGS_svg); !path.empty()) {
     std::ofstream(path) << TimelineSvg(

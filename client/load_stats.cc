@@ -57,6 +57,25 @@ void LoadStats::Record(absl::Time sent, absl::Time done, int code, int64_t items
     ++errors_[code];
     failed_us_.push_back(absl::ToDoubleMicroseconds(done - sent));
   }
+  if (keep_calls_) {
+    calls_.push_back({static_cast<float>(absl::ToDoubleSeconds(sent - start_)),
+                      static_cast<float>(absl::ToDoubleSeconds(done - start_)), code});
+  }
+}
+
+void LoadStats::KeepCalls() {
+  absl::MutexLock lock(&mu_);
+  keep_calls_ = true;
+}
+
+std::string LoadStats::CallsCsv() const {
+  absl::MutexLock lock(&mu_);
+  std::string csv = "sent_s,done_s,latency_us,code\n";
+  for (const Call& c : calls_) {
+    absl::StrAppendFormat(&csv, "%.6f,%.6f,%.1f,%d\n", c.sent_s, c.done_s,
+                          (static_cast<double>(c.done_s) - c.sent_s) * 1e6, c.code);
+  }
+  return csv;
 }
 
 std::vector<LoadStats::Bin> LoadStats::Timeline(bool all) const {

@@ -53,6 +53,10 @@ class LoadStats {
   int64_t items() const;
   // The live progress line for the last complete second.
   std::string ProgressLine(absl::Time now) const;
+  // Every measured call as a CSV line "sent_s,done_s,latency_us,code" (seconds since start), for
+  // analyses the report does not make (e.g. a fault drill's window). Kept only after KeepCalls().
+  void KeepCalls();
+  std::string CallsCsv() const;
 
  private:
   const absl::Time start_;
@@ -64,6 +68,12 @@ class LoadStats {
   std::map<int64_t, Bin> bins_ ABSL_GUARDED_BY(mu_);
   std::vector<double> failed_us_ ABSL_GUARDED_BY(mu_);
   std::map<int, int64_t> errors_ ABSL_GUARDED_BY(mu_);
+  struct Call {
+    float sent_s, done_s;
+    int code;
+  };
+  bool keep_calls_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<Call> calls_ ABSL_GUARDED_BY(mu_);
 };
 
 // Writes the report: `config` is a JSON object's members (already formatted, without braces).
