@@ -7,6 +7,7 @@ process's CPU. Writes summary.json and the SVGs into the run's folder; Markdown 
 """
 
 import csv
+import gzip
 import json
 import os
 import sys
@@ -15,7 +16,10 @@ DEADLINE_US = 2e6
 
 
 def calls(path):
-    with open(path) as f:
+    """(sent_s, latency_us, code) of every call in `path`, or in `path`.gz (as runs keep them)."""
+    opener = (lambda: gzip.open(path + ".gz", "rt")) if os.path.exists(path + ".gz") else (
+        lambda: open(path))
+    with opener() as f:
         return [(float(r["sent_s"]), float(r["latency_us"]), int(r["code"])) for r in csv.DictReader(f)]
 
 

@@ -10,8 +10,9 @@
 # the steady p99 before the fault; and the time until group 0 serves again.
 # Then throughput against groups: R = 2 x W = 1 and R = 1 x W = 1 under the same closed-loop load,
 # with each process's CPU seconds (the load generator shares the 2 cores).
-# Results in bench/results/failover_<time>/: each run's report JSON, every call (CSV), a time line
-# plot per fault (SVG: calls and errors per 100 ms, p99), summary.json; Markdown on stdout.
+# Results in bench/results/failover_<time>/: each run's report JSON, every call of the fault runs
+# (CSV, gzipped), a time line plot per fault (SVG: calls and errors per 100 ms, p99),
+# summary.json; Markdown on stdout.
 #   bench/run_failover.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +61,7 @@ cli() { $bin/client/shardserve --coordinator=127.0.0.1:$port --deadline_ms=30000
 load() {  # name, flags...
   $bin/client/shardserve-load --coordinator=127.0.0.1:$port --table=bench --op=embedding_bag \
     --batch=64 --bag=20 --timeline_ms=100 --deadline_ms=2000 --progress=false \
-    --report="$out/$1.json" --svg="$out/$1.load.svg" --calls_csv="$out/$1.csv" "${@:2}" \
+    --report="$out/$1.json" --svg="$out/$1.load.svg" "${@:2}" \
     >"$out/$1.txt" 2>&1
 }
 # When group 0 serves again (polled every 100 ms from the coordinator), in seconds since $2.
@@ -96,7 +97,7 @@ for fault in kill stop; do
   all_serving
   sleep 3  # settled: a restarted worker's first steps and loads are over
   t0=$(now)
-  load "$run" --qps="$qps" --warmup_s=0 --duration_s=25 &
+  load "$run" --qps="$qps" --warmup_s=0 --duration_s=25 --calls_csv="$out/$run.csv" &
   loader=$!
   sleep 5
   if [ "$fault" = kill ]; then kill -9 "${worker[1]}"; else kill -STOP "${worker[1]}"; fi
@@ -146,3 +147,4 @@ done
 echo "$events" >"$out/events.json"
 
 /usr/bin/python3 bench/failover_report.py "$out"
+gzip "$out"/*.csv  # (the report reads them either way)

@@ -346,16 +346,33 @@ class Client:
             call = self._endpoint(address).unary[method](request, timeout=remaining)
             return asyncio.ensure_future(call)
 
-        attempts = {start(route[0]): route}
         hedge = self.options.hedge_after
-        if hedge > 0 and deadline_at - time.monotonic() > hedge:
-            done, _ = await asyncio.wait(list(attempts), timeout=hedge)
-            group = route[1]
-            if not done and self._routes.others(table, tried + [group]):
-                # A hung worker: its group is suspect, and the call goes to another replica too.
-                self._routes.failed(table, group)
-                other = self._routes.pick(table, tried + [group])
-                attempts[start(other[0])] = other
+        if (hedge <= 0 or deadline_at - time.monotonic() <= hedge
+                or not self._routes.others(table, tried + [route[1]])):
+            # Nowhere to hedge to (one group, say): the plain call, which costs least.
+            remaining = max(deadline_at - time.monotonic(), 1e-3)
+            try:
+                answer = await self._endpoint(route[0]).unary[method](request, timeout=remaining)
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                if err.code == _UNAVAILABLE:
+                    self._routes.failed(table, route[1])
+                    tried.append(route[1])
+                elif err.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    self._routes.abandoned(table, route[1], route[2])
+                else:
+                    self._routes.succeeded(table, route[1])
+                raise err from None
+            self._routes.succeeded(table, route[1])
+            return answer
+        attempts = {start(route[0]): route}
+        done, _ = await asyncio.wait(list(attempts), timeout=hedge)
+        group = route[1]
+        if not done and self._routes.others(table, tried + [group]):
+            # A hung worker: its group is suspect, and the call goes to another replica too.
+            self._routes.failed(table, group)
+            other = self._routes.pick(table, tried + [group])
+            attempts[start(other[0])] = other
         error: Optional[Error] = None
         pending = set(attempts)
         while pending:
@@ -558,7 +575,8 @@ class Stream:
             self._pending[request_id] = (call, worker)
             call.request_id = request_id
             hedge = self._client.options.hedge_after
-            if hedge > 0 and not call.hedged:
+            if (hedge > 0 and not call.hedged
+                    and self._client._routes.others(call.table, call.tried + [call.group])):
                 asyncio.get_running_loop().call_later(hedge, self._hedge, call, request_id)
         except Error as e:
             self._failed(call, e)

@@ -38,6 +38,7 @@ from .errors import (
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
 
 Tensor = Any  # numpy.ndarray or torch.Tensor (torch is never imported here)
 
@@ -439,24 +440,39 @@ class Client:
         request to another replica too, the first answer winning. Failed groups are added to
         ``tried``; the error raised is the last attempt's."""
         remaining = max(deadline_at - time.monotonic(), 1e-3)
+        hedge = self.options.hedge_after
+        if hedge <= 0 or remaining <= hedge or not self._routes.others(table, tried + [group]):
+            # Nowhere to hedge to (one group, say): the plain blocking call, which costs least.
+            try:
+                answer = self._endpoint(address).unary[method](request, timeout=remaining)
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                if err.code == _UNAVAILABLE:
+                    self._routes.failed(table, group)
+                    tried.append(group)
+                elif err.code not in (_DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    self._routes.succeeded(table, group)
+                else:
+                    self._routes.abandoned(table, group, probe)
+                raise err from None
+            self._routes.succeeded(table, group)
+            return answer
         first = self._endpoint(address).unary[method].future(request, timeout=remaining)
         attempts = [(first, group, probe)]
-        hedge = self.options.hedge_after
-        if hedge > 0 and remaining > hedge:
-            try:
-                first.result(timeout=hedge)
-            except grpc.FutureTimeoutError:
-                # A hung worker (its sockets open, nothing fails): its group is suspect, and the
-                # call goes to another replica too.
-                if self._routes.others(table, tried + [group]):
-                    self._routes.failed(table, group)
-                    other, other_group, other_probe = self._routes.pick(table, tried + [group])
-                    remaining = max(deadline_at - time.monotonic(), 1e-3)
-                    attempts.append((
-                        self._endpoint(other).unary[method].future(request, timeout=remaining),
-                        other_group, other_probe))
-            except grpc.RpcError:
-                pass
+        try:
+            first.result(timeout=hedge)
+        except grpc.FutureTimeoutError:
+            # A hung worker (its sockets open, nothing fails): its group is suspect, and the
+            # call goes to another replica too.
+            if self._routes.others(table, tried + [group]):
+                self._routes.failed(table, group)
+                other, other_group, other_probe = self._routes.pick(table, tried + [group])
+                remaining = max(deadline_at - time.monotonic(), 1e-3)
+                attempts.append((
+                    self._endpoint(other).unary[method].future(request, timeout=remaining),
+                    other_group, other_probe))
+        except grpc.RpcError:
+            pass
         done = threading.Event()
         for future, _, _ in attempts:
             future.add_done_callback(lambda _f: done.set())
@@ -819,7 +835,8 @@ class Stream:
                 self._pending[request_id] = (call, worker)
                 call.request_id = request_id
                 hedge = self._client.options.hedge_after
-                if hedge > 0 and not call.hedged:
+                if (hedge > 0 and not call.hedged
+                        and self._client._routes.others(call.table, call.tried + [call.group])):
                     heapq.heappush(self._expiry, (time.monotonic() + hedge, next(self._ids), call,
                                                   request_id))
                     self._expiry_changed.notify()
