@@ -52,7 +52,7 @@ declare -A worker
 start_worker() {  # worker number, ranks per group
   rm -f "$work/w$1.port"
   $bin/server/worker_main --coordinator=127.0.0.1:$port --group=$(($1 / $2)) --rank=$(($1 % $2)) \
-    --port_file="$work/w$1.port" >>"$work/worker$1.log" 2>&1 &
+    --port_file="$work/w$1.port" --drain_s=0 >>"$work/worker$1.log" 2>&1 &
   worker[$1]=$!
   pids+=("${worker[$1]}")
   for _ in $(seq 100); do [ -s "$work/w$1.port" ] && break; sleep 0.05; done

@@ -43,7 +43,7 @@ start_coordinator() {  # state dir
 start_worker() {  # rank
   rm -f "$work/w$1.port"
   $bin/server/worker_main --coordinator=127.0.0.1:$port --rank="$1" --port_file="$work/w$1.port" \
-    >>"$work/worker$1.log" 2>&1 &
+    --drain_s=0 >>"$work/worker$1.log" 2>&1 &
   worker[$1]=$!
   pids+=("${worker[$1]}")
   for _ in $(seq 100); do [ -s "$work/w$1.port" ] && break; sleep 0.05; done

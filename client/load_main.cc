@@ -28,7 +28,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -37,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/load_stats.h"
+#include "server/cli.h"
 #include "server/delayer.h"
 #include "server/grpc_settings.h"
 #include "server/replica_caller.h"
@@ -351,7 +351,16 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
 }
 
 int Main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  server::ParseFlags(argc, argv, [](const std::vector<std::string>&) {
+    return server::Usage{
+        "shardserve-load --coordinator=HOST:PORT --table=T [flags]",
+        "The load tester: closed loop (--concurrency callers) or open loop (--qps), unary or "
+        "--stream; prints latency percentiles and errors by code, --report writes JSON. Exit "
+        "codes: 0 done (whatever the calls answered), 1 a local failure, 2 usage, 64 + the gRPC "
+        "code when the table cannot be read.",
+        {},
+        "client/load_main.cc"};
+  });
   core::SetUpServingProcess();
   std::vector<std::string> addresses;
   std::unique_ptr<Client> admin;  // reads the placement maps
@@ -361,14 +370,17 @@ int Main(int argc, char** argv) {
   } else {
     absl::StatusOr<std::unique_ptr<Client>> client =
         Client::Connect(absl::GetFlag(FLAGS_coordinator));
-    if (!client.ok()) return 1;
+    if (!client.ok()) {
+      std::fprintf(stderr, "shardserve-load: %s\n", client.status().ToString().c_str());
+      return server::kExitUsage;
+    }
     for (const std::string& name :
          {absl::GetFlag(FLAGS_table), absl::GetFlag(FLAGS_linear_table)}) {
       if (name.empty()) continue;
       absl::StatusOr<v1::TableInfo> info = (*client)->DescribeTable(name);
       if (!info.ok()) {
         std::fprintf(stderr, "shardserve-load: %s\n", info.status().ToString().c_str());
-        return 1;
+        return server::ExitCodeOf(info.status());
       }
       if (info->spec().kind() == v1::TABLE_KIND_LINEAR) {
         in_features = info->spec().num_cols();

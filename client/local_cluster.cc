@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -53,18 +54,22 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(LocalClusterOp
   if (options.server_dir.empty()) {
     return absl::NotFoundError("cannot find coordinator_main and worker_main (set --server_dir)");
   }
+  bool temporary = false;
   if (options.work_dir.empty()) {
     char tmpl[] = "/tmp/shardserve-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("cannot create a work directory");
     options.work_dir = tmpl;
+    temporary = true;
   }
   ::mkdir(options.work_dir.c_str(), 0755);
   if (options.state_dir.empty()) options.state_dir = options.work_dir + "/state";
   ::mkdir(options.state_dir.c_str(), 0755);
   std::unique_ptr<LocalCluster> cluster(new LocalCluster(options));
+  cluster->temporary_work_dir_ = temporary;
   cluster->coordinator_port_ = options.port;
   cluster->workers_.assign(cluster->workers(), -1);
   cluster->worker_ports_.assign(cluster->workers(), 0);
+  cluster->worker_metrics_ports_.assign(cluster->workers(), 0);
   if (absl::Status s = cluster->StartCoordinator(); !s.ok()) return s;
   for (int w = 0; w < cluster->workers(); ++w) {
     if (absl::Status s = cluster->StartWorker(w); !s.ok()) return s;
@@ -72,7 +77,17 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(LocalClusterOp
   return cluster;
 }
 
-LocalCluster::~LocalCluster() { Stop(); }
+LocalCluster::~LocalCluster() {
+  Stop();
+  if (temporary_work_dir_) RemoveTree(options_.work_dir);
+}
+
+void RemoveTree(const std::string& path) {
+  ::nftw(
+      path.c_str(),
+      [](const char* file, const struct stat*, int, struct FTW*) { return ::remove(file); }, 16,
+      FTW_DEPTH | FTW_PHYS);
+}
 
 std::string LocalCluster::coordinator_address() const {
   return absl::StrCat("127.0.0.1:", coordinator_port_);
@@ -128,6 +143,21 @@ absl::StatusOr<int> LocalCluster::WaitForPort(const std::string& path, pid_t pid
   return absl::DeadlineExceededError(absl::StrCat("no port in ", path, " after 30 s"));
 }
 
+int LocalCluster::ReadPort(const std::string& path) {
+  std::ifstream in(path);
+  int port = 0;
+  in >> port;
+  return port;
+}
+
+std::string LocalCluster::coordinator_metrics_address() const {
+  return absl::StrCat("127.0.0.1:", coordinator_metrics_port_);
+}
+
+std::string LocalCluster::worker_metrics_address(int rank) const {
+  return absl::StrCat("127.0.0.1:", worker_metrics_ports_[rank]);
+}
+
 absl::Status LocalCluster::StartCoordinator() {
   if (coordinator_ > 0) return absl::FailedPreconditionError("coordinator already running");
   const std::string port_file = options_.work_dir + "/coordinator.port";
@@ -136,6 +166,8 @@ absl::Status LocalCluster::StartCoordinator() {
       absl::StrCat("--listen=127.0.0.1:", coordinator_port_),
       absl::StrCat("--world_size=", options_.workers), absl::StrCat("--groups=", options_.groups),
       "--state_dir=" + options_.state_dir,
+      "--metrics_listen=127.0.0.1:0",
+      "--metrics_port_file=" + port_file + ".metrics",
       "--port_file=" + port_file};
   args.insert(args.end(), options_.coordinator_flags.begin(), options_.coordinator_flags.end());
   absl::StatusOr<pid_t> pid = Spawn(options_.server_dir + "/coordinator_main", args,
@@ -145,6 +177,7 @@ absl::Status LocalCluster::StartCoordinator() {
   absl::StatusOr<int> port = WaitForPort(port_file, coordinator_);
   if (!port.ok()) return port.status();
   coordinator_port_ = *port;
+  coordinator_metrics_port_ = ReadPort(port_file + ".metrics");
   return absl::OkStatus();
 }
 
@@ -158,7 +191,10 @@ absl::Status LocalCluster::StartWorker(int rank) {
   std::vector<std::string> args = {"--coordinator=" + coordinator_address(),
                                    absl::StrCat("--group=", rank / options_.workers),
                                    absl::StrCat("--rank=", rank % options_.workers),
-                                   "--listen=127.0.0.1:0", "--port_file=" + port_file};
+                                   "--listen=127.0.0.1:0", "--port_file=" + port_file,
+                                   "--drain_s=0",  // stopped at once (flags below may say else)
+                                   "--metrics_listen=127.0.0.1:0",
+                                   "--metrics_port_file=" + port_file + ".metrics"};
   args.insert(args.end(), options_.worker_flags.begin(), options_.worker_flags.end());
   if (auto it = options_.rank_flags.find(rank); it != options_.rank_flags.end()) {
     args.insert(args.end(), it->second.begin(), it->second.end());
@@ -170,6 +206,7 @@ absl::Status LocalCluster::StartWorker(int rank) {
   absl::StatusOr<int> port = WaitForPort(port_file, *pid);
   if (!port.ok()) return port.status();
   worker_ports_[rank] = *port;
+  worker_metrics_ports_[rank] = ReadPort(port_file + ".metrics");
   return absl::OkStatus();
 }
 

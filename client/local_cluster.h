@@ -1,10 +1,12 @@
 // LocalCluster: a coordinator and R groups of W CPU workers as child processes on loopback - what
 // `shardserve up` runs, and what the integration tests start. Workers are numbered g * W + r
 // (group g, rank r): with one group, the worker number is the rank. Ports are chosen at run time
-// (port 0, read back from port files) unless a coordinator port is given. Children die with the
+// (port 0, read back from port files) unless a coordinator port is given; every process serves
+// its Prometheus metrics too, on a port of its own. Children die with the
 // parent.
 //
-// Not thread-safe. The destructor stops every child (SIGTERM, then SIGKILL after 5 s).
+// Not thread-safe. The destructor stops every child (SIGTERM, then SIGKILL after 5 s), and removes
+// the work directory if it made it (no work_dir given).
 #ifndef SHARDSERVE_CLIENT_LOCAL_CLUSTER_H_
 #define SHARDSERVE_CLIENT_LOCAL_CLUSTER_H_
 
@@ -25,13 +27,17 @@ struct LocalClusterOptions {
   int groups = 1;          // replica groups
   int workers = 2;         // ranks per group
   int port = 0;            // coordinator port; 0 = any free port
-  std::string work_dir;    // port files, logs and (by default) the coordinator's state
+  std::string work_dir;    // port files, logs and (by default) the coordinator's state; empty: a
+                           // temporary directory, removed when the cluster is destroyed
   std::string state_dir;   // empty: work_dir/state
   std::vector<std::string> coordinator_flags;
   std::vector<std::string> worker_flags;
   std::map<int, std::vector<std::string>> rank_flags;  // more flags for one worker (by number)
   bool quiet = true;       // children log to work_dir/*.log instead of stderr
 };
+
+// Removes `path` and everything under it (symbolic links are removed, not followed).
+void RemoveTree(const std::string& path);
 
 class LocalCluster {
  public:
@@ -41,8 +47,12 @@ class LocalCluster {
   // Finds the directory with the server binaries next to a program (Bazel runfiles or bin tree).
   static std::string FindServerDir(const std::string& argv0);
 
+  const std::string& work_dir() const { return options_.work_dir; }  // port files and logs
   std::string coordinator_address() const;
   std::string worker_address(int rank) const;
+  // Where each process serves GET /metrics (HOST:PORT).
+  std::string coordinator_metrics_address() const;
+  std::string worker_metrics_address(int rank) const;
   pid_t worker_pid(int rank) const { return workers_[rank]; }  // -1 when not running
   int workers() const { return options_.workers * options_.groups; }  // over all groups
   pid_t coordinator_pid() const { return coordinator_; }  // -1 when it is not running
@@ -62,12 +72,17 @@ class LocalCluster {
   absl::StatusOr<pid_t> Spawn(const std::string& binary, const std::vector<std::string>& args,
                               const std::string& log);
   absl::StatusOr<int> WaitForPort(const std::string& path, pid_t pid);
+  // The port a process that has written its port file wrote to its metrics port file.
+  static int ReadPort(const std::string& path);
 
   LocalClusterOptions options_;
+  bool temporary_work_dir_ = false;  // made by Start: removed by the destructor
   pid_t coordinator_ = -1;
   int coordinator_port_ = 0;
+  int coordinator_metrics_port_ = 0;
   std::vector<pid_t> workers_;
   std::vector<int> worker_ports_;
+  std::vector<int> worker_metrics_ports_;
 };
 
 }  // namespace shardserve::client

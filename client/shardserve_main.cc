@@ -27,8 +27,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -40,6 +38,7 @@
 #include "core/process_setup.h"
 #include "core/safetensors.h"
 #include "google/protobuf/util/json_util.h"
+#include "server/cli.h"
 #include "server/lifecycle.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
@@ -51,6 +50,9 @@ ABSL_FLAG(int, groups, 1, "up: replica groups (groups x workers worker processes
 ABSL_FLAG(int, port, 50051, "up: the coordinator's port (0: any free port)");
 ABSL_FLAG(std::string, state_dir, "", "up: coordinator state (default: a temporary directory)");
 ABSL_FLAG(std::string, server_dir, "", "up: where coordinator_main and worker_main are");
+ABSL_FLAG(std::string, endpoints_file, "",
+          "up: write every process's addresses here as JSON (gRPC \"address\" and "
+          "\"metrics\" of the coordinator and of each worker)");
 ABSL_FLAG(bool, no_demo, false, "up: do not create the demo tables and run the demo calls");
 ABSL_FLAG(bool, exit_after_demo, false, "up: stop the cluster after the demo");
 ABSL_FLAG(int64_t, row_budget, 0, "up: workers' rows per step (0: their default)");
@@ -78,8 +80,8 @@ ABSL_FLAG(bool, no_bias, false, "linear without bias");
 ABSL_FLAG(std::string, place_on_groups, "",
           "create-table: the replica groups that hold the table, e.g. 0,2 (default: every group)");
 ABSL_FLAG(bool, json, false,
-          "tables, describe, create-table, wait, cluster: print the answer as JSON (TableInfo, "
-          "ClusterInfo)");
+          "print the answer as JSON: TableInfo (tables, describe, create-table, wait), "
+          "ClusterInfo (cluster), DropTableResponse (drop), ExportTableResponse (export)");
 // data calls
 ABSL_FLAG(std::string, table, "", "table of a data call");
 ABSL_FLAG(std::string, ids, "", "ids as a JSON array");
@@ -100,9 +102,21 @@ ABSL_FLAG(bool, on_coordinator, false,
 namespace shardserve::client {
 namespace {
 
+// A call failed: exit 64 + its gRPC code (server/cli.h).
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "shardserve: %s\n", status.ToString().c_str());
-  return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  return server::ExitCodeOf(status);
+}
+
+// The command line is wrong (a flag's value, a missing argument): exit 2.
+int BadUsage(const absl::Status& status) {
+  return server::UsageError("shardserve", std::string(status.message()));
+}
+
+// Something here failed, not a call (the local cluster, a file): exit 1.
+int LocalFailure(const absl::Status& status) {
+  std::fprintf(stderr, "shardserve: %s\n", status.ToString().c_str());
+  return server::kExitFailure;
 }
 
 absl::StatusOr<std::unique_ptr<Client>> MakeClient(const std::string& address) {
@@ -228,7 +242,7 @@ int PrintCluster(const v1::ClusterInfo& cluster) {
                   m.device().empty() ? "-" : m.device().c_str(),
                   m.address().empty() ? "(none)" : m.address().c_str(),
                   m.alive() ? "alive" : "dead", static_cast<unsigned long long>(m.epoch()),
-                  m.group_broken() ? " (broken)" : "",
+                  m.group_broken() ? " (broken)" : m.draining() ? " (draining)" : "",
                   m.last_heartbeat_ms() < 0
                       ? "no heartbeat"
                       : absl::StrCat("heartbeat ", m.last_heartbeat_ms(), " ms ago").c_str());
@@ -461,7 +475,7 @@ int Up(const std::string& argv0) {
     options.worker_flags.push_back("--one_request_per_step");
   }
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
-  if (!cluster.ok()) return Fail(cluster.status());
+  if (!cluster.ok()) return LocalFailure(cluster.status());
   std::printf("coordinator on %s; %d %s workers:", (*cluster)->coordinator_address().c_str(),
               (*cluster)->workers(), absl::GetFlag(FLAGS_device).c_str());
   for (int w = 0; w < (*cluster)->workers(); ++w) {
@@ -470,12 +484,48 @@ int Up(const std::string& argv0) {
     }
     std::printf(" %s", (*cluster)->worker_address(w).c_str());
   }
+  std::printf("\nmetrics: coordinator http://%s/metrics; workers:",
+              (*cluster)->coordinator_metrics_address().c_str());
+  for (int w = 0; w < (*cluster)->workers(); ++w) {
+    std::printf(" %s", (*cluster)->worker_metrics_address(w).c_str());
+  }
   std::printf("\n");
   std::fflush(stdout);
+  if (const std::string path = absl::GetFlag(FLAGS_endpoints_file); !path.empty()) {
+    // Every process's addresses, for scripts: {"coordinator": {...}, "workers": [{...}],
+    // "work_dir": where the logs are}.
+    std::string json = absl::StrCat("{\"coordinator\": {\"address\": \"",
+                                    (*cluster)->coordinator_address(), "\", \"metrics\": \"",
+                                    (*cluster)->coordinator_metrics_address(), "\"},\n \"workers\": [");
+    for (int w = 0; w < (*cluster)->workers(); ++w) {
+      absl::StrAppend(&json, w ? ",\n  " : "\n  ", "{\"group\": ", w / options.workers,
+                      ", \"rank\": ", w % options.workers, ", \"address\": \"",
+                      (*cluster)->worker_address(w), "\", \"metrics\": \"",
+                      (*cluster)->worker_metrics_address(w), "\"}");
+    }
+    absl::StrAppend(&json, "],\n \"work_dir\": \"", (*cluster)->work_dir(), "\"}\n");
+    const std::string tmp = path + ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "w");
+    if (f == nullptr || std::fwrite(json.data(), 1, json.size(), f) != json.size() ||
+        std::fclose(f) != 0 || std::rename(tmp.c_str(), path.c_str()) != 0) {
+      return LocalFailure(
+          absl::InternalError(absl::StrCat("--endpoints_file: cannot write ", path)));
+    }
+  }
+  // The demo's checkpoints, removed on the way out (a worker that restarts reads them again).
+  struct TemporaryDir {
+    ~TemporaryDir() {
+      if (!path.empty()) RemoveTree(path);
+    }
+    std::string path;
+  } demo_dir;
   if (!absl::GetFlag(FLAGS_no_demo)) {
     char tmpl[] = "/tmp/shardserve-demo-XXXXXX";
-    const std::string work = ::mkdtemp(tmpl) ? tmpl : "/tmp";
-    const int rc = RunDemo((*cluster)->coordinator_address(), work, options.workers,
+    if (::mkdtemp(tmpl) == nullptr) {
+      return LocalFailure(absl::InternalError("cannot create a directory under /tmp"));
+    }
+    demo_dir.path = tmpl;
+    const int rc = RunDemo((*cluster)->coordinator_address(), demo_dir.path, options.workers,
                            absl::GetFlag(FLAGS_device));
     if (rc != 0 || absl::GetFlag(FLAGS_exit_after_demo)) return rc;
   }
@@ -487,23 +537,96 @@ int Up(const std::string& argv0) {
   return 0;
 }
 
+constexpr char kCommands[] =
+    "up | create-table | wait | tables | describe | drop | export | cluster | embedding | bag | "
+    "linear";
+
+// What `shardserve [COMMAND] --help` lists: the command's own flags.
+server::Usage UsageOf(const std::vector<std::string>& args) {
+  const std::string command = args.size() > 1 ? args[1] : "";
+  const std::vector<std::string> admin = {"coordinator", "deadline_ms", "json"};
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const std::vector<std::string> data = {"coordinator", "deadline_ms", "via_coordinator",
+                                         "table", "output"};
+  if (command == "up") {
+    return {"shardserve up [flags]",
+            "Starts a coordinator and --groups x --workers CPU workers on loopback, prints their "
+            "gRPC and metrics addresses, creates the demo tables and checks calls against them, "
+            "and serves until Ctrl-C (then removes its temporary folder).",
+            {"groups", "workers", "port", "state_dir", "server_dir", "endpoints_file", "no_demo",
+             "exit_after_demo", "row_budget", "one_request_per_step", "device"}};
+  }
+  if (command == "create-table") {
+    return {"shardserve create-table --name=T --kind=embedding|linear --rows=N --cols=D [flags]",
+            "Creates a table (idempotent: the same spec again finds it) and waits until every "
+            "rank serves it, within --deadline_ms.",
+            with(admin, {"name", "kind", "rows", "cols", "sharding_dim", "placements", "world",
+                         "device", "place_on_groups", "seed", "checkpoint", "padding_idx",
+                         "max_norm", "norm_type", "no_bias"})};
+  }
+  if (command == "wait" || command == "describe") {
+    return {absl::StrCat("shardserve ", command, " T [flags]"),
+            command == "wait" ? "Waits until every rank serves T, or one could not load it."
+                              : "T's placement map: every replica, its state and shards.",
+            admin};
+  }
+  if (command == "tables" || command == "cluster") {
+    return {absl::StrCat("shardserve ", command, " [flags]"),
+            command == "tables" ? "Every table with its state and replicas."
+                                : "The coordinator's view of every group and worker.",
+            admin};
+  }
+  if (command == "drop") {
+    return {"shardserve drop T [flags]",
+            "Drops T; returns once no worker serves it, within --deadline_ms.", admin};
+  }
+  if (command == "export") {
+    return {"shardserve export T PATH [flags]",
+            "Writes T as a safetensors file at PATH here (streamed from the coordinator), or on "
+            "the coordinator's machine with --on_coordinator.",
+            with(admin, {"on_coordinator"})};
+  }
+  if (command == "embedding") {
+    return {"shardserve embedding --table=T --ids=JSON [flags]", "F.embedding of the ids.",
+            with(data, {"ids", "ids_file"})};
+  }
+  if (command == "bag") {
+    return {"shardserve bag --table=T --ids=JSON [--offsets=JSON] [flags]",
+            "F.embedding_bag of the ids (2-D ids need no offsets).",
+            with(data, {"ids", "ids_file", "offsets", "weights", "mode", "include_last_offset"})};
+  }
+  if (command == "linear") {
+    return {"shardserve linear --table=T --input=JSON [flags]", "F.linear of the input rows.",
+            with(data, {"input", "input_file"})};
+  }
+  return {absl::StrCat("shardserve <", kCommands, "> [flags]"),
+          "The command-line client of a shardserve cluster, and `up`, a local cluster. "
+          "`shardserve COMMAND --help` lists the command's flags. Exit codes: 0 success, 1 a "
+          "local failure, 2 a usage error, 64 + the gRPC status code of a call that failed.",
+          {"coordinator", "deadline_ms"}};
+}
+
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "shardserve <up|create-table|wait|tables|describe|drop|export|cluster|embedding|bag|"
-      "linear> [flags]");
   core::SetUpServingProcess();
   server::BlockShutdownSignals();  // `up` waits for them (its children start unblocked)
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> args = server::ParseFlags(argc, argv, UsageOf);
   if (args.size() < 2) {
-    std::fprintf(stderr, "%s\n", std::string(absl::ProgramUsageMessage()).c_str());
-    return 2;
+    return server::UsageError("shardserve", absl::StrCat("give a command: ", kCommands,
+                                                         " (--help lists them)"));
   }
   const std::string command = args[1];
-  if (command == "up") return Up(argv[0]);
+  if (command == "up") return Up(args[0]);
   absl::StatusOr<std::unique_ptr<Client>> client = MakeClient(absl::GetFlag(FLAGS_coordinator));
-  if (!client.ok()) return Fail(client.status());
+  if (!client.ok()) return BadUsage(client.status());
   Client& c = **client;
   auto arg = [&](size_t i) -> std::string { return args.size() > i ? args[i] : ""; };
+  if ((command == "wait" || command == "describe" || command == "drop" || command == "export") &&
+      arg(2).empty()) {
+    return BadUsage(absl::InvalidArgumentError(absl::StrCat(command, ": give the table's name")));
+  }
   if (command == "create-table" || command == "wait") {
     // create-table returns once every rank serves the table, within --deadline_ms (the client
     // waits for it, see Client::CreateTable); a table still loading then is an error here (exit
@@ -513,7 +636,7 @@ int Main(int argc, char** argv) {
       info = c.WaitTable(arg(2), absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms)));
     } else {
       absl::StatusOr<v1::TableSpec> spec = SpecFromFlags();
-      if (!spec.ok()) return Fail(spec.status());
+      if (!spec.ok()) return BadUsage(spec.status());
       info = c.CreateTable(*spec);
     }
     if (!info.ok()) return Fail(info.status());
@@ -550,6 +673,12 @@ int Main(int argc, char** argv) {
     std::vector<int> serving;
     absl::Status status = c.DropTable(arg(2), &serving);
     if (!status.ok()) return Fail(status);
+    if (absl::GetFlag(FLAGS_json)) {
+      v1::DropTableResponse dropped;  // the ranks that still served it at the deadline
+      for (int rank : serving) dropped.add_serving_ranks(rank);
+      std::printf("%s\n", Json(dropped).c_str());
+      return 0;
+    }
     if (!serving.empty()) {
       std::fprintf(stderr,
                    "shardserve: dropped; rank %s still served it at --deadline_ms and stops at "
@@ -562,13 +691,24 @@ int Main(int argc, char** argv) {
     if (absl::GetFlag(FLAGS_on_coordinator)) {
       absl::StatusOr<v1::ExportTableResponse> r = c.ExportTable(arg(2), arg(3));
       if (!r.ok()) return Fail(r.status());
+      if (absl::GetFlag(FLAGS_json)) {
+        std::printf("%s\n", Json(*r).c_str());
+        return 0;
+      }
       std::printf("the coordinator wrote %s (%lld bytes of tensors)\n", r->path().c_str(),
                   static_cast<long long>(r->bytes()));
       return 0;
     }
-    if (arg(3).empty()) return Fail(absl::InvalidArgumentError("export: give T and PATH"));
+    if (arg(3).empty()) return BadUsage(absl::InvalidArgumentError("export: give T and PATH"));
     absl::StatusOr<int64_t> bytes = c.ExportTo(arg(2), arg(3));
     if (!bytes.ok()) return Fail(bytes.status());
+    if (absl::GetFlag(FLAGS_json)) {
+      v1::ExportTableResponse written;
+      written.set_path(arg(3));
+      written.set_bytes(*bytes);
+      std::printf("%s\n", Json(written).c_str());
+      return 0;
+    }
     std::printf("wrote %s (%lld bytes)\n", arg(3).c_str(), static_cast<long long>(*bytes));
     return 0;
   }
@@ -576,38 +716,38 @@ int Main(int argc, char** argv) {
   if (command == "embedding") {
     absl::StatusOr<JsonArray> ids =
         ArrayFlag(absl::GetFlag(FLAGS_ids), absl::GetFlag(FLAGS_ids_file), "ids");
-    if (!ids.ok()) return Fail(ids.status());
+    if (!ids.ok()) return BadUsage(ids.status());
     v1::EmbeddingRequest request;
     request.set_table(table);
     absl::StatusOr<v1::Tensor> t = IdTensor(*ids, "ids");
-    if (!t.ok()) return Fail(t.status());
+    if (!t.ok()) return BadUsage(t.status());
     *request.mutable_ids() = *t;
     return PrintResult(c.Embedding(request));
   }
   if (command == "bag") {
     absl::StatusOr<JsonArray> ids =
         ArrayFlag(absl::GetFlag(FLAGS_ids), absl::GetFlag(FLAGS_ids_file), "ids");
-    if (!ids.ok()) return Fail(ids.status());
+    if (!ids.ok()) return BadUsage(ids.status());
     v1::EmbeddingBagRequest request;
     request.set_table(table);
     absl::StatusOr<v1::Tensor> t = IdTensor(*ids, "ids");
-    if (!t.ok()) return Fail(t.status());
+    if (!t.ok()) return BadUsage(t.status());
     *request.mutable_ids() = *t;
     if (const std::string o = absl::GetFlag(FLAGS_offsets); !o.empty()) {
       absl::StatusOr<JsonArray> offsets = ArrayFlag(o, "", "offsets");
-      if (!offsets.ok()) return Fail(offsets.status());
+      if (!offsets.ok()) return BadUsage(offsets.status());
       absl::StatusOr<v1::Tensor> ot = IdTensor(*offsets, "offsets");
-      if (!ot.ok()) return Fail(ot.status());
+      if (!ot.ok()) return BadUsage(ot.status());
       *request.mutable_offsets() = *ot;
     }
     if (const std::string w = absl::GetFlag(FLAGS_weights); !w.empty()) {
       absl::StatusOr<JsonArray> weights = ArrayFlag(w, "", "weights");
-      if (!weights.ok()) return Fail(weights.status());
+      if (!weights.ok()) return BadUsage(weights.status());
       *request.mutable_per_sample_weights() = FloatsTensor(*weights);
     }
     const std::string mode = absl::GetFlag(FLAGS_mode);
     if (mode != "sum" && mode != "mean" && mode != "max") {
-      return Fail(absl::InvalidArgumentError("--mode must be sum, mean or max"));
+      return BadUsage(absl::InvalidArgumentError("--mode must be sum, mean or max"));
     }
     request.set_mode(mode == "sum"   ? v1::POOL_MODE_SUM
                      : mode == "max" ? v1::POOL_MODE_MAX
@@ -618,15 +758,14 @@ int Main(int argc, char** argv) {
   if (command == "linear") {
     absl::StatusOr<JsonArray> input =
         ArrayFlag(absl::GetFlag(FLAGS_input), absl::GetFlag(FLAGS_input_file), "input");
-    if (!input.ok()) return Fail(input.status());
+    if (!input.ok()) return BadUsage(input.status());
     v1::LinearRequest request;
     request.set_table(table);
     *request.mutable_input() = FloatsTensor(*input);
     return PrintResult(c.Linear(request));
   }
-  std::fprintf(stderr, "unknown command \"%s\"\n%s\n", command.c_str(),
-               std::string(absl::ProgramUsageMessage()).c_str());
-  return 2;
+  return server::UsageError("shardserve", absl::StrCat("unknown command \"", command,
+                                                       "\"; the commands: ", kCommands));
 }
 
 }  // namespace

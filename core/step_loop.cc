@@ -19,6 +19,8 @@ namespace shardserve::core {
 // The group the loop runs with, and what its rounds remember from one to the next.
 struct StepLoop::Group {
   StepGroup transports;  // channel null: no group
+  // With an observer: the ops' collectives, timed (transports' control and data, wrapped).
+  std::shared_ptr<TimedCollectives> timed_control, timed_data;
   bool hello_due = false;  // a new group's first round is the hello
   int turn = -1;  // one_request_per_step: the rank whose request the last busy step ran
   int idle_rounds = 0;  // consecutive rounds without work
@@ -45,6 +47,9 @@ struct StepLoop::Step {
   std::shared_ptr<const TableSet> tables;
   std::map<WorkKey, std::vector<size_t>> mine;  // this rank's work: indices into `batch`
   std::optional<Agreement> agreement;
+  // For the observer: when the round began, and how long the agreement took.
+  absl::Time round_start;
+  absl::Duration agreement_time;
   // Tables whose rows this rank may hold renormed unlike its peers, should the step fail.
   std::vector<std::shared_ptr<ShardedTable>> renorm_unsure;
   absl::Status broken;  // the group failed
@@ -178,6 +183,11 @@ uint64_t StepLoop::epoch() const {
 
 bool StepLoop::serving() const { return serving_.load(std::memory_order_relaxed); }
 
+std::pair<int64_t, int64_t> StepLoop::queued() const {
+  absl::MutexLock lock(&mu_);
+  return {static_cast<int64_t>(queue_.size()), queued_bytes_};
+}
+
 int64_t StepLoop::busy_steps() const {
   absl::MutexLock lock(&mu_);
   return busy_steps_;
@@ -215,11 +225,13 @@ void StepLoop::Run() {
     if (!TakeNews(group, step)) break;
     AnswerStale(step);
     if (!WaitForRound(group, step)) continue;
+    if (options_.observer) step.round_start = absl::Now();
     if (step.broken.ok()) Agree(group, step);
     if (step.broken.ok() && options_.one_request_per_step) TakeTurn(group, step);
     if (step.broken.ok() && step.agreement->work().empty() && Idle(group, step)) continue;
     group.idle = absl::ZeroDuration();
     group.idle_rounds = 0;
+    if (options_.observer) step.agreement_time = absl::Now() - step.round_start;
     if (step.broken.ok()) RunOps(group, step);
     if (!step.broken.ok()) FailGroup(group, step);
   }
@@ -254,6 +266,12 @@ bool StepLoop::TakeNews(Group& group, Step& step) {
     if (pending_group_.channel != nullptr) {
       group = Group();  // the previous group's transports close here
       group.transports = std::move(pending_group_);
+      if (options_.observer != nullptr) {
+        group.timed_control = std::make_shared<TimedCollectives>(group.transports.control);
+        group.timed_data = group.transports.data == group.transports.control
+                               ? group.timed_control
+                               : std::make_shared<TimedCollectives>(group.transports.data);
+      }
       pending_group_ = StepGroup();
       group.hello_due = true;
       active_group_ = group.transports;
@@ -479,9 +497,41 @@ void StepLoop::RunOps(Group& group, Step& step) {
     absl::MutexLock lock(&mu_);
     ++busy_steps_;
   }
+  StepObserver* observer = work.empty() ? nullptr : options_.observer;
+  StepStats stats;
+  const absl::Time ops_start = observer ? absl::Now() : absl::InfinitePast();
+  if (observer != nullptr) {
+    for (const auto& [key, indices] : step.mine) {
+      if (!work.count(key)) continue;
+      for (size_t i : indices) {
+        const StepRequest& r = *step.batch[i];
+        ++stats.requests;
+        stats.rows += r.Rows();
+        stats.input_bytes += r.InputBytes();
+        if (r.received != absl::InfinitePast()) {
+          observer->QueueWaited(step.round_start - r.received);
+        }
+      }
+    }
+    group.timed_data->Take();
+    if (group.timed_control != group.timed_data) group.timed_control->Take();
+  }
   const StepGroup& t = group.transports;
-  ShardedOps ops(*t.control, *t.data, kernels_,
-                 OpOptions{options_.collective_timeout, options_.limits});
+  Collectives& control = group.timed_control ? *group.timed_control : *t.control;
+  Collectives& data = group.timed_data ? *group.timed_data : *t.data;
+  ShardedOps ops(control, data, kernels_, OpOptions{options_.collective_timeout, options_.limits});
+  RunWork(group, step, ops);
+  if (observer == nullptr || !step.broken.ok()) return;
+  stats.agreement = step.agreement_time;
+  stats.exchange = group.timed_data->Take();
+  if (group.timed_control != group.timed_data) stats.exchange += group.timed_control->Take();
+  stats.compute = std::max(absl::Now() - ops_start - stats.exchange, absl::ZeroDuration());
+  observer->StepDone(stats);
+}
+
+// Runs the agreed work with `ops` and answers this rank's requests.
+void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
+  auto& work = step.agreement->work();
   for (auto& [key, inputs] : work) {
     auto held = step.tables->tables.find(key.table);
     if (held == step.tables->tables.end()) {

@@ -40,10 +40,13 @@
 #include "core/local_kernels.h"
 #include "core/op_inputs.h"
 #include "core/step_channel.h"
+#include "core/step_observer.h"
 #include "core/step_request.h"
 #include "core/table_source.h"
 
 namespace shardserve::core {
+
+class ShardedOps;
 
 // Where a StepLoop's answers go (the serving process implements it).
 class ResponseSink {
@@ -90,6 +93,8 @@ class StepLoop {
     InputLimits limits;
     // Called on the loop's thread when the group fails (UNAVAILABLE, with the cause).
     std::function<void(const absl::Status& status)> on_group_broken;
+    // Told about every busy step and every request's queue wait (not owned; null: nobody).
+    StepObserver* observer = nullptr;
   };
 
   // `tables` and `sink` must outlive the loop.
@@ -126,6 +131,8 @@ class StepLoop {
   // metrics.
   int64_t busy_steps() const;
   int64_t rounds() const { return rounds_.load(); }
+  // Requests queued for a step now, and their input bytes (for metrics).
+  std::pair<int64_t, int64_t> queued() const;
 
  private:
   struct Group;
@@ -140,6 +147,7 @@ class StepLoop {
   void TakeTurn(Group& group, Step& step);
   bool Idle(Group& group, Step& step);  // true: on to the next iteration
   void RunOps(Group& group, Step& step);
+  void RunWork(Group& group, Step& step, ShardedOps& ops);
   void FailGroup(Group& group, Step& step);
 
   // Delivers `request`'s answer unless BreakGroup did, and frees it.

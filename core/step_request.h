@@ -28,6 +28,8 @@ struct StepRequest {
   PoolMode mode = PoolMode::kMean;
   std::vector<float> values;     // linear input rows
   absl::Time deadline = absl::InfiniteFuture();
+  // When the call arrived (InfinitePast: not known), for the queue wait StepObserver is told.
+  absl::Time received = absl::InfinitePast();
   // Who asked: opaque to the step loop, which hands it back with the answer
   // (ResponseSink::Deliver).
   void* caller = nullptr;

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -201,6 +202,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
     return s;
   }
   unserved_.insert(name);
+  LOG(INFO) << "coordinator: table \"" << name << "\" created (generation " << generation << ")";
   return AwaitCreation(name, generation, deadline);
 }
 
@@ -324,6 +326,7 @@ absl::StatusOr<v1::DropTableResponse> ControlPlane::DropTable(const std::string&
     return s;
   }
   unserved_.erase(name);
+  LOG(INFO) << "coordinator: table \"" << name << "\" dropped";
   // Until a worker has reported since the drop, it may still serve the table: its last report was
   // built before it applied a reply without it. A report sent since that does not list it was
   // built after such a reply (a worker has one heartbeat in flight at a time), and no later reply
@@ -396,6 +399,7 @@ v1::ClusterInfo ControlPlane::DescribeCluster() const {
       member->set_alive(Alive(m));
       member->set_epoch(m.epoch);
       member->set_group_broken(m.broken);
+      member->set_draining(m.draining && Alive(m));
       member->set_last_heartbeat_ms(m.last_seen == absl::InfinitePast()
                                         ? -1
                                         : absl::ToInt64Milliseconds(now - m.last_seen));
@@ -529,7 +533,7 @@ v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
   v1::TableInfo info;
   *info.mutable_spec() = spec;
   absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, options_.world_size);
-  bool serving = false, held_somewhere = false;
+  bool serving = false, drains = false, held_somewhere = false;
   for (int g = 0; g < options_.groups; ++g) {
     if (!PlacedOn(spec, g)) continue;
     const Group& group = groups_[g];
@@ -537,18 +541,21 @@ v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
     v1::ReplicaInfo* replica = info.add_replicas();
     replica->set_group(g);
     replica->set_generation(held.generation());
-    bool loaded_everywhere = true, failed = false;
+    bool loaded_everywhere = true, failed = false, draining = false;
     for (const Member& m : group.members) {
       loaded_everywhere = loaded_everywhere && Holds(m, held);
+      draining = draining || m.draining;
       auto e = m.load_errors.find(spec.name());
       failed = failed || (e != m.load_errors.end() && e->second.first == held.generation());
     }
     const bool replica_serves = TableServing(spec.name(), g);
-    replica->set_state(replica_serves       ? v1::TABLE_STATE_SERVING
-                       : failed            ? v1::TABLE_STATE_FAILED
-                       : loaded_everywhere ? v1::TABLE_STATE_UNAVAILABLE
-                                           : v1::TABLE_STATE_LOADING);
-    serving = serving || replica_serves;
+    replica->set_state(replica_serves && draining ? v1::TABLE_STATE_DRAINING
+                       : replica_serves           ? v1::TABLE_STATE_SERVING
+                       : failed                   ? v1::TABLE_STATE_FAILED
+                       : loaded_everywhere        ? v1::TABLE_STATE_UNAVAILABLE
+                                                  : v1::TABLE_STATE_LOADING);
+    serving = serving || (replica_serves && !draining);
+    drains = drains || (replica_serves && draining);
     held_somewhere = held_somewhere || loaded_everywhere;
     if (!config.ok()) continue;
     core::ShardLayout layout(config->spec,
@@ -569,14 +576,18 @@ v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
     info.set_error_code(static_cast<int>(error->code()));
   }
   info.set_state(serving            ? v1::TABLE_STATE_SERVING
+                 : drains           ? v1::TABLE_STATE_DRAINING
                  : error != nullptr ? v1::TABLE_STATE_FAILED
                  : held_somewhere   ? v1::TABLE_STATE_UNAVAILABLE
                                     : v1::TABLE_STATE_LOADING);
-  // The first serving replica's shards (else the first's), for clients that know no replicas.
+  // The first serving replica's shards (else the first draining one's, else the first's), for
+  // clients that know no replicas.
   const v1::ReplicaInfo* first = nullptr;
   for (const v1::ReplicaInfo& r : info.replicas()) {
     if (first == nullptr || (r.state() == v1::TABLE_STATE_SERVING &&
-                             first->state() != v1::TABLE_STATE_SERVING)) {
+                             first->state() != v1::TABLE_STATE_SERVING) ||
+        (r.state() == v1::TABLE_STATE_DRAINING && first->state() != v1::TABLE_STATE_SERVING &&
+         first->state() != v1::TABLE_STATE_DRAINING)) {
       first = &r;
     }
   }

@@ -188,6 +188,7 @@ class ControlPlane {
     // Tables it could not load: the generation of the spec that failed, and why.
     std::map<std::string, std::pair<uint64_t, absl::Status>> load_errors;
     uint64_t heartbeats = 0;  // received from this rank's workers (DropTable counts them)
+    bool draining = false;    // it got SIGTERM and leaves once its drain ends
   };
 
   // One replica group: its members (by rank), epoch and rendezvous.

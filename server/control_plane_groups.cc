@@ -11,6 +11,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/table_spec.h"
 
@@ -45,6 +47,11 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
                                                  " is held by a live worker at ", m.address));
   }
   const absl::Time now = clock_.Now();
+  if (m.incarnation != request.incarnation() || m.address != request.address()) {
+    LOG(INFO) << "coordinator: group " << g << " rank " << request.rank() << " is the worker at "
+              << request.address() << " (" << request.device() << ", process "
+              << request.incarnation() << ")";
+  }
   m.address = request.address();
   m.device = request.device();
   m.incarnation = request.incarnation();
@@ -53,6 +60,14 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   m.broken = request.group_broken();
   m.last_seen = now;
   ++m.heartbeats;
+  m.draining = request.draining();
+  if (request.leaving()) {
+    // Gone from now on: its peers hear at their next heartbeat that it is silent, and leave the
+    // group at once rather than at the liveness timeout.
+    m.last_seen = absl::InfinitePast();
+    m.draining = false;
+    LOG(INFO) << absl::StrFormat("coordinator: group %d rank %d left (drained)", g, request.rank());
+  }
   m.loaded.assign(request.loaded_tables().begin(), request.loaded_tables().end());
   m.loaded_specs.clear();
   for (const v1::TableSpec& spec : request.loaded_specs()) m.loaded_specs[spec.name()] = spec;
@@ -260,16 +275,15 @@ void ControlPlane::ReloadAfterPartialRenorm(int group, int rank, const v1::Table
     } else {
       replica_generations_.erase(replica);
     }
-    std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
+    LOG(ERROR) << absl::StrFormat("coordinator: %s", s.ToString().c_str());
     return;
   }
   if (!GroupServing(group)) reloaded_while_down_.insert(replica);
-  std::fprintf(stderr,
-               "coordinator: table \"%s\" is loaded again on group %d as generation %llu: a step "
-               "failed on its rank %d while it renormed rows, which its ranks may now hold "
-               "differently\n",
-               held.name().c_str(), group, static_cast<unsigned long long>(last_generation_),
-               rank);
+  LOG(WARNING) << absl::StrFormat(
+      "coordinator: table \"%s\" is loaded again on group %d as generation %llu: a step "
+      "failed on its rank %d while it renormed rows, which its ranks may now hold "
+      "differently",
+      held.name().c_str(), group, static_cast<unsigned long long>(last_generation_), rank);
 }
 
 void ControlPlane::EndLearning(int g) {
@@ -294,17 +308,17 @@ void ControlPlane::EndLearning(int g) {
   if (!one_group) {
     // (Silent when no worker was in a group: the cluster is starting.)
     if (any_group) {
-      std::fprintf(stderr,
-                   "coordinator: the workers of group %d report no healthy group to adopt (%s)\n",
-                   g, reports.c_str());
+      LOG(WARNING) << absl::StrFormat(
+          "coordinator: the workers of group %d report no healthy group to adopt (%s)", g,
+          reports.c_str());
     }
     return;  // Reconcile forms a new one
   }
   StartEpoch(g, epoch);
   last_epoch_ = std::max(last_epoch_, epoch);
-  std::fprintf(stderr,
-               "coordinator: adopted group epoch %llu from the workers (%d ranks, group %d)\n",
-               static_cast<unsigned long long>(epoch), options_.world_size, g);
+  LOG(INFO) << absl::StrFormat(
+      "coordinator: adopted group epoch %llu from the workers (%d ranks, group %d)",
+      static_cast<unsigned long long>(epoch), options_.world_size, g);
 }
 
 void ControlPlane::LearnTables(int g) {
@@ -330,9 +344,9 @@ void ControlPlane::LearnTables(int g) {
     }
     tables_[name] = spec;
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
-    std::fprintf(stderr,
-                 "coordinator: learnt table \"%s\" (generation %llu) from group %d's workers\n",
-                 name.c_str(), static_cast<unsigned long long>(spec.generation()), g);
+    LOG(INFO) << absl::StrFormat(
+        "coordinator: learnt table \"%s\" (generation %llu) from group %d's workers", name.c_str(),
+        static_cast<unsigned long long>(spec.generation()), g);
   }
 }
 
@@ -406,15 +420,16 @@ void ControlPlane::Reconcile(int g) {
     // Kept in memory even if the save fails: the reload is what makes the ranks consistent, and
     // a coordinator restarted with the older registry has the workers reload once more.
     if (absl::Status s = SaveRegistry(); !s.ok()) {
-      std::fprintf(stderr, "coordinator: %s\n", s.ToString().c_str());
+      LOG(ERROR) << absl::StrFormat("coordinator: %s", s.ToString().c_str());
     }
   }
   // Epochs are wall-clock milliseconds, unique over groups and across coordinator restarts.
   last_epoch_ = std::max<uint64_t>({last_epoch_ + 1, group.epoch + 1,
                                     static_cast<uint64_t>(absl::ToUnixMillis(now))});
   StartEpoch(g, last_epoch_);
-  std::fprintf(stderr, "coordinator: group epoch %llu with %d ranks (group %d)\n",
-               static_cast<unsigned long long>(group.epoch), options_.world_size, g);
+  LOG(INFO) << absl::StrFormat("coordinator: group epoch %llu with %d ranks (group %d)",
+                               static_cast<unsigned long long>(group.epoch), options_.world_size,
+                               g);
 }
 
 }  // namespace shardserve::server

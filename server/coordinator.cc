@@ -222,6 +222,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptio
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &c->port_);
   ApplyServerSettings(builder);
+  builder.experimental().SetInterceptorCreators(CallCountingInterceptors(c->metrics_.registry()));
   builder.RegisterService(c->admin_.get());
   builder.RegisterService(c->internal_.get());
   builder.RegisterService(c->forwarding_.get());
@@ -230,6 +231,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptio
     return absl::UnavailableError(absl::StrCat("coordinator: cannot listen on ", options.listen));
   }
   Coordinator* raw = c.get();
+  c->metrics_.AddCollector([raw] { return raw->CollectState(); });
+  if (!options.metrics_listen.empty()) {
+    SHARDSERVE_RETURN_IF_ERROR(c->metrics_.Serve(options.metrics_listen));
+  }
   c->ticker_ = std::thread([raw] { raw->Tick(); });
   return c;
 }
@@ -242,6 +247,7 @@ void Coordinator::Shutdown() {
     if (stop_) return;
     stop_ = true;
   }
+  metrics_.Stop();
   if (ticker_.joinable()) ticker_.join();
   if (control_) control_->Shutdown();  // ends the handlers' waits
   if (server_ && server_->GetHealthCheckService()) server_->GetHealthCheckService()->Shutdown();
@@ -250,6 +256,74 @@ void Coordinator::Shutdown() {
 
 void Coordinator::Wait() {
   if (server_) server_->Wait();
+}
+
+std::vector<prometheus::MetricFamily> Coordinator::CollectState() const {
+  std::vector<prometheus::MetricFamily> out;
+  prometheus::MetricFamily learning = GaugeFamily(
+      "shardserve_coordinator_learning",
+      "1 while the coordinator, just started, learns the groups (and tables) from the workers.");
+  AddSample(learning, control_->learning() ? 1 : 0);
+  out.push_back(std::move(learning));
+
+  static constexpr std::pair<v1::GroupState, const char*> kGroupStates[] = {
+      {v1::GROUP_STATE_SERVING, "serving"},
+      {v1::GROUP_STATE_FORMING, "forming"},
+      {v1::GROUP_STATE_BROKEN, "broken"},
+      {v1::GROUP_STATE_LEARNING, "learning"}};
+  prometheus::MetricFamily state = GaugeFamily(
+      "shardserve_group_state", "1 for the state each replica group is in (by group).");
+  prometheus::MetricFamily epoch =
+      GaugeFamily("shardserve_group_epoch", "Each replica group's epoch (0: none formed).");
+  prometheus::MetricFamily members = GaugeFamily(
+      "shardserve_group_members",
+      "Ranks of each group by state: alive (heard from within the liveness timeout) or dead.");
+  const v1::ClusterInfo cluster = control_->DescribeCluster();
+  for (const v1::GroupInfo& group : cluster.groups()) {
+    for (const auto& [s, name] : kGroupStates) {
+      AddSample(state, group.state() == s ? 1 : 0, {{"group", group.name()}, {"state", name}});
+    }
+    AddSample(epoch, static_cast<double>(group.epoch()), {{"group", group.name()}});
+    int alive = 0;
+    for (const v1::MemberInfo& m : group.members()) alive += m.alive() ? 1 : 0;
+    AddSample(members, alive, {{"group", group.name()}, {"state", "alive"}});
+    AddSample(members, group.members_size() - alive, {{"group", group.name()}, {"state", "dead"}});
+  }
+  out.push_back(std::move(state));
+  out.push_back(std::move(epoch));
+  out.push_back(std::move(members));
+
+  absl::StatusOr<std::vector<v1::TableInfo>> tables = control_->ListTables();
+  if (!tables.ok()) return out;  // still learning the tables
+  static constexpr std::pair<v1::TableState, const char*> kTableStates[] = {
+      {v1::TABLE_STATE_LOADING, "loading"},
+      {v1::TABLE_STATE_SERVING, "serving"},
+      {v1::TABLE_STATE_UNAVAILABLE, "unavailable"},
+      {v1::TABLE_STATE_FAILED, "failed"}};
+  prometheus::MetricFamily by_state =
+      GaugeFamily("shardserve_tables", "Tables in the registry, by state.");
+  prometheus::MetricFamily table_state =
+      GaugeFamily("shardserve_table_state", "1 for the state each table is in (by table).");
+  prometheus::MetricFamily replicas = GaugeFamily(
+      "shardserve_table_replicas_serving", "Replicas (groups) that serve each table.");
+  std::map<v1::TableState, int> counts;
+  for (const v1::TableInfo& table : *tables) {
+    ++counts[table.state()];
+    for (const auto& [s, name] : kTableStates) {
+      AddSample(table_state, table.state() == s ? 1 : 0,
+                {{"table", table.spec().name()}, {"state", name}});
+    }
+    int serving = 0;
+    for (const v1::ReplicaInfo& r : table.replicas()) {
+      serving += r.state() == v1::TABLE_STATE_SERVING ? 1 : 0;
+    }
+    AddSample(replicas, serving, {{"table", table.spec().name()}});
+  }
+  for (const auto& [s, name] : kTableStates) AddSample(by_state, counts[s], {{"state", name}});
+  out.push_back(std::move(by_state));
+  out.push_back(std::move(table_state));
+  out.push_back(std::move(replicas));
+  return out;
 }
 
 void Coordinator::Tick() {

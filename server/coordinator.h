@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/control_plane.h"
+#include "server/metrics.h"
 
 namespace shardserve::server {
 
@@ -30,6 +31,7 @@ struct CoordinatorOptions {
   absl::Duration liveness_timeout = absl::Milliseconds(1500);  // missed heartbeats = dead
   absl::Duration join_grace = absl::Seconds(8);  // epoch not joined by all in time: new epoch
   absl::Duration create_wait = absl::Seconds(30);  // admin calls wait at most this long
+  std::string metrics_listen;  // HOST:PORT of GET /metrics (port 0: any); empty: not served
 };
 
 class Coordinator {
@@ -39,6 +41,7 @@ class Coordinator {
   ~Coordinator();
 
   int port() const { return port_; }
+  int metrics_port() const { return metrics_.port(); }  // 0: metrics not served
   void Shutdown();
   void Wait();
 
@@ -48,7 +51,11 @@ class Coordinator {
 
   Coordinator() = default;
   void Tick();
+  // The series computed at each scrape: groups, members and tables as the control plane sees
+  // them.
+  std::vector<prometheus::MetricFamily> CollectState() const;
 
+  Metrics metrics_;  // its endpoint stops first in Shutdown (its scrapes read the control plane)
   std::unique_ptr<ControlPlane> control_;
   std::unique_ptr<AdminService> admin_;
   std::unique_ptr<InternalService> internal_;

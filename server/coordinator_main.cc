@@ -3,10 +3,12 @@
 //   coordinator --listen=127.0.0.1:50051 --world_size=2 [--state_dir=/var/lib/shardserve]
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "core/process_setup.h"
+#include "glog/logging.h"
+#include "server/cli.h"
 #include "server/lifecycle.h"
 #include "server/coordinator.h"
 
@@ -16,25 +18,52 @@ ABSL_FLAG(int, world_size, 2, "workers (ranks) per group");
 ABSL_FLAG(std::string, state_dir, "", "where the table registry is persisted (empty: nowhere)");
 ABSL_FLAG(int, liveness_ms, 1500, "a worker silent this long is considered dead");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "serve Prometheus metrics at http://HOST:PORT/metrics (port 0: pick a free port; "
+          "empty: not served)");
+ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port here once serving");
 
 int main(int argc, char** argv) {
   shardserve::server::BlockShutdownSignals();
   shardserve::core::SetUpServingProcess();
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> args =
+      shardserve::server::ParseFlags(argc, argv, [](const std::vector<std::string>&) {
+        return shardserve::server::Usage{
+            "coordinator_main --listen=HOST:PORT --world_size=W [--groups=R] [flags]",
+            "The shardserve coordinator: the table registry, membership and epochs of R "
+            "replica groups of W ranks, the workers' rendezvous, and the data API forwarded to "
+            "the workers for thin clients.",
+            {},
+            "server/coordinator_main.cc"};
+      });
+  if (args.size() > 1) {
+    return shardserve::server::UsageError("coordinator_main",
+                                          "unexpected argument \"" + args[1] + "\" (see --help)");
+  }
   shardserve::server::CoordinatorOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
   options.world_size = absl::GetFlag(FLAGS_world_size);
   options.groups = absl::GetFlag(FLAGS_groups);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.liveness_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_liveness_ms));
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   absl::StatusOr<std::unique_ptr<shardserve::server::Coordinator>> coordinator =
       shardserve::server::Coordinator::Start(options);
   if (!coordinator.ok()) {
     std::fprintf(stderr, "coordinator: %s\n", coordinator.status().ToString().c_str());
-    return 1;
+    return absl::IsInvalidArgument(coordinator.status()) ? shardserve::server::kExitUsage
+                                                         : shardserve::server::kExitFailure;
   }
-  std::fprintf(stderr, "coordinator serving on port %d (%d group(s) of %d ranks)\n",
-               (*coordinator)->port(), options.groups, options.world_size);
+  LOG(INFO) << "coordinator serving on port " << (*coordinator)->port() << " ("
+            << options.groups << " group(s) of " << options.world_size << " ranks; "
+            << shardserve::server::VersionLine() << ")";
+  if ((*coordinator)->metrics_port() != 0) {
+    const std::string& listen = options.metrics_listen;
+    LOG(INFO) << "coordinator metrics on http://" << listen.substr(0, listen.rfind(':')) << ":"
+              << (*coordinator)->metrics_port() << "/metrics";
+  }
+  shardserve::server::WritePortFile(absl::GetFlag(FLAGS_metrics_port_file),
+                                    (*coordinator)->metrics_port());
   shardserve::server::WritePortFile(absl::GetFlag(FLAGS_port_file), (*coordinator)->port());
   shardserve::server::WaitForShutdownSignal();
   (*coordinator)->Shutdown();

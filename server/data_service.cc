@@ -25,6 +25,18 @@ absl::Time DeadlineOf(const grpc::ServerContextBase& context) {
 // Every tag on the queue points at a CompletionTag; Proceed runs on the serving thread.
 using Tag = CompletionTag;
 
+CallMetrics::Method MetricsMethod(core::StepRequest::Op op) {
+  switch (op) {
+    case core::StepRequest::Op::kEmbedding:
+      return CallMetrics::Method::kEmbedding;
+    case core::StepRequest::Op::kEmbeddingBag:
+      return CallMetrics::Method::kEmbeddingBag;
+    case core::StepRequest::Op::kLinear:
+      break;
+  }
+  return CallMetrics::Method::kLinear;
+}
+
 }  // namespace
 
 // Bytes an answer to `request` on `table` takes on the wire (its floats and a little framing).
@@ -79,16 +91,17 @@ class DataService::UnaryCall final : public Tag, public Caller {
       return;
     }
     new UnaryCall(service_, method_);  // the next one
+    received_ = absl::Now();
     absl::StatusOr<std::unique_ptr<core::StepRequest>> step = absl::InternalError("no method");
     switch (method_) {
       case Method::kEmbedding:
-        step = service_.PrepareRaw<v1::EmbeddingRequest>(request_);
+        step = service_.PrepareRaw<v1::EmbeddingRequest>(request_, table_);
         break;
       case Method::kEmbeddingBag:
-        step = service_.PrepareRaw<v1::EmbeddingBagRequest>(request_);
+        step = service_.PrepareRaw<v1::EmbeddingBagRequest>(request_, table_);
         break;
       case Method::kLinear:
-        step = service_.PrepareRaw<v1::LinearRequest>(request_);
+        step = service_.PrepareRaw<v1::LinearRequest>(request_, table_);
         break;
     }
     request_.Clear();
@@ -97,7 +110,9 @@ class DataService::UnaryCall final : public Tag, public Caller {
       return;
     }
     reserved_ = (*step)->answer_bytes;
+    rows_ = (*step)->Rows();
     service_.Reserve(reserved_);
+    (*step)->received = received_;
     (*step)->deadline = DeadlineOf(context_);
     (*step)->caller = static_cast<Caller*>(this);
     if (absl::Status refused = service_.loop_->Submit(*std::move(step)); !refused.ok()) {
@@ -124,7 +139,11 @@ class DataService::UnaryCall final : public Tag, public Caller {
       return;
     }
     finishing_ = true;
+    CallMetrics& metrics = service_.metrics_;
+    metrics.Done(static_cast<CallMetrics::Method>(method_), false, table_, status.error_code(),
+                 absl::Now() - received_);
     if (status.ok()) {
+      metrics.Served(table_, rows_);
       responder_.Finish(response_, grpc::Status::OK, AsTag());
     } else {
       responder_.FinishWithError(status, AsTag());
@@ -135,6 +154,10 @@ class DataService::UnaryCall final : public Tag, public Caller {
   const Method method_;
   bool finishing_ = false;
   int64_t reserved_ = 0;  // answer bytes reserved at the service
+  // For metrics: when the call arrived, the table it names (empty: none known), its rows.
+  absl::Time received_;
+  std::string table_;
+  int64_t rows_ = 0;
   grpc::ServerContext context_;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
@@ -152,9 +175,14 @@ class DataService::StreamCall final : public Caller {
 
   void Answer(const core::StepRequest& request,
               absl::StatusOr<core::DenseResult> answer) override {
+    const int code = static_cast<int>(answer.status().code());
     grpc::ByteBuffer response = EncodeStreamResponse(request.caller_id, std::move(answer));
-    service_.Queue([this, response = std::move(response),
-                    reserved = request.answer_bytes]() mutable {
+    service_.Queue([this, response = std::move(response), reserved = request.answer_bytes,
+                    method = MetricsMethod(request.op), table = request.table, code,
+                    received = request.received, rows = request.Rows()]() mutable {
+      CallMetrics& metrics = service_.metrics_;
+      metrics.Done(method, true, table, code, absl::Now() - received);
+      if (code == 0) metrics.Served(table, rows);
       --outstanding_;
       Respond(std::move(response), reserved);
       ResumeReading();
@@ -192,17 +220,22 @@ class DataService::StreamCall final : public Caller {
     const absl::Status parsed = ParseRaw(raw_, &request);
     raw_.Clear();
     const uint64_t id = parsed.ok() ? request.id() : 0;  // nothing in it can be trusted
+    const absl::Time received = absl::Now();
+    std::string table;
+    CallMetrics::Method method = CallMetrics::Method::kEmbedding;
     absl::StatusOr<std::unique_ptr<core::StepRequest>> step =
         absl::InvalidArgumentError("stream request: set one of embedding, embedding_bag, linear");
     switch (parsed.ok() ? request.op_case() : v1::StreamRequest::OP_NOT_SET) {
       case v1::StreamRequest::kEmbedding:
-        step = service_.Prepare(request.embedding());
+        step = service_.Prepare(request.embedding(), table);
         break;
       case v1::StreamRequest::kEmbeddingBag:
-        step = service_.Prepare(request.embedding_bag());
+        method = CallMetrics::Method::kEmbeddingBag;
+        step = service_.Prepare(request.embedding_bag(), table);
         break;
       case v1::StreamRequest::kLinear:
-        step = service_.Prepare(request.linear());
+        method = CallMetrics::Method::kLinear;
+        step = service_.Prepare(request.linear(), table);
         break;
       default:
         break;
@@ -211,6 +244,7 @@ class DataService::StreamCall final : public Caller {
     absl::Status refused = step.status();
     if (step.ok()) {
       const int64_t reserved = (*step)->answer_bytes;
+      (*step)->received = received;
       (*step)->deadline = deadline_;
       (*step)->caller = static_cast<Caller*>(this);
       (*step)->caller_id = id;
@@ -223,7 +257,11 @@ class DataService::StreamCall final : public Caller {
         service_.Release(reserved);
       }
     }
-    if (!refused.ok()) Respond(EncodeStreamResponse(id, refused), 0);
+    if (!refused.ok()) {
+      service_.metrics_.Done(method, true, table, static_cast<int>(refused.code()),
+                             absl::Now() - received);
+      Respond(EncodeStreamResponse(id, refused), 0);
+    }
     ReadNext();
     MaybeEnd();  // when stopping, reads end here
   }
@@ -332,8 +370,8 @@ class DataService::StreamCall final : public Caller {
 };
 
 DataService::DataService(const TableLifecycle& tables, const core::InputLimits& limits,
-                         DataServiceOptions options)
-    : tables_(tables), limits_(limits), options_(options) {}
+                         CallMetrics& metrics, DataServiceOptions options)
+    : tables_(tables), limits_(limits), metrics_(metrics), options_(options) {}
 
 DataService::~DataService() = default;
 
@@ -385,12 +423,15 @@ void DataService::Flush() {
 }
 
 template <typename Request>
-absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Request& request) {
-  SHARDSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const core::TableConfig> table,
-                              tables_.Admit(request.table(), loop_->GroupStatus()));
+absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Request& request,
+                                                                        std::string& label) {
+  absl::StatusOr<std::shared_ptr<const core::TableConfig>> table =
+      tables_.Admit(request.table(), loop_->GroupStatus());
+  if (!absl::IsNotFound(table.status())) label = request.table();  // a table it knows
+  if (!table.ok()) return table.status();
   SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::StepRequest> step,
-                              MakeStepRequest(request, *table, limits_));
-  step->answer_bytes = AnswerBytes(*step, *table);
+                              MakeStepRequest(request, **table, limits_));
+  step->answer_bytes = AnswerBytes(*step, **table);
   return step;
 }
 
@@ -398,10 +439,10 @@ void DataService::Reserve(int64_t bytes) { answer_bytes_ += bytes; }
 
 template <typename Request>
 absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::PrepareRaw(
-    const grpc::ByteBuffer& raw) {
+    const grpc::ByteBuffer& raw, std::string& table) {
   Request request;
   SHARDSERVE_RETURN_IF_ERROR(ParseRaw(raw, &request));
-  return Prepare(request);
+  return Prepare(request, table);
 }
 
 void DataService::Run() {

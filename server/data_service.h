@@ -36,6 +36,7 @@
 #include "grpcpp/server_builder.h"
 #include "proto/shardserve.grpc.pb.h"
 #include "server/health_service.h"
+#include "server/metrics.h"
 #include "server/table_lifecycle.h"
 
 namespace shardserve::server {
@@ -56,8 +57,9 @@ struct DataServiceOptions {
 
 class DataService final : public AsyncRawDataService, public core::ResponseSink {
  public:
-  // Admits calls by `tables`; checks requests against `limits`. Both must outlive it.
-  DataService(const TableLifecycle& tables, const core::InputLimits& limits,
+  // Admits calls by `tables`; checks requests against `limits`; counts calls in `metrics`. All
+  // three must outlive it.
+  DataService(const TableLifecycle& tables, const core::InputLimits& limits, CallMetrics& metrics,
               DataServiceOptions options = {});
   ~DataService() override;
 
@@ -86,11 +88,14 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   class StreamCall;
   struct Wake;
 
-  // Admits, validates and reserves the answer's bytes (StepRequest::answer_bytes).
+  // Admits, validates and reserves the answer's bytes (StepRequest::answer_bytes). Sets `table`
+  // to the table the request names - left empty when no such table is known (its metrics label).
   template <typename Request>
-  absl::StatusOr<std::unique_ptr<core::StepRequest>> Prepare(const Request& request);
+  absl::StatusOr<std::unique_ptr<core::StepRequest>> Prepare(const Request& request,
+                                                             std::string& table);
   template <typename Request>
-  absl::StatusOr<std::unique_ptr<core::StepRequest>> PrepareRaw(const grpc::ByteBuffer& raw);
+  absl::StatusOr<std::unique_ptr<core::StepRequest>> PrepareRaw(const grpc::ByteBuffer& raw,
+                                                                std::string& table);
   // Answer bytes held until sent (serving thread); Release gives them back, and lets streams
   // paused over the worker's bound read again once it is below.
   void Reserve(int64_t bytes);
@@ -107,6 +112,7 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
 
   const TableLifecycle& tables_;
   const core::InputLimits& limits_;
+  CallMetrics& metrics_;  // serving thread only
   const DataServiceOptions options_;
   int64_t answer_bytes_ = 0;             // reserved over all calls (serving thread)
   std::vector<StreamCall*> paused_;      // streams waiting for the worker's bound (serving thread)

@@ -4,6 +4,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 
 namespace shardserve::server {
@@ -149,8 +151,8 @@ void TableLifecycle::Loaded(const v1::TableSpec& spec, std::shared_ptr<core::Sha
 }
 
 void TableLifecycle::LoadFailed(const v1::TableSpec& spec, const absl::Status& error) {
-  std::fprintf(stderr, "worker rank %d: loading table \"%s\" failed: %s\n", rank_,
-               spec.name().c_str(), error.ToString().c_str());
+  LOG(WARNING) << absl::StrFormat("worker rank %d: loading table \"%s\" failed: %s", rank_,
+                                  spec.name().c_str(), error.ToString().c_str());
   absl::MutexLock lock(&mu_);
   Record& r = records_[spec.name()];
   r.held = spec;
@@ -193,10 +195,10 @@ void TableLifecycle::DropRenormUnsure(const std::shared_ptr<core::ShardedTable>&
   const std::string& name = table->config().name;
   auto it = records_.find(name);
   if (it == records_.end() || it->second.shard != table) return;  // since loaded anew
-  std::fprintf(stderr,
-               "worker rank %d: table \"%s\" waits for a new generation: the step failed while "
-               "it renormed rows, which the ranks may now hold differently\n",
-               rank_, name.c_str());
+  LOG(WARNING) << absl::StrFormat(
+      "worker rank %d: table \"%s\" waits for a new generation: the step failed while "
+      "it renormed rows, which the ranks may now hold differently",
+      rank_, name.c_str());
   Record& r = it->second;
   r.shard.reset();
   r.config.reset();

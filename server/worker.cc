@@ -10,6 +10,8 @@
 
 #include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "glog/logging.h"
 #include "absl/strings/str_join.h"
 #include "core/fault_injecting_collectives.h"
 #include "core/status_macros.h"
@@ -119,14 +121,17 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
 #endif
   }
   core::StepLoop::Options step = w->options_.step;
+  step.observer = &w->step_metrics_;
   step.on_group_broken = [w](const absl::Status& status) {
-    std::fprintf(stderr, "worker rank %d: %s\n", w->options_.rank, status.ToString().c_str());
+    LOG(WARNING) << absl::StrFormat("worker rank %d: %s", w->options_.rank,
+                                    status.ToString().c_str());
     absl::MutexLock lock(&w->mu_);
     w->group_broken_ = true;
     w->UpdateHealth();
   };
   w->data_service_ =
-      std::make_unique<DataService>(w->tables_, w->options_.step.limits, w->options_.data);
+      std::make_unique<DataService>(w->tables_, w->options_.step.limits, w->call_metrics_,
+                                    w->options_.data);
   w->loop_ = std::make_unique<core::StepLoop>(step, *w->kernels_, w->tables_, *w->data_service_);
   w->data_service_->SetLoop(w->loop_.get());
   // Heartbeat replies list every table's spec: they may be large.
@@ -150,6 +155,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
     absl::MutexLock lock(&w->mu_);
     w->UpdateHealth();  // known (NOT_SERVING) from the first health check on
   }
+  w->metrics_.AddCollector([w] { return w->CollectState(); });
+  if (!w->options_.metrics_listen.empty()) {
+    SHARDSERVE_RETURN_IF_ERROR(w->metrics_.Serve(w->options_.metrics_listen));
+  }
   w->data_service_->Start();
   w->loop_->Start();
   w->heartbeat_thread_ = std::thread([w] { w->HeartbeatLoop(); });
@@ -161,16 +170,44 @@ Worker::~Worker() { Shutdown(); }
 
 std::string Worker::address() const { return absl::StrCat(options_.advertise_host, ":", port_); }
 
+void Worker::Drain(absl::Duration period) {
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) return;
+  draining_ = true;
+  UpdateHealth();
+  LOG(INFO) << absl::StrFormat("worker group %d rank %d: draining for %s", options_.group,
+                               options_.rank, absl::FormatDuration(period).c_str());
+  mu_.AwaitWithTimeout(absl::Condition(&shutting_down_), period);
+}
+
 void Worker::Shutdown() {
   {
     absl::MutexLock lock(&mu_);
-    if (stop_) return;
+    if (shutting_down_) return;
+    shutting_down_ = true;
+  }
+  metrics_.Stop();
+  if (data_service_) data_service_->health().Shutdown();  // every service NOT_SERVING
+  // No new calls from here; those in flight finish (the loop still runs their steps).
+  if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  {
+    absl::MutexLock lock(&mu_);
     stop_ = true;
   }
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
   if (reconcile_thread_.joinable()) reconcile_thread_.join();
-  if (data_service_) data_service_->health().Shutdown();  // draining: every service NOT_SERVING
-  if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  if (server_ != nullptr && coordinator_ != nullptr) {
+    v1::internal::HeartbeatRequest request;
+    {
+      absl::MutexLock lock(&mu_);
+      request = HeartbeatNow();
+    }
+    request.set_leaving(true);
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
+    v1::internal::HeartbeatResponse response;
+    coordinator_->Heartbeat(&context, request, &response);  // if it is down, peers time out
+  }
   if (loop_) loop_->Stop();  // absent when Start() failed early
   if (data_service_) data_service_->Stop();
 }
@@ -179,10 +216,56 @@ void Worker::Wait() {
   if (server_) server_->Wait();
 }
 
+std::vector<prometheus::MetricFamily> Worker::CollectState() const {
+  std::vector<prometheus::MetricFamily> out;
+  prometheus::MetricFamily info = GaugeFamily(
+      "shardserve_worker_info", "This worker's place: its replica group, rank and device.");
+  AddSample(info, 1,
+            {{"group", absl::StrCat("g", options_.group)},
+             {"rank", std::to_string(options_.rank)},
+             {"device", options_.device}});
+  out.push_back(std::move(info));
+  prometheus::MetricFamily serving = GaugeFamily(
+      "shardserve_group_serving", "1 while this worker's group is formed and runs steps.");
+  AddSample(serving, loop_->serving() ? 1 : 0);
+  out.push_back(std::move(serving));
+  prometheus::MetricFamily epoch =
+      GaugeFamily("shardserve_group_epoch", "The group epoch this worker runs steps in (0: none).");
+  AddSample(epoch, static_cast<double>(loop_->epoch()));
+  out.push_back(std::move(epoch));
+  const auto [requests, bytes] = loop_->queued();
+  prometheus::MetricFamily queued =
+      GaugeFamily("shardserve_queue_requests", "Requests queued for a step.");
+  AddSample(queued, static_cast<double>(requests));
+  out.push_back(std::move(queued));
+  prometheus::MetricFamily queued_bytes =
+      GaugeFamily("shardserve_queue_bytes", "Input bytes of the requests queued for a step.");
+  AddSample(queued_bytes, static_cast<double>(bytes));
+  out.push_back(std::move(queued_bytes));
+  // One series per table and phase, 1 for the phase it is in (Prometheus' way with enums).
+  static constexpr std::pair<TableLifecycle::Phase, const char*> kPhases[] = {
+      {TableLifecycle::Phase::kLoading, "loading"},
+      {TableLifecycle::Phase::kLoaded, "loaded"},
+      {TableLifecycle::Phase::kServing, "serving"},
+      {TableLifecycle::Phase::kFailed, "failed"},
+      {TableLifecycle::Phase::kRenormUnsure, "renorm_unsure"}};
+  prometheus::MetricFamily phases = GaugeFamily(
+      "shardserve_table_phase",
+      "1 for the phase each table is in on this rank: loading, loaded (this rank holds its "
+      "shard), serving (every rank does), failed (could not load), renorm_unsure.");
+  for (const auto& [table, phase] : tables_.Phases()) {
+    for (const auto& [p, name] : kPhases) {
+      AddSample(phases, p == phase ? 1 : 0, {{"table", table}, {"phase", name}});
+    }
+  }
+  out.push_back(std::move(phases));
+  return out;
+}
+
 void Worker::UpdateHealth() {
   if (server_ == nullptr) return;
   HealthService& health = data_service_->health();
-  const bool serving = loop_->serving() && !group_broken_;
+  const bool serving = loop_->serving() && !group_broken_ && !draining_;
   health.SetServingStatus(kServerHealthName, serving);
   health.SetServingStatus(kDataServiceHealthName, serving);
   std::set<std::string> names;
@@ -206,15 +289,8 @@ void Worker::HeartbeatLoop() {
     {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.heartbeat_interval)) return;
-      request.set_group(options_.group);
-      request.set_rank(options_.rank);
-      request.set_address(address());
-      request.set_device(options_.device);
-      request.set_incarnation(incarnation_);
-      request.set_epoch(joined_epoch_);
-      request.set_group_broken(group_broken_);
+      request = HeartbeatNow();
     }
-    tables_.Report(request);
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
     v1::internal::HeartbeatResponse response;
@@ -238,6 +314,20 @@ void Worker::HeartbeatLoop() {
   }
 }
 
+v1::internal::HeartbeatRequest Worker::HeartbeatNow() {
+  v1::internal::HeartbeatRequest request;
+  request.set_group(options_.group);
+  request.set_rank(options_.rank);
+  request.set_address(address());
+  request.set_device(options_.device);
+  request.set_incarnation(incarnation_);
+  request.set_epoch(joined_epoch_);
+  request.set_group_broken(group_broken_);
+  request.set_draining(draining_);
+  tables_.Report(request);
+  return request;
+}
+
 void Worker::ReconcileLoop() {
   kernels_->InitThread();  // tables are loaded into the device from this thread
   CoordinatorRendezvous rendezvous(coordinator_);
@@ -259,6 +349,8 @@ void Worker::ReconcileLoop() {
     const TableLifecycle::Plan plan = tables_.NextPlan();
     for (const std::string& name : plan.drops) {
       tables_.Dropped(name);
+      LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank
+                << ": dropped table \"" << name << "\"";
       absl::MutexLock lock(&mu_);
       UpdateHealth();
     }
@@ -277,6 +369,9 @@ void Worker::ReconcileLoop() {
       }();
       if (table.ok()) {
         tables_.Loaded(spec, *std::move(table));
+        LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank
+                  << ": loaded table \"" << spec.name() << "\" (generation " << spec.generation()
+                  << ")";
         absl::MutexLock lock(&mu_);
         UpdateHealth();
       } else {
@@ -316,16 +411,17 @@ bool Worker::JoinGroup(uint64_t epoch, int world, core::RendezvousStore& rendezv
   }
   absl::MutexLock lock(&mu_);
   if (!formed.ok()) {
-    std::fprintf(stderr, "worker rank %d: joining epoch %llu failed: %s\n", options_.rank,
-                 static_cast<unsigned long long>(epoch), formed.ToString().c_str());
+    LOG(WARNING) << absl::StrFormat("worker rank %d: joining epoch %llu failed: %s", options_.rank,
+                                    static_cast<unsigned long long>(epoch),
+                                    formed.ToString().c_str());
     // Not retried: the coordinator moves the group to a fresh epoch (new rendezvous keys).
     return false;
   }
   loop_->SetGroup(std::move(group), epoch);
   joined_epoch_ = epoch;
   group_broken_ = false;
-  std::fprintf(stderr, "worker rank %d: joined group epoch %llu (W=%d)\n", options_.rank,
-               static_cast<unsigned long long>(epoch), world);
+  LOG(INFO) << absl::StrFormat("worker rank %d: joined group epoch %llu (W=%d)", options_.rank,
+                               static_cast<unsigned long long>(epoch), world);
   return true;
 }
 

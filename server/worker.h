@@ -27,6 +27,7 @@
 #include "grpcpp/server.h"
 #include "proto/internal.grpc.pb.h"
 #include "server/data_service.h"
+#include "server/metrics.h"
 #include "server/table_lifecycle.h"
 
 namespace shardserve::server {
@@ -36,6 +37,7 @@ struct WorkerOptions {
   std::string listen = "127.0.0.1:0";     // data API; port 0 picks a free one
   std::string advertise_host = "127.0.0.1";  // how peers and clients reach this host
   std::string device = "cpu";  // or cuda:N in builds with --config=cuda
+  std::string metrics_listen;  // HOST:PORT of GET /metrics (port 0: any); empty: not served
   int copy_lanes = 4;  // cuda:N: threads per host<->device copy of 2 MiB or more (0: the driver's)
   int group = 0;  // the replica group this worker is a rank of
   int rank = 0;
@@ -56,7 +58,15 @@ class Worker {
   ~Worker();
 
   int port() const { return port_; }
+  int metrics_port() const { return metrics_.port(); }  // 0: metrics not served
   std::string address() const;
+  // The first part of a graceful stop (SIGTERM): health says NOT_SERVING everywhere and
+  // heartbeats say the worker drains (the placement map lists its replicas as DRAINING, so
+  // clients move to other replicas), while it goes on serving for `period`. Returns after it (or
+  // at once if Shutdown began).
+  void Drain(absl::Duration period);
+  // Stops: no new calls; calls in flight get 2 s to finish; then a last heartbeat says the
+  // worker leaves (its peers leave the group at once), and everything stops.
   void Shutdown();
   void Wait();
 
@@ -65,15 +75,22 @@ class Worker {
   explicit Worker(WorkerOptions options);
   void HeartbeatLoop();
   void ReconcileLoop();
+  // The series computed at each scrape: the group, the queue, the tables' phases.
+  std::vector<prometheus::MetricFamily> CollectState() const;
   // Joins group `epoch` of `world` ranks (forms its communicators); false if it could not.
   bool JoinGroup(uint64_t epoch, int world, core::RendezvousStore& rendezvous);
   void UpdateHealth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The heartbeat this worker sends now.
+  v1::internal::HeartbeatRequest HeartbeatNow() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WorkerOptions options_;
   const uint64_t incarnation_;
   std::unique_ptr<core::LocalKernels> kernels_;  // CPU, or one GPU
   int cuda_device_ = -1;                         // >= 0 for a GPU worker
   TableLifecycle tables_;
+  Metrics metrics_;  // its endpoint stops first in Shutdown (its scrapes read the loop)
+  CallMetrics call_metrics_{metrics_.registry()};
+  StepMetrics step_metrics_{metrics_.registry()};
   std::unique_ptr<DataService> data_service_;
   std::unique_ptr<core::StepLoop> loop_;  // after what it reports into: destroyed first
   std::shared_ptr<v1::internal::CoordinatorInternal::Stub> coordinator_;
@@ -86,7 +103,9 @@ class Worker {
   std::atomic<int64_t> allreduces_to_fault_{0};  // options_.fail_allreduce, counting down
 
   mutable absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;  // Shutdown began
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;           // the heartbeat and reconcile threads end
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int world_size_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t target_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t forming_epoch_ ABSL_GUARDED_BY(mu_) = 0;

@@ -3,14 +3,16 @@
 //   worker --coordinator=127.0.0.1:50051 --rank=0 [--listen=127.0.0.1:0] [--device=cpu]
 #include <cstdio>
 #include <string>
+#include <vector>
 #include <utility>
 
 #include <unistd.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "core/process_setup.h"
+#include "glog/logging.h"
+#include "server/cli.h"
 #include "server/lifecycle.h"
 #include "server/worker.h"
 
@@ -43,10 +45,17 @@ ABSL_FLAG(int64_t, max_answer_mb, 256,
           "answers the worker may hold that their clients have not taken; beyond it streams stop "
           "reading until it is below");
 ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
+ABSL_FLAG(double, drain_s, 5,
+          "on SIGTERM: seconds to go on serving while health says NOT_SERVING and clients move "
+          "to other replicas; then calls in flight get 2 s to finish, and the worker leaves");
 ABSL_FLAG(int64_t, shared_memory_block_mb, 16,
           "exchange blocks up to this size go through shared memory between workers that can map "
           "each other's (one host); 0: always the sockets");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "serve Prometheus metrics at http://HOST:PORT/metrics (port 0: pick a free port; "
+          "empty: not served)");
+ABSL_FLAG(std::string, metrics_port_file, "", "write the bound metrics port here once serving");
 ABSL_FLAG(int64_t, fail_allreduce, 0,
           "fault drill: this worker's Nth AllReduce fails after it has run, as if the worker timed "
           "out just after its peers got its data (only lookups of column-sharded max_norm tables "
@@ -55,7 +64,20 @@ ABSL_FLAG(int64_t, fail_allreduce, 0,
 int main(int argc, char** argv) {
   shardserve::server::BlockShutdownSignals();
   shardserve::core::SetUpServingProcess();
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> args =
+      shardserve::server::ParseFlags(argc, argv, [](const std::vector<std::string>&) {
+        return shardserve::server::Usage{
+            "worker_main --coordinator=HOST:PORT --rank=R [--group=G] [flags]",
+            "A shardserve worker: one process per device, one rank of a replica group. It "
+            "serves the data API, holds its shard of every table placed on its group, and "
+            "follows the coordinator. SIGTERM drains it (--drain_s), then stops it.",
+            {},
+            "server/worker_main.cc"};
+      });
+  if (args.size() > 1) {
+    return shardserve::server::UsageError("worker_main",
+                                          "unexpected argument \"" + args[1] + "\" (see --help)");
+  }
   shardserve::server::WorkerOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.rank = absl::GetFlag(FLAGS_rank);
@@ -86,7 +108,13 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   options.device = absl::GetFlag(FLAGS_device);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.copy_lanes = absl::GetFlag(FLAGS_copy_lanes);
+  const double drain_s = absl::GetFlag(FLAGS_drain_s);
+  if (!(drain_s >= 0 && drain_s <= 3600)) {
+    std::fprintf(stderr, "--drain_s: %g must be in [0, 3600]\n", drain_s);
+    return 2;
+  }
   options.heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
   options.step.row_budget = absl::GetFlag(FLAGS_row_budget);
   options.step.one_request_per_step = absl::GetFlag(FLAGS_one_request_per_step);
@@ -136,12 +164,22 @@ int main(int argc, char** argv) {
       shardserve::server::Worker::Start(options);
   if (!worker.ok()) {
     std::fprintf(stderr, "worker: %s\n", worker.status().ToString().c_str());
-    return 1;
+    // A bad flag value found at start (a device, an address) is a usage error too.
+    return absl::IsInvalidArgument(worker.status()) ? shardserve::server::kExitUsage
+                                                    : shardserve::server::kExitFailure;
   }
-  std::fprintf(stderr, "worker group %d rank %d serving on %s\n", options.group, options.rank,
-               (*worker)->address().c_str());
+  LOG(INFO) << "worker group " << options.group << " rank " << options.rank << " serving on "
+            << (*worker)->address() << " (" << shardserve::server::VersionLine() << ")";
+  if ((*worker)->metrics_port() != 0) {
+    const std::string& listen = options.metrics_listen;
+    LOG(INFO) << "worker metrics on http://" << listen.substr(0, listen.rfind(':')) << ":"
+              << (*worker)->metrics_port() << "/metrics";
+  }
+  shardserve::server::WritePortFile(absl::GetFlag(FLAGS_metrics_port_file),
+                                    (*worker)->metrics_port());
   shardserve::server::WritePortFile(absl::GetFlag(FLAGS_port_file), (*worker)->port());
   shardserve::server::WaitForShutdownSignal();
+  (*worker)->Drain(absl::Seconds(drain_s));
   (*worker)->Shutdown();
   return 0;
 }

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -40,9 +41,10 @@ struct Replicated {
   std::unique_ptr<LocalCluster> cluster;
   std::unique_ptr<Client> admin;
 
-  void Start() {
-    options = ClusterOptions(2);
+  void Start(int liveness_ms = 600, std::map<int, std::vector<std::string>> rank_flags = {}) {
+    options = ClusterOptions(2, liveness_ms);
     options.groups = 2;
+    options.rank_flags = std::move(rank_flags);
     absl::StatusOr<std::unique_ptr<LocalCluster>> started = LocalCluster::Start(options);
     ASSERT_TRUE(started.ok()) << started.status();
     cluster = *std::move(started);
@@ -61,10 +63,9 @@ struct Replicated {
     int n = 0;
     for (size_t at = log.find(marker); at != std::string::npos; at = log.find(marker, at + 1)) {
       const size_t line = log.rfind('\n', at);
-      if (log.compare(line == std::string::npos ? 0 : line + 1, 25,
-                      "coordinator: group epoch ") == 0) {
-        ++n;
-      }
+      const size_t start = line == std::string::npos ? 0 : line + 1;
+      const std::string text = log.substr(start, at - start);
+      if (text.find("] coordinator: group epoch ") != std::string::npos) ++n;
     }
     return n;
   }
@@ -77,13 +78,15 @@ struct Replicated {
 // counting failures, and the slowest call.
 class Callers {
  public:
+  // `max_attempts` 0: the client's default.
   Callers(const LocalCluster& cluster, const Table& table, int n, bool direct,
-          absl::Duration deadline)
+          absl::Duration deadline, int max_attempts = 0)
       : deadline_(deadline) {
     for (int i = 0; i < n; ++i) {
       ClientOptions options;
       options.direct = direct;
       options.deadline = deadline;
+      if (max_attempts > 0) options.max_attempts = max_attempts;
       clients_.push_back(*Client::Connect(cluster.coordinator_address(), options));
     }
     for (int i = 0; i < n; ++i) {
@@ -220,6 +223,50 @@ TEST(ReplicaGroups, AHungWorkersCallsGoToTheOtherGroupWithinTheirDeadline) {
     direct.ExpectNoneFailed("direct callers across a hung worker");
   }
   EXPECT_EQ(r.EpochsFormed(0), 1) << "group 0 never re-formed\n" << r.Log();
+}
+
+// SIGTERM drains: while the worker goes on serving, the placement map lists its group's replica
+// as DRAINING and clients move to the other group - so even callers that never retry lose no
+// call. Once it stops, the coordinator counts it gone at once (not at the liveness timeout, 30 s
+// here) and its group is broken.
+TEST(ReplicaGroups, ASigtermDrainLosesNoCallEvenForCallersThatNeverRetry) {
+  Replicated r;
+  ASSERT_NO_FATAL_FAILURE(r.Start(/*liveness_ms=*/30000, {{kGroup1Rank0, {"--drain_s=2"}}}));
+  Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 300, 16, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(r.admin->CreateTable(emb.spec).ok());
+  Callers direct(*r.cluster, emb, 3, /*direct=*/true, absl::Seconds(3), /*max_attempts=*/1);
+  Callers forwarded(*r.cluster, emb, 2, /*direct=*/false, absl::Seconds(3), /*max_attempts=*/1);
+  absl::SleepFor(absl::Milliseconds(500));
+  ASSERT_EQ(::kill(r.cluster->worker_pid(kGroup1Rank0), SIGTERM), 0);
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        absl::StatusOr<v1::TableInfo> info = r.admin->DescribeTable("emb");
+        return info.ok() && info->replicas(1).state() == v1::TABLE_STATE_DRAINING;
+      },
+      absl::Seconds(1)));
+  absl::StatusOr<v1::TableInfo> info = r.admin->DescribeTable("emb");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state(), v1::TABLE_STATE_SERVING);  // group 0 serves and does not drain
+  absl::StatusOr<v1::ClusterInfo> cluster = r.admin->DescribeCluster();
+  ASSERT_TRUE(cluster.ok());
+  EXPECT_TRUE(cluster->groups(1).members(0).draining());
+  EXPECT_FALSE(cluster->groups(1).members(1).draining());
+  // The second SIGTERM waits for the drain to end (it does not cut it short).
+  ASSERT_TRUE(r.cluster->KillWorker(kGroup1Rank0, SIGTERM).ok());
+  const absl::Time exited = absl::Now();
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        absl::StatusOr<v1::ClusterInfo> c = r.admin->DescribeCluster();
+        return c.ok() && c->groups(1).state() == v1::GROUP_STATE_BROKEN;
+      },
+      absl::Seconds(5)));
+  EXPECT_LT(absl::Now() - exited, absl::Seconds(5)) << "the coordinator waited for liveness";
+  absl::SleepFor(absl::Milliseconds(500));
+  direct.Stop();
+  forwarded.Stop();
+  direct.ExpectNoneFailed("direct callers (one attempt each) across a drain");
+  forwarded.ExpectNoneFailed("callers through the coordinator (one attempt each) across a drain");
+  EXPECT_NE(r.Log().find("group 1 rank 0 left (drained)"), std::string::npos) << r.Log();
 }
 
 TEST(ReplicaGroups, ATableOnOneGroupGroupsThatFailAndACoordinatorRestart) {

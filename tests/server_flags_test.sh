@@ -28,6 +28,13 @@ expect "--heartbeat_ms: 0 must be >= 1" --coordinator=127.0.0.1:1 --heartbeat_ms
 expect "--collective_timeout_ms: -5 must be >= 1" --coordinator=127.0.0.1:1 \
   --collective_timeout_ms=-5
 expect "--group: -1 must be >= 0" --coordinator=127.0.0.1:1 --group=-1
+expect "--drain_s: -1 must be in [0, 3600]" --coordinator=127.0.0.1:1 --drain_s=-1
+expect '--metrics_listen: "9100" is not HOST:PORT' --coordinator=127.0.0.1:1 \
+  --listen=127.0.0.1:0 --metrics_listen=9100
+expect_from "$coordinator" '--metrics_listen: "nohost:x" is not HOST:PORT' \
+  --listen=127.0.0.1:0 --metrics_listen=nohost:x
+expect_from "$coordinator" "--metrics_listen: cannot listen on 192.0.2.1:0" \
+  --listen=127.0.0.1:0 --metrics_listen=192.0.2.1:0
 expect "--ranks_per_group goes with --rank_from_hostname" --coordinator=127.0.0.1:1 \
   --ranks_per_group=2
 expect "--ranks_per_group: -1 must be >= 0" --coordinator=127.0.0.1:1 --rank_from_hostname \

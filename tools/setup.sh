@@ -13,6 +13,8 @@ packages=(
   python3-grpcio python3-protobuf python3-numpy python3-pytest  # the Python client and its tests
   python3-pip python3-setuptools python3-venv                 # pip install ./python (its test)
   redis-server libhiredis-dev    # the do-it-yourself baseline of the end-to-end benchmarks
+  prometheus-cpp-dev prometheus  # metrics (prometheus-cpp), and promtool that checks them
+  libgoogle-glog-dev             # the servers' logs
 )
 
 missing=()

@@ -191,7 +191,14 @@ class _Routes:
 
 _KIND_NAMES = {1: "linear", 2: "embedding"}
 _KIND_NUMBERS = {"linear": 1, "embedding": 2}
-_STATE_NAMES = {0: "unspecified", 1: "loading", 2: "serving", 3: "unavailable", 4: "failed"}
+_STATE_NAMES = {
+    0: "unspecified",
+    1: "loading",
+    2: "serving",
+    3: "unavailable",
+    4: "failed",
+    5: "draining",
+}
 
 
 @dataclass(frozen=True)

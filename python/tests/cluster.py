@@ -99,7 +99,7 @@ class LocalCluster:
         proc = self._spawn(f"worker{worker}", [
             os.path.join(self.bin, "worker_main"), f"--coordinator={self.address}",
             f"--group={worker // self.world}", f"--rank={worker % self.world}",
-            "--listen=127.0.0.1:0", f"--port_file={port_file}", *self.worker_flags])
+            "--listen=127.0.0.1:0", f"--port_file={port_file}", "--drain_s=0", *self.worker_flags])
         self.workers[worker] = proc
         self.worker_ports[worker] = self._wait_port(port_file, proc, f"worker{worker}")
 

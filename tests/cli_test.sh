@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Command-line conventions (server/cli.h) on every binary: --help lists exactly the binary's (or
+# the subcommand's) flags with defaults and exits 0; --version names the commit; usage errors exit
+# 2; a call that fails exits 64 + its gRPC code; --json answers parse; `up --endpoints_file`
+# writes every address, and `up` removes its temporary folder when it stops.
+set -uo pipefail
+bin="${TEST_SRCDIR:?}/shardserve"
+shardserve="$bin/client/shardserve"
+fail() { echo "FAIL: $*"; exit 1; }
+expect_rc() {  # rc, command...
+  local want=$1; shift
+  out=$("$@" 2>&1); rc=$?
+  [ "$rc" -eq "$want" ] || fail "$* -> rc $rc, want $want: $out"
+}
+for b in server/worker_main server/coordinator_main client/shardserve client/shardserve-load; do
+  expect_rc 0 "$bin/$b" --help
+  grep -q "^usage: " <<<"$out" || fail "$b --help: no usage line: $out"
+  grep -q "(default: " <<<"$out" || fail "$b --help: no defaults: $out"
+  expect_rc 0 "$bin/$b" --version
+  grep -Eq "^shardserve [0-9]+\.[0-9]+\.[0-9]+ \(commit [0-9a-f]{12}(-dirty)?\)$" <<<"$out" ||
+    fail "$b --version: $out"
+  expect_rc 2 "$bin/$b" --no_such_flag=1
+  grep -q "unknown flag --no_such_flag" <<<"$out" || fail "$b: $out"
+done
+expect_rc 0 "$bin/server/worker_main" --help
+grep -q -- "--drain_s (default: 5)" <<<"$out" || fail "worker --help: $out"
+grep -q -- "--metrics_listen (default: \"\")" <<<"$out" || fail "worker --help: $out"
+grep -q -- "--world_size" <<<"$out" && fail "worker --help lists the coordinator's flags: $out"
+expect_rc 2 "$bin/server/worker_main" --rank=abc
+expect_rc 2 "$bin/server/worker_main" --coordinator
+expect_rc 2 "$bin/server/worker_main" --coordinator=127.0.0.1:1 stray
+expect_rc 2 "$bin/server/coordinator_main" --groups=x
+# Each subcommand lists its own flags, and only those.
+expect_rc 0 "$shardserve" up --help
+grep -q -- "--workers (default: 2)" <<<"$out" || fail "up --help: $out"
+grep -q -- "--ids " <<<"$out" && fail "up --help lists bag's flags: $out"
+expect_rc 0 "$shardserve" bag --help
+for f in --ids --offsets --weights --mode --include_last_offset --table --deadline_ms; do
+  grep -q -- "$f (default" <<<"$out" || fail "bag --help lacks $f: $out"
+done
+grep -q -- "--workers" <<<"$out" && fail "bag --help lists up's flags: $out"
+expect_rc 0 "$shardserve" --help
+grep -q "up | create-table" <<<"$out" || fail "shardserve --help: $out"
+expect_rc 2 "$shardserve"
+expect_rc 2 "$shardserve" frobnicate
+expect_rc 2 "$shardserve" describe
+expect_rc 2 "$shardserve" bag --table=t --ids='[1,' --coordinator=127.0.0.1:1
+# Nothing listens on port 1: the client retries until its deadline, DEADLINE_EXCEEDED (4) -> 68.
+expect_rc 68 "$shardserve" tables --coordinator=127.0.0.1:1 --deadline_ms=300
+
+work="$TEST_TMPDIR/cli"
+mkdir -p "$work"
+"$shardserve" up --port=0 --no_demo --endpoints_file="$work/endpoints.json" \
+  --server_dir="$bin/server" >"$work/up.log" 2>&1 &
+up=$!
+trap 'kill $up 2>/dev/null; wait $up 2>/dev/null' EXIT
+for _ in $(seq 300); do [ -s "$work/endpoints.json" ] && break; sleep 0.1; done
+[ -s "$work/endpoints.json" ] || fail "no endpoints file: $(cat "$work/up.log")"
+read -r coordinator metrics work_dir < <(python3 -c '
+import json, sys
+e = json.load(open(sys.argv[1]))
+assert len(e["workers"]) == 2 and all(w["address"] and w["metrics"] for w in e["workers"])
+print(e["coordinator"]["address"], e["coordinator"]["metrics"], e["work_dir"])' \
+  "$work/endpoints.json") || fail "endpoints: $(cat "$work/endpoints.json")"
+[ -d "$work_dir" ] || fail "no work dir $work_dir"
+python3 -c 'import sys, urllib.request; urllib.request.urlopen(f"http://{sys.argv[1]}/metrics")' \
+  "$metrics" || fail "no metrics at $metrics"
+c=(--coordinator="$coordinator")
+expect_rc 0 "$shardserve" create-table "${c[@]}" --name=t --rows=10 --cols=4 --world=2 --seed=1 \
+  --json
+python3 -c 'import json, sys; assert json.loads(sys.argv[1])["state"] == "TABLE_STATE_SERVING"' \
+  "$out" || fail "create-table --json: $out"
+for cmd in "tables" "describe t" "cluster" "wait t"; do
+  expect_rc 0 "$shardserve" $cmd "${c[@]}" --json
+  python3 -c 'import json, sys; json.loads(sys.argv[1])' "$out" || fail "$cmd --json: $out"
+done
+expect_rc 0 "$shardserve" export t "$work/t.safetensors" "${c[@]}" --json
+python3 -c 'import json, sys; assert int(json.loads(sys.argv[1])["bytes"]) > 160' "$out" ||
+  fail "export --json: $out"
+expect_rc 69 "$shardserve" describe nosuch "${c[@]}"  # NOT_FOUND (5)
+expect_rc 69 "$shardserve" drop nosuch "${c[@]}"
+expect_rc 67 "$shardserve" bag --table=t --ids='[[10]]' "${c[@]}"  # INVALID_ARGUMENT (3)
+expect_rc 0 "$shardserve" drop t "${c[@]}" --json
+python3 -c 'import json, sys; json.loads(sys.argv[1])' "$out" || fail "drop --json: $out"
+kill "$up"
+wait "$up"
+for _ in $(seq 50); do [ -d "$work_dir" ] || break; sleep 0.1; done
+[ -d "$work_dir" ] && fail "up left $work_dir behind"
+echo PASS

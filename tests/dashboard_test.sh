@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The Grafana dashboard's queries are valid PromQL over series the servers export: each becomes a
+# recording rule that Prometheus' promtool parses, and each shardserve_ series it names is in
+# README.md's tables of series.
+set -euo pipefail
+dashboard="${TEST_SRCDIR:?}/shardserve/deploy/grafana/shardserve.json"
+readme="${TEST_SRCDIR:?}/shardserve/README.md"
+rules="${TEST_TMPDIR:?}/rules.yml"
+python3 - "$dashboard" "$readme" "$rules" <<'PY'
+import json, re, sys
+dashboard, readme, rules = sys.argv[1:]
+exprs = [t["expr"] for p in json.load(open(dashboard))["panels"] for t in p["targets"]]
+assert exprs, "no queries"
+documented = set(re.findall(r"`(shardserve_[a-z_]+)`", open(readme).read()))
+with open(rules, "w") as out:
+    out.write("groups:\n  - name: dashboard\n    rules:\n")
+    for i, e in enumerate(exprs):
+        for name in re.findall(r"\b(shardserve_[a-z_]+?)(?:_bucket)?\b", e):
+            base = re.sub(r"_bucket$", "", name)
+            if base not in documented:
+                sys.exit(f"query {e!r} names {base}, which README.md does not list")
+        e = e.replace("$__rate_interval", "1m").replace("$job", ".*")
+        out.write(f"      - record: dashboard:q{i}\n        expr: {json.dumps(e)}\n")
+print(f"{len(exprs)} queries")
+PY
+promtool check rules "$rules"
