@@ -329,7 +329,8 @@ struct Reference {
 
 absl::StatusOr<Reference> ReadExport(Client& client, const std::string& table,
                                      const std::string& path) {
-  absl::StatusOr<v1::ExportTableResponse> exported = client.ExportTable(table, path);
+  // Streamed from the coordinator and written here: the demo may run on another machine.
+  absl::StatusOr<int64_t> exported = client.ExportTo(table, path);
   if (!exported.ok()) return exported.status();
   absl::StatusOr<std::unique_ptr<core::SafetensorsFile>> file = core::SafetensorsFile::Open(path);
   if (!file.ok()) return file.status();
@@ -352,6 +353,26 @@ double MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double{a[i]} - b[i]));
   return m;
 }
+
+// A directory under /tmp, removed with all it holds when this goes.
+class TemporaryDir {
+ public:
+  absl::Status Make() {
+    char tmpl[] = "/tmp/shardserve-demo-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) {
+      return absl::InternalError("cannot create a directory under /tmp");
+    }
+    path_ = tmpl;
+    return absl::OkStatus();
+  }
+  ~TemporaryDir() {
+    if (!path_.empty()) RemoveTree(path_);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 int RunDemo(const std::string& coordinator, const std::string& work_dir, int world,
             const std::string& device) {
@@ -512,20 +533,10 @@ int Up(const std::string& argv0) {
           absl::InternalError(absl::StrCat("--endpoints_file: cannot write ", path)));
     }
   }
-  // The demo's checkpoints, removed on the way out (a worker that restarts reads them again).
-  struct TemporaryDir {
-    ~TemporaryDir() {
-      if (!path.empty()) RemoveTree(path);
-    }
-    std::string path;
-  } demo_dir;
+  TemporaryDir demo_dir;  // the demo's exports, removed on the way out
   if (!absl::GetFlag(FLAGS_no_demo)) {
-    char tmpl[] = "/tmp/shardserve-demo-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) {
-      return LocalFailure(absl::InternalError("cannot create a directory under /tmp"));
-    }
-    demo_dir.path = tmpl;
-    const int rc = RunDemo((*cluster)->coordinator_address(), demo_dir.path, options.workers,
+    if (absl::Status made = demo_dir.Make(); !made.ok()) return LocalFailure(made);
+    const int rc = RunDemo((*cluster)->coordinator_address(), demo_dir.path(), options.workers,
                            absl::GetFlag(FLAGS_device));
     if (rc != 0 || absl::GetFlag(FLAGS_exit_after_demo)) return rc;
   }
@@ -538,8 +549,8 @@ int Up(const std::string& argv0) {
 }
 
 constexpr char kCommands[] =
-    "up | create-table | wait | tables | describe | drop | export | cluster | embedding | bag | "
-    "linear";
+    "up | demo | create-table | wait | tables | describe | drop | export | cluster | embedding | "
+    "bag | linear";
 
 // What `shardserve [COMMAND] --help` lists: the command's own flags.
 server::Usage UsageOf(const std::vector<std::string>& args) {
@@ -558,6 +569,14 @@ server::Usage UsageOf(const std::vector<std::string>& args) {
             "and serves until Ctrl-C (then removes its temporary folder).",
             {"groups", "workers", "port", "state_dir", "server_dir", "endpoints_file", "no_demo",
              "exit_after_demo", "row_budget", "one_request_per_step", "device"}};
+  }
+  if (command == "demo") {
+    return {"shardserve demo --coordinator=HOST:PORT --world=W [flags]",
+            "Creates the demo tables on a running cluster of W ranks per group (dropping them "
+            "first) and checks calls, direct and through the coordinator, against the unsharded "
+            "ops on their exported weights: what `up` runs, for any cluster (a container image, "
+            "Kubernetes). Exits 0 when every answer matches.",
+            {"coordinator", "deadline_ms", "world", "device"}};
   }
   if (command == "create-table") {
     return {"shardserve create-table --name=T --kind=embedding|linear --rows=N --cols=D [flags]",
@@ -651,6 +670,14 @@ int Main(int argc, char** argv) {
                    info->spec().name().c_str());
     }
     return 1;
+  }
+  if (command == "demo") {
+    const int world = absl::GetFlag(FLAGS_world);
+    if (world < 1) return BadUsage(absl::InvalidArgumentError("demo: give --world=W (>= 1)"));
+    TemporaryDir work;
+    if (absl::Status made = work.Make(); !made.ok()) return LocalFailure(made);
+    return RunDemo(absl::GetFlag(FLAGS_coordinator), work.path(), world,
+                   absl::GetFlag(FLAGS_device));
   }
   if (command == "cluster") {
     absl::StatusOr<v1::ClusterInfo> cluster = c.DescribeCluster();

@@ -40,7 +40,7 @@ for f in --ids --offsets --weights --mode --include_last_offset --table --deadli
 done
 grep -q -- "--workers" <<<"$out" && fail "bag --help lists up's flags: $out"
 expect_rc 0 "$shardserve" --help
-grep -q "up | create-table" <<<"$out" || fail "shardserve --help: $out"
+grep -q "up | demo | create-table" <<<"$out" || fail "shardserve --help: $out"
 expect_rc 2 "$shardserve"
 expect_rc 2 "$shardserve" frobnicate
 expect_rc 2 "$shardserve" describe
@@ -80,6 +80,8 @@ python3 -c 'import json, sys; assert int(json.loads(sys.argv[1])["bytes"]) > 160
 expect_rc 69 "$shardserve" describe nosuch "${c[@]}"  # NOT_FOUND (5)
 expect_rc 69 "$shardserve" drop nosuch "${c[@]}"
 expect_rc 67 "$shardserve" bag --table=t --ids='[[10]]' "${c[@]}"  # INVALID_ARGUMENT (3)
+expect_rc 0 "$shardserve" demo "${c[@]}" --world=2  # the demo's checked calls, on this cluster
+grep -q "^OK: 2-worker cluster" <<<"$out" || fail "demo: $out"
 expect_rc 0 "$shardserve" drop t "${c[@]}" --json
 python3 -c 'import json, sys; json.loads(sys.argv[1])' "$out" || fail "drop --json: $out"
 kill "$up"
