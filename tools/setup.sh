@@ -2,6 +2,7 @@
 # Installs the Debian packages shardserve builds, tests and benchmarks with. Idempotent: packages
 # already present are left alone, and apt is only asked when something is missing.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 packages=(
   bazel-bootstrap bazel-rules-java bazel-platforms bazel-skylib   # offline Bazel 4 (see .bazelrc)
@@ -17,16 +18,31 @@ packages=(
   libgoogle-glog-dev             # the servers' logs
 )
 
+# kubectl (for its kustomize) and Node.js, for the Kubernetes manifests' test: Debian's, unless
+# the machine has its own already.
+command -v kubectl >/dev/null || packages+=(kubernetes-client)
+{ command -v node && command -v npm; } >/dev/null || packages+=(nodejs npm)
+
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -q >&2
+  "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
 fi
-echo "setup: installing ${missing[*]}" >&2
-sudo_cmd=()
-[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
-export DEBIAN_FRONTEND=noninteractive
-"${sudo_cmd[@]}" apt-get update -q >&2
-"${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+
+# The manifest validator's packages (tools/k8s_validate: the Kubernetes schemas), from the npm
+# registry into ~/.cache, once per lock file.
+validator="$HOME/.cache/shardserve-k8s-validate"
+lock=tools/k8s_validate/package-lock.json
+if ! cmp -s "$lock" "$validator/package-lock.json" || [ ! -d "$validator/node_modules" ]; then
+  echo "setup: installing the manifest validator's npm packages in $validator" >&2
+  mkdir -p "$validator"
+  cp tools/k8s_validate/package.json "$lock" "$validator/"
+  (cd "$validator" && npm ci --no-audit --no-fund --loglevel=error) >&2
+fi

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The Kubernetes manifests: every kustomize overlay (cpu, replicas, gpu) renders with kubectl
+# kustomize, every object in it is valid against the Kubernetes schemas (kubernetes-models, which
+# tools/setup.sh installs from the npm registry) and keeps what the deployment promises
+# (tools/k8s_validate/validate.mjs), and each overlay changes what it says it does.
+set -euo pipefail
+root="${TEST_SRCDIR:?}/shardserve"
+work="${TEST_TMPDIR:?}"
+home=$(getent passwd "$(id -u)" | cut -d: -f6)
+validator="$home/.cache/shardserve-k8s-validate"
+[ -d "$validator/node_modules/kubernetes-models" ] ||
+  { echo "FAIL: no validator in $validator: run tools/setup.sh"; exit 1; }
+# The validator is an ES module: it finds its packages beside it.
+cp "$root/tools/k8s_validate/validate.mjs" "$work/"
+ln -sfn "$validator/node_modules" "$work/node_modules"
+# Rendered from a copy without symbolic links: kustomize keeps each file inside its root.
+cp -rL "$root/deploy/k8s" "$work/k8s"
+for o in cpu replicas gpu; do
+  kubectl kustomize "$work/k8s/overlays/$o" >"$work/$o.yaml" 2>"$work/$o.err" ||
+    { echo "FAIL: kustomize $o: $(cat "$work/$o.err")"; exit 1; }
+done
+(cd "$work" && node validate.mjs cpu.yaml replicas.yaml gpu.yaml)
+python3 - "$work" <<'PY'
+import sys, yaml
+work = sys.argv[1]
+def objects(overlay):
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(open(f"{work}/{overlay}.yaml"))}
+def flag(container, name):
+    return next(a.split("=", 1)[1] for a in container["args"] if a.startswith(f"--{name}="))
+for overlay, groups, device, image in (("cpu", 1, "cpu", "shardserve:latest"),
+                                       ("replicas", 2, "cpu", "shardserve:latest"),
+                                       ("gpu", 1, "cuda:0", "shardserve-gpu:latest")):
+    o = objects(overlay)
+    coordinator = o["Deployment", "shardserve-coordinator"]["spec"]["template"]["spec"]["containers"][0]
+    workers = o["StatefulSet", "shardserve-worker"]["spec"]
+    worker = workers["template"]["spec"]["containers"][0]
+    ranks = int(flag(worker, "ranks_per_group"))
+    assert int(flag(coordinator, "groups")) == groups, (overlay, "groups")
+    assert int(flag(coordinator, "world_size")) == ranks, (overlay, "world_size")
+    assert workers["replicas"] == groups * ranks, (overlay, "replicas != groups x ranks")
+    assert flag(worker, "device") == device, (overlay, "device")
+    assert worker["image"] == image and coordinator["image"] == image, (overlay, "image")
+    gpus = worker["resources"].get("limits", {}).get("nvidia.com/gpu")
+    assert (gpus == 1) == (device != "cpu"), (overlay, "nvidia.com/gpu")
+    print(f"ok {overlay}: {groups} group(s) x {ranks} ranks on {device}, {image}")
+PY
+echo PASS
