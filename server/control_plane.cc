@@ -388,10 +388,9 @@ v1::ClusterInfo ControlPlane::DescribeCluster() const {
     info->set_name(absl::StrCat("g", g));
     info->set_world_size(options_.world_size);
     info->set_epoch(group.epoch);
-    bool broken = false;
+    info->set_state(StateOf(g));
     for (size_t r = 0; r < group.members.size(); ++r) {
       const Member& m = group.members[r];
-      broken = broken || !Alive(m) || (m.broken && m.epoch == group.epoch && group.epoch != 0);
       v1::MemberInfo* member = info->add_members();
       member->set_rank(static_cast<int>(r));
       member->set_address(m.address);
@@ -410,12 +409,20 @@ v1::ClusterInfo ControlPlane::DescribeCluster() const {
         (*member->mutable_load_errors())[name] = std::string(error.second.message());
       }
     }
-    info->set_state(group.learning   ? v1::GROUP_STATE_LEARNING
-                    : GroupServing(g) ? v1::GROUP_STATE_SERVING
-                    : broken          ? v1::GROUP_STATE_BROKEN
-                                      : v1::GROUP_STATE_FORMING);
   }
   return cluster;
+}
+
+v1::GroupState ControlPlane::StateOf(int g) const {
+  const Group& group = groups_[g];
+  bool broken = false;
+  for (const Member& m : group.members) {
+    broken = broken || !Alive(m) || (m.broken && m.epoch == group.epoch && group.epoch != 0);
+  }
+  return group.learning     ? v1::GROUP_STATE_LEARNING
+         : GroupServing(g) ? v1::GROUP_STATE_SERVING
+         : broken          ? v1::GROUP_STATE_BROKEN
+                           : v1::GROUP_STATE_FORMING;
 }
 
 absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanExport(

@@ -189,6 +189,7 @@ class ControlPlane {
     std::map<std::string, std::pair<uint64_t, absl::Status>> load_errors;
     uint64_t heartbeats = 0;  // received from this rank's workers (DropTable counts them)
     bool draining = false;    // it got SIGTERM and leaves once its drain ends
+    bool logged_alive = false;  // what the log last said (LogChanges)
   };
 
   // One replica group: its members (by rank), epoch and rendezvous.
@@ -201,6 +202,7 @@ class ControlPlane {
     absl::Time epoch_started;
     std::vector<uint64_t> epoch_incarnations;
     std::unique_ptr<GroupRendezvous> rendezvous;
+    v1::GroupState logged_state = v1::GROUP_STATE_UNSPECIFIED;  // what the log last said
   };
 
   ControlPlane(ControlPlaneOptions options, Clock& clock, std::unique_ptr<RegistryStore> store);
@@ -240,6 +242,10 @@ class ControlPlane {
   bool Alive(const Member& m) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool AnyLearning() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool GroupServing(int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // What DescribeCluster reports for the group.
+  v1::GroupState StateOf(int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Logs each member that went silent and each group whose state changed, once (Tick).
+  void LogChanges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The spec group `g` holds the table by: `spec` with the replica's own generation, if it has
   // one.
   v1::TableSpec SpecFor(const v1::TableSpec& spec, int g) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -280,6 +286,8 @@ class ControlPlane {
   // (table, group) -> the replica's own generation (see SpecFor); persisted with the registry.
   std::map<std::pair<std::string, int>, uint64_t> replica_generations_ ABSL_GUARDED_BY(mu_);
   std::vector<Group> groups_ ABSL_GUARDED_BY(mu_);
+  // Whether each table served when the log last said (LogChanges).
+  std::map<std::string, bool> logged_serving_ ABSL_GUARDED_BY(mu_);
   uint64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // the last epoch given, over all groups
   size_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/table_spec.h"
@@ -227,6 +228,47 @@ void ControlPlane::Tick() {
   absl::MutexLock lock(&mu_);
   Reconcile();
   ForgetServedCreations();
+  LogChanges();
+}
+
+void ControlPlane::LogChanges() {
+  for (int g = 0; g < options_.groups; ++g) {
+    Group& group = groups_[g];
+    for (size_t r = 0; r < group.members.size(); ++r) {
+      Member& m = group.members[r];
+      const bool alive = Alive(m);
+      if (alive == m.logged_alive) continue;
+      m.logged_alive = alive;
+      if (alive) continue;  // its coming (back) is logged with its first heartbeat
+      LOG(WARNING) << "coordinator: group " << g << " rank " << r << " (" << m.address
+                   << ") is gone: no heartbeat for " << options_.liveness_timeout;
+    }
+    const v1::GroupState state = StateOf(g);
+    if (state == group.logged_state) continue;
+    group.logged_state = state;
+    const std::string name(absl::StripPrefix(v1::GroupState_Name(state), "GROUP_STATE_"));
+    if (state == v1::GROUP_STATE_BROKEN) {
+      LOG(WARNING) << "coordinator: group " << g << " is " << name;
+    } else {
+      LOG(INFO) << "coordinator: group " << g << " is " << name << " (epoch " << group.epoch
+                << ")";
+    }
+  }
+  if (AnyLearning()) return;  // the tables are not all known yet
+  for (auto it = logged_serving_.begin(); it != logged_serving_.end();) {
+    it = tables_.count(it->first) ? std::next(it) : logged_serving_.erase(it);
+  }
+  for (const auto& [name, spec] : tables_) {
+    const bool serving = TableServing(name);
+    auto [it, added] = logged_serving_.emplace(name, serving);
+    if (!added && it->second == serving) continue;
+    it->second = serving;
+    if (serving) {
+      LOG(INFO) << "coordinator: table \"" << name << "\" serves";
+    } else if (!added) {
+      LOG(WARNING) << "coordinator: table \"" << name << "\" is served by no replica";
+    }
+  }
 }
 
 uint64_t ControlPlane::epoch(int group) const {

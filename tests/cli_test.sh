@@ -41,6 +41,11 @@ done
 grep -q -- "--workers" <<<"$out" && fail "bag --help lists up's flags: $out"
 expect_rc 0 "$shardserve" --help
 grep -q "up | demo | create-table" <<<"$out" || fail "shardserve --help: $out"
+for cmd in up demo create-table wait tables describe drop export cluster embedding bag linear; do
+  expect_rc 0 "$shardserve" "$cmd" --help
+  grep -q "^usage: shardserve $cmd" <<<"$out" || fail "$cmd --help: $out"
+  grep -q -- "--coordinator\|--workers" <<<"$out" || fail "$cmd --help lists no flags: $out"
+done
 expect_rc 2 "$shardserve"
 expect_rc 2 "$shardserve" frobnicate
 expect_rc 2 "$shardserve" describe
