@@ -9,10 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
-for p in podman debootstrap runc; do
+for p in podman debootstrap runc catatonit; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends podman \
-      debootstrap runc >&2
+      debootstrap runc catatonit >&2
     break
   fi
 done
@@ -47,6 +47,7 @@ tar -C "$stage" -rf "$stage/image.tar" ./usr/local/bin/coordinator_main \
 podman --storage-driver=vfs import \
   --change 'ENTRYPOINT ["/usr/local/bin/worker_main"]' \
   --change 'USER 65534:65534' \
+  --change 'ENV PATH=/usr/local/bin:/usr/bin:/bin' \
   --change 'EXPOSE 50051' --change 'EXPOSE 50052' --change 'EXPOSE 9100' \
   --change "LABEL org.opencontainers.image.revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
   "$stage/image.tar" "${IMAGE:-shardserve:latest}" >&2
