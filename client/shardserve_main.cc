@@ -660,7 +660,10 @@ int Main(int argc, char** argv) {
     }
     if (!info.ok()) return Fail(info.status());
     PrintInfos({*info}, /*one=*/true);
-    if (info->state() == v1::TABLE_STATE_SERVING) return 0;
+    // A draining replica still serves (its worker stops soon; clients move to the others).
+    if (info->state() == v1::TABLE_STATE_SERVING || info->state() == v1::TABLE_STATE_DRAINING) {
+      return 0;
+    }
     std::fprintf(stderr, "shardserve: table \"%s\" is %s after --deadline_ms=%d%s%s\n",
                  info->spec().name().c_str(), StateName(info->state()).c_str(),
                  absl::GetFlag(FLAGS_deadline_ms),

@@ -108,13 +108,19 @@ std::vector<std::string> ParseFlags(
       continue;
     }
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    // --noX is X=false for a bool flag X, and nothing else.
+    absl::CommandLineFlag* negated =
+        flag == nullptr && absl::StartsWith(name, "no") ? absl::FindCommandLineFlag(name.substr(2))
+                                                        : nullptr;
+    if (negated != nullptr && !IsBool(*negated)) negated = nullptr;
     std::string value;
     if (eq != absl::string_view::npos) {
       value = std::string(body.substr(eq + 1));
+      if (negated != nullptr) flag = nullptr;  // --noX=value: unknown
     } else if (flag != nullptr && IsBool(*flag)) {
       value = "true";
-    } else if (flag == nullptr && absl::StartsWith(name, "no") &&
-               (flag = absl::FindCommandLineFlag(name.substr(2))) != nullptr && IsBool(*flag)) {
+    } else if (negated != nullptr) {
+      flag = negated;
       value = "false";
     } else if (flag != nullptr && i + 1 < argc) {
       value = argv[++i];

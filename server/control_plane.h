@@ -143,7 +143,8 @@ class ControlPlane {
   // --- Workers (CoordinatorInternal) ---
   // Records a worker's heartbeat and answers what it must do for its group (while the group is
   // learning: keep_serving and nothing else): INVALID_ARGUMENT (group or rank out of range),
-  // ALREADY_EXISTS (the rank is held by another live worker process).
+  // ALREADY_EXISTS (the rank is held by another live worker process), FAILED_PRECONDITION (a
+  // heartbeat of a worker process that has said it leaves, overtaken by that last one).
   absl::StatusOr<v1::internal::HeartbeatResponse> Heartbeat(
       const v1::internal::HeartbeatRequest& request);
   // The rendezvous store of the group whose epoch the key names: GroupRendezvous::Set / Get
@@ -190,6 +191,7 @@ class ControlPlane {
     uint64_t heartbeats = 0;  // received from this rank's workers (DropTable counts them)
     bool draining = false;    // it got SIGTERM and leaves once its drain ends
     bool logged_alive = false;  // what the log last said (LogChanges)
+    uint64_t left = 0;          // the incarnation that said it leaves (its later beats are stale)
   };
 
   // One replica group: its members (by rank), epoch and rendezvous.

@@ -47,6 +47,10 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     return absl::AlreadyExistsError(absl::StrCat("rank ", request.rank(), " of group ", g,
                                                  " is held by a live worker at ", m.address));
   }
+  if (m.left == request.incarnation() && request.incarnation() != 0) {
+    // A heartbeat of a worker that has left, overtaken by its last: it stays gone.
+    return absl::FailedPreconditionError("this worker has left the group");
+  }
   const absl::Time now = clock_.Now();
   if (m.incarnation != request.incarnation() || m.address != request.address()) {
     LOG(INFO) << "coordinator: group " << g << " rank " << request.rank() << " is the worker at "
@@ -67,6 +71,8 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     // group at once rather than at the liveness timeout.
     m.last_seen = absl::InfinitePast();
     m.draining = false;
+    m.left = request.incarnation();
+    m.logged_alive = false;  // its leaving is logged here, not as a silence
     LOG(INFO) << absl::StrFormat("coordinator: group %d rank %d left (drained)", g, request.rank());
   }
   m.loaded.assign(request.loaded_tables().begin(), request.loaded_tables().end());

@@ -232,6 +232,40 @@ TEST_F(ControlPlaneTest, AWorkerSilentForALivenessPeriodIsDead) {
   EXPECT_EQ(cp->PickWorker().status().code(), absl::StatusCode::kUnavailable);
 }
 
+// Drain: a draining worker's replicas are DRAINING (the table still serves); its leaving
+// heartbeat makes it gone at once - its peer hears the rank is silent - and a heartbeat of the
+// same process that its leaving overtook changes nothing; a new process takes the rank.
+TEST_F(ControlPlaneTest, ADrainingWorkerIsListedSoAndItsLeavingIsAtOnce) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"t"});
+  HeartbeatRequest draining = workers[1].Request();
+  draining.set_draining(true);
+  ASSERT_TRUE(cp->Heartbeat(draining).ok());
+  absl::StatusOr<v1::TableInfo> info = cp->DescribeTable("t");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->replicas(0).state(), v1::TABLE_STATE_DRAINING);
+  EXPECT_EQ(info->state(), v1::TABLE_STATE_DRAINING);
+  EXPECT_TRUE(cp->DescribeCluster().groups(0).members(1).draining());
+  EXPECT_TRUE(cp->Serving().tables["t"]);  // it still serves
+
+  HeartbeatRequest stale = draining;
+  HeartbeatRequest leaving = draining;
+  leaving.set_leaving(true);
+  ASSERT_TRUE(cp->Heartbeat(leaving).ok());
+  EXPECT_FALSE(cp->DescribeCluster().groups(0).members(1).alive());
+  absl::StatusOr<HeartbeatResponse> peer = workers[0].Report(*cp);
+  ASSERT_TRUE(peer.ok());
+  EXPECT_THAT(peer->silent_ranks(), ElementsAre(1));  // no liveness timeout waited for
+  EXPECT_EQ(cp->Heartbeat(stale).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(cp->DescribeCluster().groups(0).members(1).alive());
+
+  FakeWorker restarted = workers[1];
+  restarted.incarnation = 777;
+  EXPECT_TRUE(restarted.Report(*cp).ok());
+  EXPECT_TRUE(cp->DescribeCluster().groups(0).members(1).alive());
+}
+
 // --- Epochs ---
 
 TEST_F(ControlPlaneTest, ARestartedWorkerGetsANewEpoch) {

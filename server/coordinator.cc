@@ -299,7 +299,8 @@ std::vector<prometheus::MetricFamily> Coordinator::CollectState() const {
       {v1::TABLE_STATE_LOADING, "loading"},
       {v1::TABLE_STATE_SERVING, "serving"},
       {v1::TABLE_STATE_UNAVAILABLE, "unavailable"},
-      {v1::TABLE_STATE_FAILED, "failed"}};
+      {v1::TABLE_STATE_FAILED, "failed"},
+      {v1::TABLE_STATE_DRAINING, "draining"}};
   prometheus::MetricFamily by_state =
       GaugeFamily("shardserve_tables", "Tables in the registry, by state.");
   prometheus::MetricFamily table_state =

@@ -113,17 +113,18 @@ class Metrics::Endpoint {
   static constexpr int kConnectionMs = 2000;
   static constexpr size_t kMaxRequest = 8192;
 
-  Endpoint(int fd, std::function<std::string()> text) : fd_(fd), text_(std::move(text)) {
-    if (::pipe2(stop_, O_CLOEXEC) != 0) stop_[0] = stop_[1] = -1;
+  // `fd` listens (non-blocking); `stop` is a pipe whose write end ends the thread.
+  Endpoint(int fd, const int stop[2], std::function<std::string()> text)
+      : fd_(fd), stop_{stop[0], stop[1]}, text_(std::move(text)) {
     thread_ = std::thread([this] { Run(); });
   }
   ~Endpoint() {
     const char byte = 0;
-    if (stop_[1] >= 0) (void)!::write(stop_[1], &byte, 1);
+    (void)!::write(stop_[1], &byte, 1);
     thread_.join();
     ::close(fd_);
-    if (stop_[0] >= 0) ::close(stop_[0]);
-    if (stop_[1] >= 0) ::close(stop_[1]);
+    ::close(stop_[0]);
+    ::close(stop_[1]);
   }
 
  private:
@@ -133,8 +134,16 @@ class Metrics::Endpoint {
       if (::poll(fds, 2, -1) < 0 && errno != EINTR) return;
       if (fds[1].revents != 0) return;
       if ((fds[0].revents & POLLIN) == 0) continue;
-      const int client = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (client < 0) continue;
+      // Non-blocking: a client that stops reading cannot hold a send past the deadline.
+      const int client = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (client < 0) {
+        // Out of descriptors (EMFILE) leaves the listener readable: back off, do not spin.
+        if (errno != EAGAIN && errno != EINTR) {
+          pollfd stop = {stop_[0], POLLIN, 0};
+          if (::poll(&stop, 1, 100) > 0) return;
+        }
+        continue;
+      }
       Answer(client);
       ::close(client);
     }
@@ -151,6 +160,7 @@ class Metrics::Endpoint {
       if (left <= 0 || request.size() >= kMaxRequest || ::poll(&in, 1, left) <= 0) return;
       char buffer[2048];
       const ssize_t n = ::recv(client, buffer, sizeof(buffer), 0);
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
       if (n <= 0) return;
       request.append(buffer, n);
     }
@@ -177,14 +187,15 @@ class Metrics::Endpoint {
       if (left <= 0 || ::poll(&out, 1, left) <= 0) return;
       const ssize_t n =
           ::send(client, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
       if (n <= 0) return;
       sent += n;
     }
   }
 
   const int fd_;
+  const int stop_[2];
   const std::function<std::string()> text_;
-  int stop_[2] = {-1, -1};
   std::thread thread_;
 };
 
@@ -261,7 +272,7 @@ absl::Status Metrics::Serve(const std::string& listen) {
   int fd = -1;
   std::string why;
   for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
     if (fd < 0) continue;
     const int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -281,7 +292,13 @@ absl::Status Metrics::Serve(const std::string& listen) {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length);
   port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
                                             : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-  endpoint_ = std::make_unique<Endpoint>(fd, [this] { return Text(); });
+  int stop[2];
+  if (::pipe2(stop, O_CLOEXEC) != 0) {
+    why = std::strerror(errno);
+    ::close(fd);
+    return absl::UnavailableError(absl::StrCat("--metrics_listen: no pipe: ", why));
+  }
+  endpoint_ = std::make_unique<Endpoint>(fd, stop, [this] { return Text(); });
   return absl::OkStatus();
 }
 

@@ -194,9 +194,11 @@ void Worker::Shutdown() {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
+  // Only a worker that has been heartbeating leaves (one whose start failed never joined).
+  const bool joined = heartbeat_thread_.joinable();
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
   if (reconcile_thread_.joinable()) reconcile_thread_.join();
-  if (server_ != nullptr && coordinator_ != nullptr) {
+  if (joined && coordinator_ != nullptr) {
     v1::internal::HeartbeatRequest request;
     {
       absl::MutexLock lock(&mu_);

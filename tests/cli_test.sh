@@ -29,6 +29,7 @@ grep -q -- "--world_size" <<<"$out" && fail "worker --help lists the coordinator
 expect_rc 2 "$bin/server/worker_main" --rank=abc
 expect_rc 2 "$bin/server/worker_main" --coordinator
 expect_rc 2 "$bin/server/worker_main" --coordinator=127.0.0.1:1 stray
+expect_rc 2 "$bin/server/worker_main" --norank 5  # --noX is for bool flags only
 expect_rc 2 "$bin/server/coordinator_main" --groups=x
 # Each subcommand lists its own flags, and only those.
 expect_rc 0 "$shardserve" up --help
