@@ -65,8 +65,10 @@ TEST(Cluster, DroppingATableUnderLoadFailsOnlyItsCallsAndTheGroupServesOn) {
   const std::string dir = TempDir();
   Table emb = MakeTable("emb", v1::TABLE_KIND_EMBEDDING, 500, 16, 1, {0, 1}, dir);
   Table lin = MakeTable("lin", v1::TABLE_KIND_LINEAR, 8, 16, 1, {1, 0}, dir);
-  ASSERT_TRUE(admin->CreateTable(emb.spec).ok());
-  ASSERT_TRUE(admin->CreateTable(lin.spec).ok());
+  for (const Table* t : {&emb, &lin}) {
+    absl::StatusOr<v1::TableInfo> created = admin->CreateTable(t->spec);
+    ASSERT_TRUE(created.ok()) << created.status();
+  }
   auto c = ConnectOnce(*cluster, absl::Seconds(20));
   std::atomic<bool> stop{false};
   std::atomic<int> emb_ok{0}, lin_ok{0}, lin_refused{0};
