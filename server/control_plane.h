@@ -209,6 +209,8 @@ class ControlPlane {
 
   ControlPlane(ControlPlaneOptions options, Clock& clock, std::unique_ptr<RegistryStore> store);
   absl::Status LoadRegistry();
+  // The rendezvous store of the group whose epoch `key` names (else group 0's).
+  GroupRendezvous& RendezvousOf(const std::string& key) ABSL_LOCKS_EXCLUDED(mu_);
   // PlanExport's reads, to `path` (empty: to the caller).
   absl::StatusOr<std::unique_ptr<TableExport>> PlanReads(const std::string& name,
                                                          const std::string& path) const;

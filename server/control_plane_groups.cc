@@ -126,33 +126,24 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   return response;
 }
 
-absl::Status ControlPlane::RendezvousSet(const std::string& key, std::string value) {
-  GroupRendezvous* store = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    store = groups_[0].rendezvous.get();
-    for (Group& g : groups_) {
-      if (g.epoch != 0 && absl::StartsWith(key, absl::StrCat("group/epoch-", g.epoch, "/"))) {
-        store = g.rendezvous.get();
-      }
+GroupRendezvous& ControlPlane::RendezvousOf(const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  for (Group& g : groups_) {
+    if (g.epoch != 0 && absl::StartsWith(key, absl::StrCat("group/epoch-", g.epoch, "/"))) {
+      return *g.rendezvous;
     }
   }
-  return store->Set(key, std::move(value));  // (the stores live as long as the control plane)
+  return *groups_[0].rendezvous;  // a key of no group's epoch: that store refuses it
+}
+
+absl::Status ControlPlane::RendezvousSet(const std::string& key, std::string value) {
+  // (The stores live as long as the control plane: used without the lock.)
+  return RendezvousOf(key).Set(key, std::move(value));
 }
 
 absl::StatusOr<std::string> ControlPlane::RendezvousGet(const std::string& key,
                                                         absl::Duration timeout) {
-  GroupRendezvous* store = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    store = groups_[0].rendezvous.get();
-    for (Group& g : groups_) {
-      if (g.epoch != 0 && absl::StartsWith(key, absl::StrCat("group/epoch-", g.epoch, "/"))) {
-        store = g.rendezvous.get();
-      }
-    }
-  }
-  return store->Get(key, timeout);
+  return RendezvousOf(key).Get(key, timeout);
 }
 
 // --- Routing and health ---

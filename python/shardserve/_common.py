@@ -16,7 +16,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _safetensors
-from .errors import InternalError, InvalidArgumentError, code_from_number, error_for_code
+from .errors import (
+    CancelledError,
+    DeadlineExceededError,
+    Error,
+    InternalError,
+    InvalidArgumentError,
+    UnavailableError,
+    code_from_number,
+    error_for_code,
+)
 
 # Like the C++ side's (server/grpc_settings.h): a request may carry 2^26 ids and an answer 2^27
 # floats, far over gRPC's 4 MiB default.
@@ -158,6 +167,31 @@ class RoutingTable:
                 r = self._find(table, group)
                 if r is not None:
                     r.probing = False
+
+    def ended(self, table: str, group: int, probe: bool, error: Optional[Error],
+              tried: List[int]) -> None:
+        """A call's one attempt (not hedged) ended with ``error`` (None: an answer), and this is
+        what it says of the group: UNAVAILABLE fails it (and adds it to ``tried``); the call's own
+        deadline or cancellation says nothing (a probe is given back); anything else - an answer,
+        or an error of the request's own - means the group answered."""
+        if isinstance(error, UnavailableError):
+            self.failed(table, group)
+            tried.append(group)
+        elif isinstance(error, (DeadlineExceededError, CancelledError)):
+            self.abandoned(table, group, probe)
+        else:
+            self.succeeded(table, group)
+
+    def decides(self, table: str, group: int, error: Optional[Error], tried: List[int]) -> bool:
+        """One attempt of a hedged call ended with ``error`` (None: an answer): whether it decides
+        the call. UNAVAILABLE fails the group (added to ``tried``) and does not - another attempt
+        may still answer; anything else means the group answered, and does."""
+        if isinstance(error, UnavailableError):
+            self.failed(table, group)
+            tried.append(group)
+            return False
+        self.succeeded(table, group)
+        return True
 
     def forget(self, table: str) -> None:
         with self._lock:

@@ -355,15 +355,9 @@ class Client:
                 answer = await self._endpoint(route[0]).unary[method](request, timeout=remaining)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
-                if err.code == _UNAVAILABLE:
-                    self._routes.failed(table, route[1])
-                    tried.append(route[1])
-                elif err.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                    self._routes.abandoned(table, route[1], route[2])
-                else:
-                    self._routes.succeeded(table, route[1])
+                self._routes.ended(table, route[1], route[2], err, tried)
                 raise err from None
-            self._routes.succeeded(table, route[1])
+            self._routes.ended(table, route[1], route[2], None, tried)
             return answer
         attempts = {start(route[0]): route}
         done, _ = await asyncio.wait(list(attempts), timeout=hedge)
@@ -380,20 +374,15 @@ class Client:
             for task in done:
                 _, g, _ = attempts[task]
                 try:
-                    answer = task.result()
+                    answer, error = task.result(), None
                 except grpc.RpcError as e:
-                    err = from_rpc_error(e)
-                    if err.code == _UNAVAILABLE:
-                        self._routes.failed(table, g)
-                        tried.append(g)
-                        error = err
-                        continue
-                    answer, error = None, err
-                self._routes.succeeded(table, g)
+                    answer, error = None, from_rpc_error(e)
+                if not self._routes.decides(table, g, error, tried):
+                    continue
                 for other in pending:
                     other.cancel()
                     self._routes.abandoned(table, attempts[other][1], attempts[other][2])
-                if answer is None:
+                if error is not None:
                     raise error
                 return answer
         raise error if error is not None else UnavailableError("no attempt answered")

@@ -38,7 +38,6 @@ from .errors import (
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
-_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
 
 Tensor = Any  # numpy.ndarray or torch.Tensor (torch is never imported here)
 
@@ -447,15 +446,9 @@ class Client:
                 answer = self._endpoint(address).unary[method](request, timeout=remaining)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
-                if err.code == _UNAVAILABLE:
-                    self._routes.failed(table, group)
-                    tried.append(group)
-                elif err.code not in (_DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                    self._routes.succeeded(table, group)
-                else:
-                    self._routes.abandoned(table, group, probe)
+                self._routes.ended(table, group, probe, err, tried)
                 raise err from None
-            self._routes.succeeded(table, group)
+            self._routes.ended(table, group, probe, None, tried)
             return answer
         first = self._endpoint(address).unary[method].future(request, timeout=remaining)
         attempts = [(first, group, probe)]
@@ -483,22 +476,17 @@ class Client:
             done.clear()
             for entry in [a for a in pending if a[0].done()]:
                 pending.remove(entry)
-                future, g, p = entry
+                future, g, _ = entry
                 try:
-                    answer = future.result()
+                    answer, error = future.result(), None
                 except grpc.RpcError as e:
-                    err = from_rpc_error(e)
-                    if err.code == _UNAVAILABLE:
-                        self._routes.failed(table, g)
-                        tried.append(g)
-                        error = err
-                        continue
-                    answer, error = None, err
-                self._routes.succeeded(table, g)
+                    answer, error = None, from_rpc_error(e)
+                if not self._routes.decides(table, g, error, tried):
+                    continue
                 for other, other_group, other_probe in pending:
                     other.cancel()
                     self._routes.abandoned(table, other_group, other_probe)
-                if answer is None:
+                if error is not None:
                     raise error
                 return answer
         raise error if error is not None else UnavailableError("no attempt answered")
