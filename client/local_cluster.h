@@ -55,6 +55,7 @@ class LocalCluster {
   std::string worker_metrics_address(int rank) const;
   pid_t worker_pid(int rank) const { return workers_[rank]; }  // -1 when not running
   int workers() const { return options_.workers * options_.groups; }  // over all groups
+  int groups() const { return options_.groups; }
   pid_t coordinator_pid() const { return coordinator_; }  // -1 when it is not running
 
   // Sends `signal` and waits for the worker to exit; returns its wait status (waitpid's).

@@ -54,7 +54,23 @@ std::unique_ptr<LocalCluster> StartCluster(
   options.rank_flags = std::move(rank_flags);
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
-  return cluster.ok() ? std::move(*cluster) : nullptr;
+  if (!cluster.ok()) return nullptr;
+  WaitUntilGroupsServe(**cluster);
+  return std::move(*cluster);
+}
+
+bool WaitUntilGroupsServe(const LocalCluster& cluster) {
+  return WaitFor(
+      [&] {
+        for (int g = 0; g < cluster.groups(); ++g) {
+          if (Health(cluster.coordinator_address(), absl::StrCat("shardserve.v1.group/", g)) !=
+              grpc::health::v1::HealthCheckResponse::SERVING) {
+            return false;
+          }
+        }
+        return true;
+      },
+      absl::Seconds(30));
 }
 
 std::unique_ptr<Client> Connect(const LocalCluster& cluster, bool direct) {

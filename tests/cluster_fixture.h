@@ -34,6 +34,11 @@ client::LocalClusterOptions ClusterOptions(int workers, int liveness_ms = 600);
 std::unique_ptr<client::LocalCluster> StartCluster(
     int workers, std::map<int, std::vector<std::string>> rank_flags = {}, int liveness_ms = 600);
 
+// Waits (30 s at most) until the coordinator reports every group of `cluster` formed and
+// serving, so that a test's first CreateTable does not race the groups' formation (it waits only
+// for groups already formed); false if one is not by then.
+bool WaitUntilGroupsServe(const client::LocalCluster& cluster);
+
 // A client of the cluster (calls straight to the workers, or through the coordinator), with a
 // 20 s deadline and the client's retries.
 std::unique_ptr<client::Client> Connect(const client::LocalCluster& cluster, bool direct = true);

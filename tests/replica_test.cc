@@ -48,6 +48,7 @@ struct Replicated {
     absl::StatusOr<std::unique_ptr<LocalCluster>> started = LocalCluster::Start(options);
     ASSERT_TRUE(started.ok()) << started.status();
     cluster = *std::move(started);
+    WaitUntilGroupsServe(*cluster);
     admin = Connect(*cluster);
   }
   std::string Log() const {
