@@ -24,6 +24,13 @@ std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address) {
                                    ChannelArguments());
 }
 
+std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address,
+                                             const ChannelSecurity& security) {
+  grpc::ChannelArguments args = ChannelArguments();
+  if (!security.server_name.empty()) args.SetSslTargetNameOverride(security.server_name);
+  return grpc::CreateCustomChannel(address, security.credentials, args);
+}
+
 void ApplyServerSettings(grpc::ServerBuilder& builder) {
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);

@@ -16,6 +16,7 @@ packages=(
   redis-server libhiredis-dev    # the do-it-yourself baseline of the end-to-end benchmarks
   prometheus-cpp-dev prometheus  # metrics (prometheus-cpp), and promtool that checks them
   libgoogle-glog-dev             # the servers' logs
+  libssl-dev openssl             # TLS: key checks, and the certificates of deploy/make_certs.sh
 )
 
 # kubectl (for its kustomize) and Node.js, for the Kubernetes manifests' test: Debian's, unless
