@@ -27,10 +27,6 @@ namespace {
 
 using server::FromGrpcStatus;
 
-std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
-  return server::CreateChannel(address);
-}
-
 }  // namespace
 
 v1::Tensor Int64Tensor(const std::vector<int64_t>& shape, const std::vector<int64_t>& values) {
@@ -65,13 +61,14 @@ absl::StatusOr<DenseTensor> ToDense(const v1::Tensor& tensor) {
 
 Client::Client(std::string coordinator, ClientOptions options)
     : coordinator_(std::move(coordinator)), options_(options) {
-  admin_ = v1::AdminService::NewStub(Channel(coordinator_));
+  admin_ = v1::AdminService::NewStub(server::CreateChannel(coordinator_, options_.security));
   router_ = std::make_unique<server::ReplicaRouter>(
       [this](const std::string& table) { return MapOf(table); }, server::ReplicaRouter::Options());
   server::ReplicaCallerOptions calls;
   calls.max_attempts = options_.max_attempts;
   calls.backoff = options_.backoff;
   calls.hedge_after = options_.hedge_after;
+  calls.security = options_.security;
   caller_ = std::make_unique<server::ReplicaCaller>(*router_, calls);
 }
 

@@ -20,6 +20,7 @@
 #include "proto/shardserve.grpc.pb.h"
 #include "server/replica_caller.h"
 #include "server/replica_router.h"
+#include "server/security.h"
 
 namespace shardserve::client {
 
@@ -30,6 +31,8 @@ struct ClientOptions {
   absl::Duration hedge_after = absl::Milliseconds(50);  // zero: never hedge
   // false: send data calls to the coordinator, which forwards them (one extra hop).
   bool direct = true;
+  // TLS, client certificate and token of every call (server/security.h); default plaintext.
+  server::ChannelSecurity security = server::PlaintextChannels();
 };
 
 // A dense float result: shape and row-major values.

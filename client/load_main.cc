@@ -39,6 +39,7 @@
 #include "server/cli.h"
 #include "server/delayer.h"
 #include "server/grpc_settings.h"
+#include "server/security_flags.h"
 #include "server/replica_caller.h"
 #include "server/replica_router.h"
 #include "core/process_setup.h"
@@ -362,14 +363,22 @@ int Main(int argc, char** argv) {
         "client/load_main.cc"};
   });
   core::SetUpServingProcess();
+  const absl::StatusOr<server::ChannelSecurity> channels =
+      server::MakeChannelSecurity(server::SecurityOptionsFromFlags());
+  if (!channels.ok()) {
+    std::fprintf(stderr, "shardserve-load: %s\n", channels.status().ToString().c_str());
+    return server::kExitUsage;
+  }
   std::vector<std::string> addresses;
   std::unique_ptr<Client> admin;  // reads the placement maps
   int64_t rows = absl::GetFlag(FLAGS_rows), in_features = absl::GetFlag(FLAGS_cols);
   if (!absl::GetFlag(FLAGS_target).empty()) {
     addresses.push_back(absl::GetFlag(FLAGS_target));
   } else {
+    ClientOptions client_options;
+    client_options.security = *channels;
     absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect(absl::GetFlag(FLAGS_coordinator));
+        Client::Connect(absl::GetFlag(FLAGS_coordinator), client_options);
     if (!client.ok()) {
       std::fprintf(stderr, "shardserve-load: %s\n", client.status().ToString().c_str());
       return server::kExitUsage;
@@ -416,11 +425,8 @@ int Main(int argc, char** argv) {
   server::ReplicaCallerOptions call_options;
   call_options.hedge_after = absl::Milliseconds(absl::GetFlag(FLAGS_hedge_ms));
   call_options.max_attempts = std::max(1, absl::GetFlag(FLAGS_max_attempts));
-  call_options.channel = [](const std::string& address) {
-    grpc::ChannelArguments args = server::ChannelArguments();
-    args.SetInt("grpc.use_local_subchannel_pool", 1);
-    return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  };
+  call_options.security = *channels;
+  call_options.channel_args = {{"grpc.use_local_subchannel_pool", 1}};
   server::ReplicaCaller caller(router, call_options);
   absl::StatusOr<Workload> workload = BuildWorkload(rows, in_features);
   if (!workload.ok()) {
@@ -431,8 +437,7 @@ int Main(int argc, char** argv) {
   for (const std::string& a : addresses) {
     grpc::ChannelArguments args = server::ChannelArguments();
     args.SetInt("grpc.use_local_subchannel_pool", 1);
-    stubs.push_back(v1::DataService::NewStub(
-        grpc::CreateCustomChannel(a, grpc::InsecureChannelCredentials(), args)));
+    stubs.push_back(v1::DataService::NewStub(server::CreateChannel(a, *channels, args)));
   }
   const absl::Time start = absl::Now();
   const absl::Time measure_from = start + absl::Seconds(absl::GetFlag(FLAGS_warmup_s));

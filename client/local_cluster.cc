@@ -64,6 +64,15 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(LocalClusterOp
   ::mkdir(options.work_dir.c_str(), 0755);
   if (options.state_dir.empty()) options.state_dir = options.work_dir + "/state";
   ::mkdir(options.state_dir.c_str(), 0755);
+  if (options.tls && options.tls_dir.empty()) {
+    options.tls_dir = options.work_dir + "/certs";
+    const std::string command = absl::StrCat("'", options.server_dir, "/make_certs' '",
+                                             options.tls_dir, "' >/dev/null");
+    if (std::system(command.c_str()) != 0) {
+      if (temporary) RemoveTree(options.work_dir);
+      return absl::InternalError(absl::StrCat("cannot make certificates: ", command));
+    }
+  }
   std::unique_ptr<LocalCluster> cluster(new LocalCluster(options));
   cluster->temporary_work_dir_ = temporary;
   cluster->coordinator_port_ = options.port;
@@ -87,6 +96,28 @@ void RemoveTree(const std::string& path) {
       path.c_str(),
       [](const char* file, const struct stat*, int, struct FTW*) { return ::remove(file); }, 16,
       FTW_DEPTH | FTW_PHYS);
+}
+
+std::string LocalCluster::tls_ca() const {
+  return options_.tls ? options_.tls_dir + "/ca.pem" : "";
+}
+std::string LocalCluster::tls_client_cert() const {
+  return options_.tls ? options_.tls_dir + "/client.pem" : "";
+}
+std::string LocalCluster::tls_client_key() const {
+  return options_.tls ? options_.tls_dir + "/client.key" : "";
+}
+
+std::vector<std::string> LocalCluster::TlsFlags(const std::string& who,
+                                                const std::string& log) const {
+  if (!options_.tls) return {};
+  const std::string& dir = options_.tls_dir;
+  return {absl::StrCat("--tls_cert=", dir, "/", who, ".pem"),
+          absl::StrCat("--tls_key=", dir, "/", who, ".key"),
+          absl::StrCat("--tls_ca=", dir, "/ca.pem"),
+          absl::StrCat("--tls_client_ca=", dir, "/ca.pem"),
+          absl::StrCat("--tokens_file=", dir, "/tokens"),
+          absl::StrCat("--audit_log=", options_.work_dir, "/", log, ".audit.log")};
 }
 
 std::string LocalCluster::coordinator_address() const {
@@ -169,6 +200,8 @@ absl::Status LocalCluster::StartCoordinator() {
       "--metrics_listen=127.0.0.1:0",
       "--metrics_port_file=" + port_file + ".metrics",
       "--port_file=" + port_file};
+  const std::vector<std::string> tls = TlsFlags("coordinator", "coordinator");
+  args.insert(args.end(), tls.begin(), tls.end());
   args.insert(args.end(), options_.coordinator_flags.begin(), options_.coordinator_flags.end());
   absl::StatusOr<pid_t> pid = Spawn(options_.server_dir + "/coordinator_main", args,
                                     options_.work_dir + "/coordinator.log");
@@ -195,6 +228,8 @@ absl::Status LocalCluster::StartWorker(int rank) {
                                    "--drain_s=0",  // stopped at once (flags below may say else)
                                    "--metrics_listen=127.0.0.1:0",
                                    "--metrics_port_file=" + port_file + ".metrics"};
+  const std::vector<std::string> tls = TlsFlags("worker", absl::StrCat("worker", rank));
+  args.insert(args.end(), tls.begin(), tls.end());
   args.insert(args.end(), options_.worker_flags.begin(), options_.worker_flags.end());
   if (auto it = options_.rank_flags.find(rank); it != options_.rank_flags.end()) {
     args.insert(args.end(), it->second.begin(), it->second.end());

@@ -34,6 +34,11 @@ struct LocalClusterOptions {
   std::vector<std::string> worker_flags;
   std::map<int, std::vector<std::string>> rank_flags;  // more flags for one worker (by number)
   bool quiet = true;       // children log to work_dir/*.log instead of stderr
+  // mTLS on every port, with roles (the tokens file) and audit logs (work_dir/*.audit.log).
+  bool tls = false;
+  // With tls: the files deploy/make_certs.sh writes (ca.pem, coordinator.*, worker.*, client.*,
+  // tokens); empty: made in work_dir/certs by server_dir/make_certs.
+  std::string tls_dir;
 };
 
 // Removes `path` and everything under it (symbolic links are removed, not followed).
@@ -48,10 +53,16 @@ class LocalCluster {
   static std::string FindServerDir(const std::string& argv0);
 
   const std::string& work_dir() const { return options_.work_dir; }  // port files and logs
+  const std::string& server_dir() const { return options_.server_dir; }
   std::string coordinator_address() const;
   std::string worker_address(int rank) const;
   // Where each process serves GET /metrics (HOST:PORT).
   std::string coordinator_metrics_address() const;
+  // With tls: what a caller needs - the CA that signed the servers, and a client certificate
+  // with the roles read, write and admin, and its key. Empty without tls.
+  std::string tls_ca() const;
+  std::string tls_client_cert() const;
+  std::string tls_client_key() const;
   std::string worker_metrics_address(int rank) const;
   pid_t worker_pid(int rank) const { return workers_[rank]; }  // -1 when not running
   int workers() const { return options_.workers * options_.groups; }  // over all groups
@@ -73,6 +84,8 @@ class LocalCluster {
   absl::StatusOr<pid_t> Spawn(const std::string& binary, const std::vector<std::string>& args,
                               const std::string& log);
   absl::StatusOr<int> WaitForPort(const std::string& path, pid_t pid);
+  // The TLS flags of the coordinator ("coordinator") or of worker N ("worker", N).
+  std::vector<std::string> TlsFlags(const std::string& who, const std::string& log) const;
   // The port a process that has written its port file wrote to its metrics port file.
   static int ReadPort(const std::string& path);
 

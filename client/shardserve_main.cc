@@ -1,6 +1,7 @@
 // shardserve: the command-line client, and `up`, a local cluster on this machine.
 //
 //   shardserve up [--workers=2] [--port=50051] [--exit_after_demo] [--no_demo] [--row_budget=N]
+//                 [--tls [--tls_dir=D]]
 //                 [--one_request_per_step] [--device=cpu|cuda:0]
 //   shardserve create-table --name=T --kind=embedding|linear --rows=N --cols=D
 //                           [--sharding_dim=1] [--placements=rank:1/cpu,rank:0/cpu | --world=2
@@ -14,6 +15,8 @@
 //   [--mode=sum|mean|max]
 //                  [--include_last_offset]
 //   shardserve linear --table=T --input='[[0.1, ...]]'             (or --input_file=F)
+// Every command takes --tls_ca, --tls_cert, --tls_key, --tls_server_name and --token_file (TLS,
+// client certificate, bearer token: server/security.h).
 // Data calls go straight to a worker unless --via_coordinator; results print as JSON (or go to
 // --output=F). Every call has a deadline (--deadline_ms).
 #include <signal.h>
@@ -40,6 +43,8 @@
 #include "google/protobuf/util/json_util.h"
 #include "server/cli.h"
 #include "server/lifecycle.h"
+#include "server/security.h"
+#include "server/security_flags.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
 ABSL_FLAG(int, deadline_ms, 10000, "deadline of each call, retries included");
@@ -53,6 +58,12 @@ ABSL_FLAG(std::string, server_dir, "", "up: where coordinator_main and worker_ma
 ABSL_FLAG(std::string, endpoints_file, "",
           "up: write every process's addresses here as JSON (gRPC \"address\" and "
           "\"metrics\" of the coordinator and of each worker)");
+ABSL_FLAG(bool, tls, false,
+          "up: mTLS with roles on every port; the certificates are made in the work folder "
+          "(deploy/make_certs.sh) unless --tls_dir names them; --endpoints_file names the CA and "
+          "the client certificate and key a caller needs");
+ABSL_FLAG(std::string, tls_dir, "",
+          "up --tls: take the certificates from here (the files deploy/make_certs.sh writes)");
 ABSL_FLAG(bool, no_demo, false, "up: do not create the demo tables and run the demo calls");
 ABSL_FLAG(bool, exit_after_demo, false, "up: stop the cluster after the demo");
 ABSL_FLAG(int64_t, row_budget, 0, "up: workers' rows per step (0: their default)");
@@ -119,8 +130,10 @@ int LocalFailure(const absl::Status& status) {
   return server::kExitFailure;
 }
 
-absl::StatusOr<std::unique_ptr<Client>> MakeClient(const std::string& address) {
+absl::StatusOr<std::unique_ptr<Client>> MakeClient(const std::string& address,
+                                                   const server::ChannelSecurity& security) {
   ClientOptions options;
+  options.security = security;
   options.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   options.direct = !absl::GetFlag(FLAGS_via_coordinator);
   return Client::Connect(address, options);
@@ -374,11 +387,12 @@ class TemporaryDir {
   std::string path_;
 };
 
-int RunDemo(const std::string& coordinator, const std::string& work_dir, int world,
-            const std::string& device) {
-  absl::StatusOr<std::unique_ptr<Client>> direct = MakeClient(coordinator);
+int RunDemo(const std::string& coordinator, const server::ChannelSecurity& security,
+            const std::string& work_dir, int world, const std::string& device) {
+  absl::StatusOr<std::unique_ptr<Client>> direct = MakeClient(coordinator, security);
   ClientOptions forwarded_options;
   forwarded_options.direct = false;
+  forwarded_options.security = security;
   absl::StatusOr<std::unique_ptr<Client>> forwarded =
       Client::Connect(coordinator, forwarded_options);
   if (!direct.ok() || !forwarded.ok()) return Fail(direct.status());
@@ -495,8 +509,24 @@ int Up(const std::string& argv0) {
   if (absl::GetFlag(FLAGS_one_request_per_step)) {
     options.worker_flags.push_back("--one_request_per_step");
   }
+  options.tls = absl::GetFlag(FLAGS_tls);
+  options.tls_dir = absl::GetFlag(FLAGS_tls_dir);
+  if (!options.tls_dir.empty() && !options.tls) {
+    return BadUsage(absl::InvalidArgumentError("--tls_dir goes with --tls"));
+  }
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
   if (!cluster.ok()) return LocalFailure(cluster.status());
+  // How this process (the demo) and the callers it names call the cluster.
+  server::SecurityOptions caller;
+  caller.tls_ca = (*cluster)->tls_ca();
+  caller.tls_cert = (*cluster)->tls_client_cert();
+  caller.tls_key = (*cluster)->tls_client_key();
+  absl::StatusOr<server::ChannelSecurity> security = server::MakeChannelSecurity(caller);
+  if (!security.ok()) return LocalFailure(security.status());
+  const std::string caller_flags =
+      options.tls ? absl::StrCat(" --tls_ca=", caller.tls_ca, " --tls_cert=", caller.tls_cert,
+                                 " --tls_key=", caller.tls_key)
+                  : "";
   std::printf("coordinator on %s; %d %s workers:", (*cluster)->coordinator_address().c_str(),
               (*cluster)->workers(), absl::GetFlag(FLAGS_device).c_str());
   for (int w = 0; w < (*cluster)->workers(); ++w) {
@@ -524,7 +554,12 @@ int Up(const std::string& argv0) {
                       (*cluster)->worker_address(w), "\", \"metrics\": \"",
                       (*cluster)->worker_metrics_address(w), "\"}");
     }
-    absl::StrAppend(&json, "],\n \"work_dir\": \"", (*cluster)->work_dir(), "\"}\n");
+    absl::StrAppend(&json, "],\n \"work_dir\": \"", (*cluster)->work_dir(), "\"");
+    if (options.tls) {
+      absl::StrAppend(&json, ",\n \"ca\": \"", caller.tls_ca, "\", \"client_cert\": \"",
+                      caller.tls_cert, "\", \"client_key\": \"", caller.tls_key, "\"");
+    }
+    absl::StrAppend(&json, "}\n");
     const std::string tmp = path + ".tmp";
     std::FILE* f = std::fopen(tmp.c_str(), "w");
     if (f == nullptr || std::fwrite(json.data(), 1, json.size(), f) != json.size() ||
@@ -536,12 +571,13 @@ int Up(const std::string& argv0) {
   TemporaryDir demo_dir;  // the demo's exports, removed on the way out
   if (!absl::GetFlag(FLAGS_no_demo)) {
     if (absl::Status made = demo_dir.Make(); !made.ok()) return LocalFailure(made);
-    const int rc = RunDemo((*cluster)->coordinator_address(), demo_dir.path(), options.workers,
+    const int rc = RunDemo((*cluster)->coordinator_address(), *security, demo_dir.path(),
+                           options.workers,
                            absl::GetFlag(FLAGS_device));
     if (rc != 0 || absl::GetFlag(FLAGS_exit_after_demo)) return rc;
   }
-  std::printf("serving; try: shardserve tables --coordinator=%s   (Ctrl-C stops the cluster)\n",
-              (*cluster)->coordinator_address().c_str());
+  std::printf("serving; try: shardserve tables --coordinator=%s%s   (Ctrl-C stops the cluster)\n",
+              (*cluster)->coordinator_address().c_str(), caller_flags.c_str());
   std::fflush(stdout);
   server::WaitForShutdownSignal();
   std::printf("stopping\n");
@@ -555,20 +591,23 @@ constexpr char kCommands[] =
 // What `shardserve [COMMAND] --help` lists: the command's own flags.
 server::Usage UsageOf(const std::vector<std::string>& args) {
   const std::string command = args.size() > 1 ? args[1] : "";
-  const std::vector<std::string> admin = {"coordinator", "deadline_ms", "json"};
   auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
     a.insert(a.end(), b.begin(), b.end());
     return a;
   };
-  const std::vector<std::string> data = {"coordinator", "deadline_ms", "via_coordinator",
-                                         "table", "output"};
+  const std::vector<std::string> admin =
+      with({"coordinator", "deadline_ms", "json"}, server::CallerSecurityFlags());
+  const std::vector<std::string> data =
+      with({"coordinator", "deadline_ms", "via_coordinator", "table", "output"},
+           server::CallerSecurityFlags());
   if (command == "up") {
     return {"shardserve up [flags]",
             "Starts a coordinator and --groups x --workers CPU workers on loopback, prints their "
             "gRPC and metrics addresses, creates the demo tables and checks calls against them, "
             "and serves until Ctrl-C (then removes its temporary folder).",
-            {"groups", "workers", "port", "state_dir", "server_dir", "endpoints_file", "no_demo",
-             "exit_after_demo", "row_budget", "one_request_per_step", "device"}};
+            {"groups", "workers", "port", "state_dir", "server_dir", "endpoints_file", "tls",
+             "tls_dir", "no_demo", "exit_after_demo", "row_budget", "one_request_per_step",
+             "device"}};
   }
   if (command == "demo") {
     return {"shardserve demo --coordinator=HOST:PORT --world=W [flags]",
@@ -576,7 +615,7 @@ server::Usage UsageOf(const std::vector<std::string>& args) {
             "first) and checks calls, direct and through the coordinator, against the unsharded "
             "ops on their exported weights: what `up` runs, for any cluster (a container image, "
             "Kubernetes). Exits 0 when every answer matches.",
-            {"coordinator", "deadline_ms", "world", "device"}};
+            with({"coordinator", "deadline_ms", "world", "device"}, server::CallerSecurityFlags())};
   }
   if (command == "create-table") {
     return {"shardserve create-table --name=T --kind=embedding|linear --rows=N --cols=D [flags]",
@@ -638,7 +677,11 @@ int Main(int argc, char** argv) {
   }
   const std::string command = args[1];
   if (command == "up") return Up(args[0]);
-  absl::StatusOr<std::unique_ptr<Client>> client = MakeClient(absl::GetFlag(FLAGS_coordinator));
+  absl::StatusOr<server::ChannelSecurity> security =
+      server::MakeChannelSecurity(server::SecurityOptionsFromFlags());
+  if (!security.ok()) return BadUsage(security.status());
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      MakeClient(absl::GetFlag(FLAGS_coordinator), *security);
   if (!client.ok()) return BadUsage(client.status());
   Client& c = **client;
   auto arg = [&](size_t i) -> std::string { return args.size() > i ? args[i] : ""; };
@@ -679,7 +722,7 @@ int Main(int argc, char** argv) {
     if (world < 1) return BadUsage(absl::InvalidArgumentError("demo: give --world=W (>= 1)"));
     TemporaryDir work;
     if (absl::Status made = work.Make(); !made.ok()) return LocalFailure(made);
-    return RunDemo(absl::GetFlag(FLAGS_coordinator), work.path(), world,
+    return RunDemo(absl::GetFlag(FLAGS_coordinator), *security, work.path(), world,
                    absl::GetFlag(FLAGS_device));
   }
   if (command == "cluster") {

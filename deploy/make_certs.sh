@@ -10,8 +10,8 @@
 # 127.0.0.1, and every --hosts entry (e.g. the Kubernetes services' DNS names). The coordinator's
 # and the workers' certificates serve both as server and as client certificates (they call each
 # other). --ca_dir reuses the CA in D (ca.pem, ca.key): what a rotation does, so that peers keep
-# trusting the new certificates. Files are written beside and renamed into place, so a process
-# that watches DIR never reads half a file.
+# trusting the new certificates. Every file changes at one instant (see below), so a process that
+# watches DIR never reads half a file or a key and a certificate that do not belong together.
 set -euo pipefail
 
 usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -68,7 +68,9 @@ issue coordinator shardserve-coordinator serverAuth,clientAuth "$san"
 issue worker shardserve-worker serverAuth,clientAuth "$san"
 issue client shardserve-client clientAuth
 
-cat > "$tmp/tokens" <<'EOF'
+# The tokens file is the operator's once it exists: a rotation leaves it alone.
+if [[ ! -e $dir/tokens ]]; then
+  cat > "$dir/tokens.new" <<'EOF'
 # shardserve tokens file: who may call what (server/security.h).
 #   token SECRET NAME ROLES     a bearer token (sent as "authorization: Bearer SECRET")
 #   cert COMMON_NAME ROLES      a client certificate's subject CN (mTLS)
@@ -77,11 +79,27 @@ cert shardserve-coordinator cluster
 cert shardserve-worker cluster
 cert shardserve-client read,write,admin
 EOF
+  mv -f "$dir/tokens.new" "$dir/tokens"
+fi
 
+# Every file changes at one instant, as in a Kubernetes secret volume: the files are links into
+# .current, a link to this generation's folder, replaced in one rename. A process that reads a
+# key and then its certificate never gets a pair from two generations (gRPC's file watcher reads
+# again when a file's time changed while it read).
 chmod 600 "$tmp"/*.key
-# Keys first, then certificates: a watcher that reads a new certificate finds its key in place.
-for f in ca.key coordinator.key worker.key client.key ca.pem coordinator.pem worker.pem \
-         client.pem tokens; do
-  mv -f "$tmp/$f" "$dir/$f"
+files=(ca.key ca.pem coordinator.key coordinator.pem worker.key worker.pem client.key client.pem)
+generation=".gen-$(date +%s%N)"
+mkdir "$dir/$generation"
+for f in "${files[@]}"; do mv "$tmp/$f" "$dir/$generation/$f"; done
+ln -sfn "$generation" "$dir/.current.new"
+mv -T "$dir/.current.new" "$dir/.current"
+for f in "${files[@]}"; do
+  if [[ ! -L $dir/$f ]]; then
+    ln -sfn ".current/$f" "$dir/$f.new"
+    mv -T "$dir/$f.new" "$dir/$f"
+  fi
 done
+# Keep this generation and the one before it (a reader may still have its files open).
+previous=$(ls -1d "$dir"/.gen-* | sort | head -n -2)
+[[ -z $previous ]] || rm -rf $previous
 echo "certificates for $san in $dir"

@@ -14,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "server/logging.h"
+#include "server/security_flags.h"
 
 ABSL_FLAG(int, v, 0, "log verbosity: VLOG(n) lines with n <= v are written too");
 
@@ -54,7 +55,9 @@ void PrintHelp(const Usage& usage) {
     }
   } else {
     for (const auto& [name, flag] : absl::GetAllFlags()) {
-      if (!usage.flags_file.empty() && absl::EndsWith(flag->Filename(), usage.flags_file)) {
+      // (and the security flags every binary shares)
+      if ((!usage.flags_file.empty() && absl::EndsWith(flag->Filename(), usage.flags_file)) ||
+          absl::EndsWith(flag->Filename(), kSecurityFlagsFile)) {
         flags.push_back(flag);
       }
     }

@@ -34,9 +34,9 @@ absl::Status Into(absl::StatusOr<T> result, T* response) {
 }
 
 // Reads every shard of `plan` over the workers' ReadShard streams.
-absl::Status ReadShards(TableExport& plan, absl::Time deadline) {
+absl::Status ReadShards(TableExport& plan, absl::Time deadline, const ChannelSecurity& channels) {
   for (const TableExport::ShardRead& read : plan.reads()) {
-    auto stub = v1::internal::WorkerInternal::NewStub(CreateChannel(read.address));
+    auto stub = v1::internal::WorkerInternal::NewStub(CreateChannel(read.address, channels));
     grpc::ClientContext call;
     call.set_deadline(absl::ToChronoTime(deadline));
     auto reader = stub->ReadShard(&call, read.request);
@@ -90,7 +90,8 @@ absl::Status SendFile(const std::vector<absl::string_view>& file,
 
 class Coordinator::AdminService final : public v1::AdminService::Service {
  public:
-  explicit AdminService(ControlPlane& control) : control_(control) {}
+  AdminService(ControlPlane& control, ChannelSecurity channels)
+      : control_(control), channels_(std::move(channels)) {}
 
   grpc::Status CreateTable(grpc::ServerContext* context, const v1::CreateTableRequest* request,
                            v1::TableInfo* response) override {
@@ -142,7 +143,7 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     // The caller's deadline, and ten minutes at most.
     const absl::Time deadline =
         std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(10));
-    if (absl::Status read = ReadShards(**plan, deadline); !read.ok()) return ToGrpcStatus(read);
+    if (absl::Status read = ReadShards(**plan, deadline, channels_); !read.ok()) return ToGrpcStatus(read);
     return ToGrpcStatus(Into((*plan)->Write(), response));
   }
 
@@ -161,7 +162,7 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     std::thread watchdog([&] {
       if (!finished.WaitForNotificationWithDeadline(deadline)) context->TryCancel();
     });
-    absl::Status status = ReadShards(**plan, deadline);
+    absl::Status status = ReadShards(**plan, deadline, channels_);
     if (status.ok()) {
       // Sent only once every shard is here: a stream that fails has sent nothing.
       absl::StatusOr<std::vector<absl::string_view>> file = (*plan)->File();
@@ -174,6 +175,7 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
 
  private:
   ControlPlane& control_;
+  const ChannelSecurity channels_;  // how shards are read from the workers
 };
 
 class Coordinator::InternalService final : public v1::internal::CoordinatorInternal::Service {
@@ -213,14 +215,19 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptio
   control.join_grace = options.join_grace;
   control.create_wait = options.create_wait;
   std::unique_ptr<Coordinator> c(new Coordinator);
+  // Checked before the registry is read: a bad certificate stops the start with nothing done.
+  SHARDSERVE_ASSIGN_OR_RETURN(c->security_,
+                              ServerSecurity::Create(options.security, options.listen,
+                                                     "coordinator"));
+  SHARDSERVE_ASSIGN_OR_RETURN(ChannelSecurity channels, MakeChannelSecurity(options.security));
   SHARDSERVE_ASSIGN_OR_RETURN(c->control_, ControlPlane::Create(std::move(control)));
-  c->admin_ = std::make_unique<AdminService>(*c->control_);
+  c->admin_ = std::make_unique<AdminService>(*c->control_, channels);
   c->internal_ = std::make_unique<InternalService>(*c->control_);
-  c->forwarding_ = std::make_unique<ForwardingService>(*c->control_);
+  c->forwarding_ = std::make_unique<ForwardingService>(*c->control_, channels);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &c->port_);
+  builder.AddListeningPort(options.listen, c->security_->credentials(), &c->port_);
   ApplyServerSettings(builder);
   builder.experimental().SetInterceptorCreators(CallCountingInterceptors(c->metrics_.registry()));
   builder.RegisterService(c->admin_.get());

@@ -20,6 +20,7 @@
 #include "grpcpp/server.h"
 #include "server/control_plane.h"
 #include "server/metrics.h"
+#include "server/security.h"
 
 namespace shardserve::server {
 
@@ -32,6 +33,7 @@ struct CoordinatorOptions {
   absl::Duration join_grace = absl::Seconds(8);  // epoch not joined by all in time: new epoch
   absl::Duration create_wait = absl::Seconds(30);  // admin calls wait at most this long
   std::string metrics_listen;  // HOST:PORT of GET /metrics (port 0: any); empty: not served
+  SecurityOptions security;    // TLS and access control of its port, and of its calls to workers
 };
 
 class Coordinator {
@@ -60,6 +62,7 @@ class Coordinator {
   std::unique_ptr<AdminService> admin_;
   std::unique_ptr<InternalService> internal_;
   std::unique_ptr<grpc::Service> forwarding_;
+  std::unique_ptr<ServerSecurity> security_;  // the port's credentials and access check
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::thread ticker_;

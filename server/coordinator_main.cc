@@ -9,6 +9,7 @@
 #include "core/process_setup.h"
 #include "glog/logging.h"
 #include "server/cli.h"
+#include "server/security_flags.h"
 #include "server/lifecycle.h"
 #include "server/coordinator.h"
 
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.liveness_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_liveness_ms));
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.security = shardserve::server::SecurityOptionsFromFlags();
   absl::StatusOr<std::unique_ptr<shardserve::server::Coordinator>> coordinator =
       shardserve::server::Coordinator::Start(options);
   if (!coordinator.ok()) {

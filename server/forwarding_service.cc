@@ -134,19 +134,24 @@ class StreamRelay : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
 
 }  // namespace
 
-ForwardingService::ForwardingService(ControlPlane& control)
+ForwardingService::ForwardingService(ControlPlane& control, ChannelSecurity channels)
     : control_(control),
+      security_(std::move(channels)),
       router_([&control](const std::string& table) { return control.ForwardingMap(table); },
               // (An in-process map: read it often, to follow groups as they break and form.)
               ReplicaRouter::Options{absl::Milliseconds(100), absl::Seconds(1)}),
-      caller_(router_, ReplicaCallerOptions()) {}
+      caller_(router_, [this] {
+        ReplicaCallerOptions options;
+        options.security = security_;
+        return options;
+      }()) {}
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> ForwardingService::PickChannel() {
   absl::StatusOr<WorkerRoute> route = control_.PickWorker();
   if (!route.ok()) return route.status();
   absl::MutexLock lock(&mu_);
   std::shared_ptr<grpc::Channel>& channel = channels_[route->address];
-  if (channel == nullptr) channel = CreateChannel(route->address);
+  if (channel == nullptr) channel = CreateChannel(route->address, security_);
   return channel;
 }
 

@@ -26,7 +26,7 @@ namespace shardserve::server {
 
 class ForwardingService final : public RawDataService {
  public:
-  explicit ForwardingService(ControlPlane& control);
+  ForwardingService(ControlPlane& control, ChannelSecurity channels);
 
   grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* context,
                                       const grpc::ByteBuffer* request,
@@ -48,6 +48,7 @@ class ForwardingService final : public RawDataService {
   absl::StatusOr<std::shared_ptr<grpc::Channel>> PickChannel();
 
   ControlPlane& control_;
+  const ChannelSecurity security_;  // how the workers are called
   ReplicaRouter router_;
   ReplicaCaller caller_;  // (destroyed first: it uses the router)
   absl::Mutex mu_;

@@ -25,8 +25,8 @@ std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address) {
 }
 
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address,
-                                             const ChannelSecurity& security) {
-  grpc::ChannelArguments args = ChannelArguments();
+                                             const ChannelSecurity& security,
+                                             grpc::ChannelArguments args) {
   if (!security.server_name.empty()) args.SetSslTargetNameOverride(security.server_name);
   return grpc::CreateCustomChannel(address, security.credentials, args);
 }

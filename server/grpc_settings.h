@@ -31,9 +31,10 @@ inline constexpr int kMinConnectTimeoutMs = 20000;
 grpc::ChannelArguments ChannelArguments();
 // A plaintext channel to `address` with ChannelArguments().
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address);
-// A channel to `address` with ChannelArguments() and `security`'s credentials.
+// A channel to `address` with `args` and `security`'s credentials.
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address,
-                                             const ChannelSecurity& security);
+                                             const ChannelSecurity& security,
+                                             grpc::ChannelArguments args = ChannelArguments());
 // A connection that has not finished its HTTP/2 handshake by then is closed (gRPC's default,
 // 120 s, let ~20 000 idle TCP connections exhaust a worker's descriptors); one without calls for
 // kMaxConnectionIdleMs is closed too (clients reconnect when they call again); the server pings

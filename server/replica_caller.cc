@@ -263,8 +263,9 @@ grpc::GenericStub& ReplicaCaller::StubFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<grpc::GenericStub>& stub = stubs_[address];
   if (stub == nullptr) {
-    stub = std::make_unique<grpc::GenericStub>(options_.channel ? options_.channel(address)
-                                                                : CreateChannel(address));
+    grpc::ChannelArguments args = ChannelArguments();
+    for (const auto& [name, value] : options_.channel_args) args.SetInt(name, value);
+    stub = std::make_unique<grpc::GenericStub>(CreateChannel(address, options_.security, args));
   }
   return *stub;
 }

@@ -37,6 +37,7 @@
 #include "grpcpp/support/status.h"
 #include "server/delayer.h"
 #include "server/replica_router.h"
+#include "server/security.h"
 
 namespace shardserve::server {
 
@@ -44,8 +45,9 @@ struct ReplicaCallerOptions {
   int max_attempts = 8;                                // per call, hedges included
   absl::Duration backoff = absl::Milliseconds(25);     // once every replica has failed the call
   absl::Duration hedge_after = absl::Milliseconds(50);  // zero: never hedge
-  // How a channel to a worker is made (default: CreateChannel, plaintext).
-  std::function<std::shared_ptr<grpc::Channel>(const std::string& address)> channel;
+  ChannelSecurity security = PlaintextChannels();  // how workers are called
+  // Extra channel arguments (beside ChannelArguments()'s), e.g. a subchannel pool of its own.
+  std::vector<std::pair<std::string, int>> channel_args;
 };
 
 class ReplicaCaller {

@@ -391,14 +391,16 @@ TEST_F(SecurityTest, AdminCallsAndRefusalsAreAudited) {
 // without pause: no call fails, and a caller that trusts only the new CA gets in once the server
 // has read the new files.
 TEST_F(SecurityTest, CertificatesRotateUnderLoadWithoutAFailedCall) {
-  Shell(absl::StrCat("rm -rf ", Path("rotate"), " && mkdir -p ", Path("rotate"), " && cp ",
-                   Path("certs/worker.pem"), " ", Path("certs/worker.key"), " ", Path("rotate")));
-  Shell(absl::StrCat("deploy/make_certs.sh ", Path("next")));
-  std::ofstream(Path("both.pem")) << ReadAll(Path("certs/ca.pem")) << ReadAll(Path("next/ca.pem"));
+  Shell(absl::StrCat("rm -rf ", Path("rotate"), " && deploy/make_certs.sh ", Path("rotate")));
+  std::ofstream(Path("first_ca.pem")) << ReadAll(Path("rotate/ca.pem"));
   SecurityOptions options = ServerOptions(/*mutual=*/false);
   options.tls_cert = Path("rotate/worker.pem");
   options.tls_key = Path("rotate/worker.key");
   StartServer(options);
+  // The next CA's certificate, known beforehand (as a CA bundle lists the next CA before a
+  // rotation); only_next trusts it alone.
+  Shell(absl::StrCat("rm -rf ", Path("next"), " && deploy/make_certs.sh ", Path("next")));
+  std::ofstream(Path("both.pem")) << ReadAll(Path("first_ca.pem")) << ReadAll(Path("next/ca.pem"));
 
   const ChannelSecurity only_next = Caller(Path("next/ca.pem"), "", kReadToken);
   EXPECT_EQ(Call(only_next, kLookup).error_code(), grpc::StatusCode::UNAVAILABLE);
@@ -423,9 +425,9 @@ TEST_F(SecurityTest, CertificatesRotateUnderLoadWithoutAFailedCall) {
     });
   }
   absl::SleepFor(absl::Milliseconds(500));
-  // As a Kubernetes secret update does: the key, then the certificate, each renamed into place.
-  std::rename(Path("next/worker.key").c_str(), Path("rotate/worker.key").c_str());
-  std::rename(Path("next/worker.pem").c_str(), Path("rotate/worker.pem").c_str());
+  // The server's certificate is re-issued by the next CA, every file at one instant (as a
+  // Kubernetes secret update does).
+  Shell(absl::StrCat("deploy/make_certs.sh ", Path("rotate"), " --ca_dir=", Path("next")));
   const absl::Time deadline = absl::Now() + absl::Seconds(15);
   while (!Call(only_next, kLookup).ok() && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(100));

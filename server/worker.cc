@@ -134,14 +134,20 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
                                     w->options_.data);
   w->loop_ = std::make_unique<core::StepLoop>(step, *w->kernels_, w->tables_, *w->data_service_);
   w->data_service_->SetLoop(w->loop_.get());
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      w->security_,
+      ServerSecurity::Create(w->options_.security, w->options_.listen,
+                             absl::StrFormat("worker g%dr%d", w->options_.group, w->options_.rank)));
+  SHARDSERVE_ASSIGN_OR_RETURN(ChannelSecurity channels,
+                              MakeChannelSecurity(w->options_.security));
   // Heartbeat replies list every table's spec: they may be large.
-  w->coordinator_ =
-      v1::internal::CoordinatorInternal::NewStub(CreateChannel(w->options_.coordinator));
+  w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(
+      CreateChannel(w->options_.coordinator, channels));
   w->internal_service_ = std::make_unique<InternalService>(*w);
 
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(w->options_.listen, grpc::InsecureServerCredentials(), &w->port_);
+  builder.AddListeningPort(w->options_.listen, w->security_->credentials(), &w->port_);
   ApplyServerSettings(builder);
   builder.RegisterService(w->data_service_.get());
   builder.RegisterService(w->internal_service_.get());

@@ -28,6 +28,7 @@
 #include "proto/internal.grpc.pb.h"
 #include "server/data_service.h"
 #include "server/metrics.h"
+#include "server/security.h"
 #include "server/table_lifecycle.h"
 
 namespace shardserve::server {
@@ -48,6 +49,7 @@ struct WorkerOptions {
   // Fault drill: this worker's Nth AllReduce (counted over its groups) fails after it has run
   // (core::FaultInjectingCollectives). 0: never.
   int64_t fail_allreduce = 0;
+  SecurityOptions security;  // TLS and access control of its port, and of its coordinator calls
 };
 
 class Worker {
@@ -95,6 +97,7 @@ class Worker {
   std::unique_ptr<core::StepLoop> loop_;  // after what it reports into: destroyed first
   std::shared_ptr<v1::internal::CoordinatorInternal::Stub> coordinator_;
   std::unique_ptr<InternalService> internal_service_;
+  std::unique_ptr<ServerSecurity> security_;  // the port's credentials and access check
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::thread heartbeat_thread_;

@@ -13,6 +13,7 @@
 #include "core/process_setup.h"
 #include "glog/logging.h"
 #include "server/cli.h"
+#include "server/security_flags.h"
 #include "server/lifecycle.h"
 #include "server/worker.h"
 
@@ -110,6 +111,7 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.copy_lanes = absl::GetFlag(FLAGS_copy_lanes);
+  options.security = shardserve::server::SecurityOptionsFromFlags();
   const double drain_s = absl::GetFlag(FLAGS_drain_s);
   if (!(drain_s >= 0 && drain_s <= 3600)) {
     std::fprintf(stderr, "--drain_s: %g must be in [0, 3600]\n", drain_s);

@@ -94,4 +94,38 @@ kill "$up"
 wait "$up"
 for _ in $(seq 50); do [ -d "$work_dir" ] || break; sleep 0.1; done
 [ -d "$work_dir" ] && fail "up left $work_dir behind"
+
+# up --tls: mTLS with roles on every port; the endpoints file names what a caller needs, and
+# every caller (CLI, load tester) without it is refused.
+expect_rc 2 "$shardserve" tables --token_file="$work/t.safetensors"  # a token needs --tls_ca
+grep -q "needs TLS" <<<"$out" || fail "--token_file without --tls_ca: $out"
+expect_rc 2 "$shardserve" up --tls_dir="$work"  # --tls_dir goes with --tls
+rm -f "$work/endpoints.json"
+"$shardserve" up --tls --port=0 --no_demo --endpoints_file="$work/endpoints.json" \
+  --server_dir="$bin/server" >"$work/up_tls.log" 2>&1 &
+up=$!
+for _ in $(seq 300); do [ -s "$work/endpoints.json" ] && break; sleep 0.1; done
+[ -s "$work/endpoints.json" ] || fail "no endpoints file: $(cat "$work/up_tls.log")"
+read -r coordinator ca cert key < <(python3 -c '
+import json, sys
+e = json.load(open(sys.argv[1]))
+print(e["coordinator"]["address"], e["ca"], e["client_cert"], e["client_key"])' \
+  "$work/endpoints.json") || fail "endpoints: $(cat "$work/endpoints.json")"
+c=(--coordinator="$coordinator" --tls_ca="$ca" --tls_cert="$cert" --tls_key="$key")
+expect_rc 0 "$shardserve" create-table "${c[@]}" --name=t --rows=100 --cols=4 --world=2 --seed=1
+expect_rc 0 "$shardserve" bag --table=t --ids='[[1,2]]' "${c[@]}"
+expect_rc 0 "$shardserve" demo "${c[@]}" --world=2
+grep -q "^OK: 2-worker cluster" <<<"$out" || fail "demo over TLS: $out"
+"$bin/client/shardserve-load" "${c[@]}" --table=t --batch=8 --bag=4 --warmup_s=0 \
+  --duration_s=1 --progress=false --report="$work/load_tls.json" >"$work/load_tls.log" 2>&1 ||
+  fail "load over TLS: $(cat "$work/load_tls.log")"
+python3 -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["calls"] > 0 and not r["errors_by_code"], r' "$work/load_tls.json" ||
+  fail "load over TLS: $(cat "$work/load_tls.json")"
+# Plaintext against TLS: no connection, so the deadline (4) -> 68.
+expect_rc 68 "$shardserve" tables --coordinator="$coordinator" --deadline_ms=500
+kill "$up"
+wait "$up"
 echo PASS

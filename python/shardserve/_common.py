@@ -5,6 +5,7 @@ Nothing here does I/O on a network; the clients own their channels and their ret
 """
 
 import itertools
+import json
 import os
 import tempfile
 import threading
@@ -13,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import grpc
 import numpy as np
 
 from . import _safetensors
@@ -47,10 +49,59 @@ DATA_METHODS = {
 STREAM_METHOD = "/shardserve.v1.DataService/Stream"
 
 
-def channel_options(extra: Optional[Sequence[Tuple[str, Any]]]) -> List[Tuple[str, Any]]:
+def channel_options(extra: Optional[Sequence[Tuple[str, Any]]],
+                    tls_server_name: Optional[str] = None) -> List[Tuple[str, Any]]:
     options = dict(CHANNEL_OPTIONS)
+    if tls_server_name:
+        options["grpc.ssl_target_name_override"] = tls_server_name
     options.update(dict(extra or ()))
     return list(options.items())
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidArgumentError(f"{what}: cannot read {path}: {e.strerror}") from None
+
+
+def credentials(tls_ca: Optional[str], tls_cert: Optional[str], tls_key: Optional[str],
+                token: Optional[str]) -> Optional[Any]:
+    """The channel credentials of a client (None: plaintext), as the C++ binaries' --tls_ca,
+    --tls_cert, --tls_key and --token_file make them (server/security.h): TLS that verifies
+    the servers against ``tls_ca``, the client certificate for mTLS, a bearer token."""
+    if not tls_ca:
+        if tls_cert or tls_key or token:
+            raise InvalidArgumentError(
+                "tls_cert, tls_key and token need TLS: give tls_ca (gRPC sends no token in "
+                "plaintext)")
+        return None
+    if bool(tls_cert) != bool(tls_key):
+        raise InvalidArgumentError("tls_cert and tls_key go together")
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read(tls_ca, "tls_ca"),
+        private_key=_read(tls_key, "tls_key") if tls_key else None,
+        certificate_chain=_read(tls_cert, "tls_cert") if tls_cert else None)
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return creds
+
+
+def read_endpoints(path: str) -> Dict[str, Any]:
+    """The client arguments that ``shardserve up --endpoints_file=PATH`` names: the
+    coordinator's address and, with ``--tls``, the CA and the client certificate and key."""
+    try:
+        with open(path) as f:
+            endpoints = json.load(f)
+        kwargs: Dict[str, Any] = {"coordinator": endpoints["coordinator"]["address"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InvalidArgumentError(f"{path}: not an endpoints file of `shardserve up`: {e}") \
+            from None
+    for key, arg in (("ca", "tls_ca"), ("client_cert", "tls_cert"), ("client_key", "tls_key")):
+        if endpoints.get(key):
+            kwargs[arg] = endpoints[key]
+    return kwargs
 
 
 @dataclass(frozen=True)

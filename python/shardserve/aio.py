@@ -68,6 +68,11 @@ class Client:
         checkpoint_dir: Optional[str] = None,
         channel_options: Optional[Sequence[Any]] = None,
         tune_malloc: bool = True,
+        tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
+        token: Optional[str] = None,
+        tls_server_name: Optional[str] = None,
     ) -> None:
         if not coordinator:
             raise InvalidArgumentError("coordinator address is empty")
@@ -77,12 +82,18 @@ class Client:
         self.coordinator = coordinator
         self.options = Options(deadline, max_attempts, backoff, direct, hedge_after)
         self.checkpoint_dir = checkpoint_dir
-        self._channel_options = _common.channel_options(channel_options)
+        self._channel_options = _common.channel_options(channel_options, tls_server_name)
+        self._credentials = _common.credentials(tls_ca, tls_cert, tls_key, token)
         self._routes = RoutingTable()
         self._endpoints: Dict[str, _Endpoint] = {}
         self._admin_channel: Optional[grpc.aio.Channel] = None
         self._admin: Any = None
         self._forward: Optional[_Endpoint] = None
+
+    @classmethod
+    def from_endpoints(cls, path: str, **kwargs: Any) -> "Client":
+        """See :meth:`shardserve.Client.from_endpoints`."""
+        return cls(**{**_common.read_endpoints(path), **kwargs})
 
     async def close(self) -> None:
         """Closes every channel; calls in flight fail with CANCELLED."""
@@ -249,17 +260,20 @@ class Client:
 
     def _admin_stub(self) -> Any:
         if self._admin is None:
-            self._admin_channel = grpc.aio.insecure_channel(self.coordinator,
-                                                            options=self._channel_options)
+            self._admin_channel = self._channel(self.coordinator)
             self._admin = self._pb_grpc.AdminServiceStub(self._admin_channel)
             self._forward = _Endpoint(self._admin_channel)
         return self._admin
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(address, options=self._channel_options)
+        return grpc.aio.secure_channel(address, self._credentials, options=self._channel_options)
+
     def _endpoint(self, address: str) -> _Endpoint:
         endpoint = self._endpoints.get(address)
         if endpoint is None:
-            channel = grpc.aio.insecure_channel(address, options=self._channel_options)
-            endpoint = self._endpoints[address] = _Endpoint(channel)
+            endpoint = self._endpoints[address] = _Endpoint(self._channel(address))
         return endpoint
 
     async def _admin_call(self, method: str, request: Any, deadline: Optional[float]) -> Any:

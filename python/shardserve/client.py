@@ -79,6 +79,11 @@ class Client:
             coordinator and every worker read the file by its absolute path, so it must be
             readable there: the same machine, or a file system they all mount at that path.
         channel_options: extra gRPC channel options (message limits are 1 GiB by default).
+        tls_ca: a PEM file of the CA that signs the servers: calls use TLS (default: plaintext).
+        tls_cert, tls_key: PEM client certificate and key (mTLS).
+        token: a bearer token sent on every call (needs ``tls_ca``).
+        tls_server_name: the name the servers' certificates must carry (default: the host of
+            the address called).
         tune_malloc: set glibc's malloc up for large answers, process-wide, as the C++ binaries
             do (see ``shardserve._process``; about half the client's CPU per 256 KiB answer).
             ``SHARDSERVE_TUNE_MALLOC=0`` switches it off too.
@@ -101,6 +106,11 @@ class Client:
         checkpoint_dir: Optional[str] = None,
         channel_options: Optional[Sequence[Any]] = None,
         tune_malloc: bool = True,
+        tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
+        token: Optional[str] = None,
+        tls_server_name: Optional[str] = None,
     ) -> None:
         if not coordinator:
             raise InvalidArgumentError("coordinator address is empty")
@@ -110,13 +120,21 @@ class Client:
         self.coordinator = coordinator
         self.options = Options(deadline, max_attempts, backoff, direct, hedge_after)
         self.checkpoint_dir = checkpoint_dir
-        self._channel_options = _common.channel_options(channel_options)
-        self._admin_channel = grpc.insecure_channel(coordinator, options=self._channel_options)
+        self._channel_options = _common.channel_options(channel_options, tls_server_name)
+        self._credentials = _common.credentials(tls_ca, tls_cert, tls_key, token)
+        self._admin_channel = self._channel(coordinator)
         self._admin = pb_grpc.AdminServiceStub(self._admin_channel)
         self._forward = _Endpoint(self._admin_channel)
         self._routes = RoutingTable()
         self._lock = threading.Lock()
         self._endpoints: Dict[str, _Endpoint] = {}
+
+    @classmethod
+    def from_endpoints(cls, path: str, **kwargs: Any) -> "Client":
+        """A client of the cluster that ``shardserve up --endpoints_file=PATH`` describes: its
+        coordinator, and with ``up --tls`` the CA and the client certificate; ``kwargs`` as
+        the constructor's."""
+        return cls(**{**_common.read_endpoints(path), **kwargs})
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -343,14 +361,18 @@ class Client:
 
     # --- internals ------------------------------------------------------------------------------
 
+    def _channel(self, address: str) -> grpc.Channel:
+        if self._credentials is None:
+            return grpc.insecure_channel(address, options=self._channel_options)
+        return grpc.secure_channel(address, self._credentials, options=self._channel_options)
+
     def _endpoint(self, address: str) -> _Endpoint:
         endpoint = self._endpoints.get(address)
         if endpoint is None:
             with self._lock:
                 endpoint = self._endpoints.get(address)
                 if endpoint is None:
-                    channel = grpc.insecure_channel(address, options=self._channel_options)
-                    endpoint = self._endpoints[address] = _Endpoint(channel)
+                    endpoint = self._endpoints[address] = _Endpoint(self._channel(address))
         return endpoint
 
     def _admin_call(self, method: str, request: Any, deadline: Optional[float]) -> Any:

@@ -33,12 +33,18 @@ class LocalCluster:
     ``host:port``."""
 
     def __init__(self, world: int = 2, worker_flags: Optional[List[str]] = None,
-                 groups: int = 1) -> None:
+                 groups: int = 1, tls: bool = False) -> None:
         self.world = world
         self.groups = groups
         self.bin = server_dir()
         self.work = tempfile.mkdtemp(prefix="shardserve-pytest-")
         self.worker_flags = list(worker_flags or [])
+        # With tls: mTLS and roles on every port, certificates by deploy/make_certs.sh in
+        # ``certs`` (ca.pem, client.pem / client.key with the roles read, write, admin).
+        self.certs = os.path.join(self.work, "certs") if tls else ""
+        if tls:
+            subprocess.run([os.path.join(self.bin, "make_certs"), self.certs], check=True,
+                           stdout=subprocess.DEVNULL)
         self.coordinator: Optional[subprocess.Popen] = None
         self.workers: List[Optional[subprocess.Popen]] = [None] * (world * groups)
         self.worker_ports: List[int] = [0] * (world * groups)
@@ -88,7 +94,7 @@ class LocalCluster:
         self.coordinator = self._spawn("coordinator", [
             os.path.join(self.bin, "coordinator_main"), "--listen=127.0.0.1:0",
             f"--port_file={port_file}", f"--world_size={self.world}", f"--groups={self.groups}",
-            f"--state_dir={state}"])
+            f"--state_dir={state}", *self._tls_flags("coordinator")])
         self.port = self._wait_port(port_file, self.coordinator, "coordinator")
         self.address = f"127.0.0.1:{self.port}"
 
@@ -99,9 +105,17 @@ class LocalCluster:
         proc = self._spawn(f"worker{worker}", [
             os.path.join(self.bin, "worker_main"), f"--coordinator={self.address}",
             f"--group={worker // self.world}", f"--rank={worker % self.world}",
-            "--listen=127.0.0.1:0", f"--port_file={port_file}", "--drain_s=0", *self.worker_flags])
+            "--listen=127.0.0.1:0", f"--port_file={port_file}", "--drain_s=0",
+            *self._tls_flags("worker"), *self.worker_flags])
         self.workers[worker] = proc
         self.worker_ports[worker] = self._wait_port(port_file, proc, f"worker{worker}")
+
+    def _tls_flags(self, who: str) -> List[str]:
+        if not self.certs:
+            return []
+        c = self.certs
+        return [f"--tls_cert={c}/{who}.pem", f"--tls_key={c}/{who}.key", f"--tls_ca={c}/ca.pem",
+                f"--tls_client_ca={c}/ca.pem", f"--tokens_file={c}/tokens", "--tls_reload_s=1"]
 
     def kill_worker(self, worker: int, sig: int = signal.SIGKILL) -> None:
         proc = self.workers[worker]
