@@ -10,6 +10,7 @@
 //                           [--norm_type=2] [--no_bias]
 //   shardserve wait T | tables | describe T | drop T | export T PATH [--on_coordinator]
 //   shardserve cluster [--json]
+//   shardserve health [--address=HOST:PORT] [--service=S]
 //   shardserve embedding --table=T --ids='[[1,2],[3,4]]'          (or --ids_file=F)
 //   shardserve bag --table=T --ids='[1,2,3]' --offsets='[0,2]' [--weights=...]
 //   [--mode=sum|mean|max]
@@ -42,6 +43,10 @@
 #include "core/safetensors.h"
 #include "google/protobuf/util/json_util.h"
 #include "server/cli.h"
+#include "grpcpp/client_context.h"
+#include "proto/health.grpc.pb.h"
+#include "server/grpc_settings.h"
+#include "server/grpc_status.h"
 #include "server/lifecycle.h"
 #include "server/security.h"
 #include "server/security_flags.h"
@@ -72,6 +77,11 @@ ABSL_FLAG(bool, one_request_per_step, false,
 ABSL_FLAG(std::string, device, "cpu",
           "up: the workers' --device (cuda:0 with one GPU and --workers=1); create-table --world: "
           "the placements' device (rank:R/DEVICE)");
+// health
+ABSL_FLAG(std::string, address, "", "health: the server to ask (default: --coordinator)");
+ABSL_FLAG(std::string, service, "",
+          "health: the service (\"\": the server; shardserve.v1.DataService; "
+          "shardserve.v1.group/G)");
 // create-table
 ABSL_FLAG(std::string, name, "", "table name");
 ABSL_FLAG(std::string, kind, "embedding", "embedding | linear");
@@ -585,8 +595,27 @@ int Up(const std::string& argv0) {
 }
 
 constexpr char kCommands[] =
-    "up | demo | create-table | wait | tables | describe | drop | export | cluster | embedding | "
-    "bag | linear";
+    "up | demo | create-table | wait | tables | describe | drop | export | cluster | health | "
+    "embedding | bag | linear";
+
+// grpc.health.v1 Check of one server, over the caller's TLS: exit 0 when it says SERVING, 1
+// otherwise (a probe that needs TLS, where Kubernetes' gRPC probe has none).
+int Health(const server::ChannelSecurity& security) {
+  std::string address = absl::GetFlag(FLAGS_address);
+  if (address.empty()) address = absl::GetFlag(FLAGS_coordinator);
+  auto stub = grpc::health::v1::Health::NewStub(server::CreateChannel(address, security));
+  grpc::ClientContext context;
+  context.set_deadline(
+      absl::ToChronoTime(absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms))));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(absl::GetFlag(FLAGS_service));
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, request, &response);
+  if (!status.ok()) return Fail(server::FromGrpcStatus(status));
+  std::printf("%s\n",
+              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status()).c_str());
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
 
 // What `shardserve [COMMAND] --help` lists: the command's own flags.
 server::Usage UsageOf(const std::vector<std::string>& args) {
@@ -630,6 +659,14 @@ server::Usage UsageOf(const std::vector<std::string>& args) {
             command == "wait" ? "Waits until every rank serves T, or one could not load it."
                               : "T's placement map: every replica, its state and shards.",
             admin};
+  }
+  if (command == "health") {
+    return {"shardserve health [--address=HOST:PORT] [--service=S] [flags]",
+            "Asks one server's grpc.health.v1 service (over TLS with the --tls_* flags: a "
+            "Kubernetes probe of a TLS port). Exits 0 when it answers SERVING, 1 for another "
+            "status, 64 + the gRPC code when the call fails.",
+            with({"address", "service", "coordinator", "deadline_ms"},
+                 server::CallerSecurityFlags())};
   }
   if (command == "tables" || command == "cluster") {
     return {absl::StrCat("shardserve ", command, " [flags]"),
@@ -680,6 +717,7 @@ int Main(int argc, char** argv) {
   absl::StatusOr<server::ChannelSecurity> security =
       server::MakeChannelSecurity(server::SecurityOptionsFromFlags());
   if (!security.ok()) return BadUsage(security.status());
+  if (command == "health") return Health(*security);
   absl::StatusOr<std::unique_ptr<Client>> client =
       MakeClient(absl::GetFlag(FLAGS_coordinator), *security);
   if (!client.ok()) return BadUsage(client.status());

@@ -42,7 +42,8 @@ done
 grep -q -- "--workers" <<<"$out" && fail "bag --help lists up's flags: $out"
 expect_rc 0 "$shardserve" --help
 grep -q "up | demo | create-table" <<<"$out" || fail "shardserve --help: $out"
-for cmd in up demo create-table wait tables describe drop export cluster embedding bag linear; do
+for cmd in up demo create-table wait tables describe drop export cluster health embedding bag \
+    linear; do
   expect_rc 0 "$shardserve" "$cmd" --help
   grep -q "^usage: shardserve $cmd" <<<"$out" || fail "$cmd --help: $out"
   grep -q -- "--coordinator\|--workers" <<<"$out" || fail "$cmd --help lists no flags: $out"
@@ -126,6 +127,10 @@ assert r["calls"] > 0 and not r["errors_by_code"], r' "$work/load_tls.json" ||
   fail "load over TLS: $(cat "$work/load_tls.json")"
 # Plaintext against TLS: no connection, so the deadline (4) -> 68.
 expect_rc 68 "$shardserve" tables --coordinator="$coordinator" --deadline_ms=500
+# The health probe over mTLS (what the Kubernetes tls overlay's probes run), and without TLS.
+expect_rc 0 "$shardserve" health "${c[@]}" --service=shardserve.v1.group/0
+[ "$out" = SERVING ] || fail "health: $out"
+expect_rc 78 "$shardserve" health --address="$coordinator" --deadline_ms=500  # UNAVAILABLE (14)
 kill "$up"
 wait "$up"
 echo PASS

@@ -15,11 +15,11 @@ cp "$root/tools/k8s_validate/validate.mjs" "$work/"
 ln -sfn "$validator/node_modules" "$work/node_modules"
 # Rendered from a copy without symbolic links: kustomize keeps each file inside its root.
 cp -rL "$root/deploy/k8s" "$work/k8s"
-for o in cpu replicas gpu; do
+for o in cpu replicas gpu tls; do
   kubectl kustomize "$work/k8s/overlays/$o" >"$work/$o.yaml" 2>"$work/$o.err" ||
     { echo "FAIL: kustomize $o: $(cat "$work/$o.err")"; exit 1; }
 done
-(cd "$work" && node validate.mjs cpu.yaml replicas.yaml gpu.yaml)
+(cd "$work" && node validate.mjs cpu.yaml replicas.yaml gpu.yaml tls.yaml)
 python3 - "$work" <<'PY'
 import sys, yaml
 work = sys.argv[1]
@@ -29,8 +29,14 @@ def flag(container, name):
     return next(a.split("=", 1)[1] for a in container["args"] if a.startswith(f"--{name}="))
 for overlay, groups, device, image in (("cpu", 1, "cpu", "shardserve:latest"),
                                        ("replicas", 2, "cpu", "shardserve:latest"),
-                                       ("gpu", 1, "cuda:0", "shardserve-gpu:latest")):
+                                       ("gpu", 1, "cuda:0", "shardserve-gpu:latest"),
+                                       ("tls", 2, "cpu", "shardserve:latest")):
     o = objects(overlay)
+    # Every overlay closes the ports with NetworkPolicy: workers take any port only from workers.
+    policy = o["NetworkPolicy", "shardserve-workers"]["spec"]
+    assert policy["ingress"][0] == {"from": [{"podSelector": {"matchLabels": {
+        "app": "shardserve", "role": "worker"}}}]}, (overlay, "worker NetworkPolicy")
+    assert ("NetworkPolicy", "shardserve-coordinator") in o, (overlay, "coordinator policy")
     coordinator = o["Deployment", "shardserve-coordinator"]["spec"]["template"]["spec"]["containers"][0]
     workers = o["StatefulSet", "shardserve-worker"]["spec"]
     worker = workers["template"]["spec"]["containers"][0]
@@ -42,6 +48,24 @@ for overlay, groups, device, image in (("cpu", 1, "cpu", "shardserve:latest"),
     assert worker["image"] == image and coordinator["image"] == image, (overlay, "image")
     gpus = worker["resources"].get("limits", {}).get("nvidia.com/gpu")
     assert (gpus == 1) == (device != "cpu"), (overlay, "nvidia.com/gpu")
-    print(f"ok {overlay}: {groups} group(s) x {ranks} ranks on {device}, {image}")
+    tls = overlay == "tls"
+    for role, c, t in (("coordinator", coordinator, o["Deployment", "shardserve-coordinator"]),
+                       ("worker", worker, o["StatefulSet", "shardserve-worker"])):
+        assert ("--insecure" in c["args"]) != tls, (overlay, role, "--insecure")
+        if not tls:
+            continue
+        assert flag(c, "tls_cert") == f"/tls/{role}.pem", (overlay, role)
+        assert flag(c, "tls_client_ca") == "/tls/ca.pem", (overlay, role, "mTLS")
+        assert flag(c, "tokens_file") == "/tokens/tokens", (overlay, role, "roles")
+        volumes = {v["name"]: v for v in t["spec"]["template"]["spec"]["volumes"]}
+        keys = {i["key"] for i in volumes["tls"]["secret"]["items"]}
+        assert keys == {"ca.pem", f"{role}.pem", f"{role}.key"}, (overlay, role, keys)
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/tls", "/tokens"} <= mounts, (overlay, role, mounts)
+        probe = c["readinessProbe"]["exec"]["command"]
+        assert probe[:2] == ["/usr/local/bin/shardserve", "health"] and \
+            f"--tls_cert=/tls/{role}.pem" in probe, (overlay, role, probe)
+    print(f"ok {overlay}: {groups} group(s) x {ranks} ranks on {device}, {image}" +
+          (", mTLS" if tls else ""))
 PY
 echo PASS

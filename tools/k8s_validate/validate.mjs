@@ -42,6 +42,12 @@ function checkPod(where, template) {
         !(c.ports || []).some((p) => String(p.containerPort) === port)) {
       throw new Error(`${at}: --metrics_listen, its containerPort and the scrape port differ`);
     }
+    // A gRPC port is TLS, or plaintext by an explicit --insecure (server/security.h refuses it
+    // otherwise on 0.0.0.0); never both.
+    if (flag(c.args, "listen") !== undefined &&
+        (flag(c.args, "tls_cert") !== undefined) === (c.args || []).includes("--insecure")) {
+      throw new Error(`${at}: give either --tls_cert (with its key) or --insecure`);
+    }
     const drain = flag(c.args, "drain_s");
     if (drain !== undefined && !(spec.terminationGracePeriodSeconds > Number(drain) + 2)) {
       throw new Error(`${at}: terminationGracePeriodSeconds must exceed --drain_s (${drain}) + 2`);
