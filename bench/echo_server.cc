@@ -18,6 +18,8 @@
 #include "grpcpp/server_builder.h"
 #include "proto/shardserve.grpc.pb.h"
 #include "server/grpc_settings.h"
+#include "server/security.h"
+#include "server/security_flags.h"
 
 ABSL_FLAG(int, port, 50099, "port on 127.0.0.1");
 ABSL_FLAG(int64_t, dim, 128, "floats per id (embedding) or per bag");
@@ -236,9 +238,18 @@ int main(int argc, char** argv) {
   }
   CallbackEcho callback_echo;
   DataService::AsyncService async_echo;
+  // TLS with --tls_cert / --tls_key (the servers' flags, server/security_flags.h): what gRPC
+  // alone loses to encryption (bench/run_tls.sh).
+  const std::string listen = "127.0.0.1:" + std::to_string(absl::GetFlag(FLAGS_port));
+  absl::StatusOr<std::unique_ptr<shardserve::server::ServerSecurity>> security =
+      shardserve::server::ServerSecurity::Create(shardserve::server::SecurityOptionsFromFlags(),
+                                                 listen, "echo");
+  if (!security.ok()) {
+    std::fprintf(stderr, "echo_server: %s\n", security.status().ToString().c_str());
+    return 2;
+  }
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:" + std::to_string(absl::GetFlag(FLAGS_port)),
-                           grpc::InsecureServerCredentials());
+  builder.AddListeningPort(listen, (*security)->credentials());
   shardserve::server::ApplyServerSettings(builder);
   std::unique_ptr<grpc::ServerCompletionQueue> cq;
   if (api == "callback") {
