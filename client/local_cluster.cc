@@ -120,6 +120,10 @@ std::vector<std::string> LocalCluster::TlsFlags(const std::string& who,
           absl::StrCat("--audit_log=", options_.work_dir, "/", log, ".audit.log")};
 }
 
+std::string LocalCluster::coordinator_internal_address() const {
+  return options_.internal_ports ? absl::StrCat("127.0.0.1:", coordinator_internal_port_) : "";
+}
+
 std::string LocalCluster::coordinator_address() const {
   return absl::StrCat("127.0.0.1:", coordinator_port_);
 }
@@ -202,6 +206,10 @@ absl::Status LocalCluster::StartCoordinator() {
       "--port_file=" + port_file};
   const std::vector<std::string> tls = TlsFlags("coordinator", "coordinator");
   args.insert(args.end(), tls.begin(), tls.end());
+  if (options_.internal_ports) {  // (the same port again when it restarts)
+    args.push_back(absl::StrCat("--internal_listen=127.0.0.1:", coordinator_internal_port_));
+    args.push_back("--internal_port_file=" + port_file + ".internal");
+  }
   args.insert(args.end(), options_.coordinator_flags.begin(), options_.coordinator_flags.end());
   absl::StatusOr<pid_t> pid = Spawn(options_.server_dir + "/coordinator_main", args,
                                     options_.work_dir + "/coordinator.log");
@@ -211,6 +219,7 @@ absl::Status LocalCluster::StartCoordinator() {
   if (!port.ok()) return port.status();
   coordinator_port_ = *port;
   coordinator_metrics_port_ = ReadPort(port_file + ".metrics");
+  if (options_.internal_ports) coordinator_internal_port_ = ReadPort(port_file + ".internal");
   return absl::OkStatus();
 }
 
@@ -221,7 +230,9 @@ absl::Status LocalCluster::StartWorker(int rank) {
   if (workers_[rank] > 0) return absl::FailedPreconditionError("worker already running");
   const std::string port_file = absl::StrCat(options_.work_dir, "/worker", rank, ".port");
   ::unlink(port_file.c_str());
-  std::vector<std::string> args = {"--coordinator=" + coordinator_address(),
+  const int coordinator_port =
+      options_.internal_ports ? coordinator_internal_port_ : coordinator_port_;
+  std::vector<std::string> args = {absl::StrCat("--coordinator=127.0.0.1:", coordinator_port),
                                    absl::StrCat("--group=", rank / options_.workers),
                                    absl::StrCat("--rank=", rank % options_.workers),
                                    "--listen=127.0.0.1:0", "--port_file=" + port_file,
@@ -230,6 +241,7 @@ absl::Status LocalCluster::StartWorker(int rank) {
                                    "--metrics_port_file=" + port_file + ".metrics"};
   const std::vector<std::string> tls = TlsFlags("worker", absl::StrCat("worker", rank));
   args.insert(args.end(), tls.begin(), tls.end());
+  if (options_.internal_ports) args.push_back("--internal_listen=127.0.0.1:0");
   args.insert(args.end(), options_.worker_flags.begin(), options_.worker_flags.end());
   if (auto it = options_.rank_flags.find(rank); it != options_.rank_flags.end()) {
     args.insert(args.end(), it->second.begin(), it->second.end());

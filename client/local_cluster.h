@@ -39,6 +39,9 @@ struct LocalClusterOptions {
   // With tls: the files deploy/make_certs.sh writes (ca.pem, coordinator.*, worker.*, client.*,
   // tokens); empty: made in work_dir/certs by server_dir/make_certs.
   std::string tls_dir;
+  // The internal API on ports of its own (--internal_listen): the workers call the coordinator's,
+  // the coordinator reads shards from theirs.
+  bool internal_ports = false;
 };
 
 // Removes `path` and everything under it (symbolic links are removed, not followed).
@@ -55,6 +58,8 @@ class LocalCluster {
   const std::string& work_dir() const { return options_.work_dir; }  // port files and logs
   const std::string& server_dir() const { return options_.server_dir; }
   std::string coordinator_address() const;
+  // With internal_ports: where the coordinator serves the internal API (empty otherwise).
+  std::string coordinator_internal_address() const;
   std::string worker_address(int rank) const;
   // Where each process serves GET /metrics (HOST:PORT).
   std::string coordinator_metrics_address() const;
@@ -93,6 +98,7 @@ class LocalCluster {
   bool temporary_work_dir_ = false;  // made by Start: removed by the destructor
   pid_t coordinator_ = -1;
   int coordinator_port_ = 0;
+  int coordinator_internal_port_ = 0;  // with internal_ports
   int coordinator_metrics_port_ = 0;
   std::vector<pid_t> workers_;
   std::vector<int> worker_ports_;

@@ -450,7 +450,9 @@ absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanReads(
     for (int g = 0; g < options_.groups; ++g) {  // the first replica that serves
       if (!TableServing(name, g)) continue;
       spec = SpecFor(it->second, g);
-      for (const Member& m : groups_[g].members) addresses.push_back(m.address);
+      for (const Member& m : groups_[g].members) {
+        addresses.push_back(m.internal_address.empty() ? m.address : m.internal_address);
+      }
       break;
     }
     if (addresses.empty()) {

@@ -176,6 +176,7 @@ class ControlPlane {
  private:
   struct Member {
     std::string address;
+    std::string internal_address;  // its WorkerInternal service (empty: at `address`)
     std::string device;
     uint64_t incarnation = 0;
     uint64_t epoch = 0;

@@ -58,6 +58,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
               << request.incarnation() << ")";
   }
   m.address = request.address();
+  m.internal_address = request.internal_address();
   m.device = request.device();
   m.incarnation = request.incarnation();
   m.epoch = request.epoch();

@@ -1267,6 +1267,14 @@ TEST_F(ControlPlaneTest, AnExportIsPlannedOnlyForAServingTableAndAPathOutsideThe
   EXPECT_EQ((*plan)->reads()[1].address, workers[1].Request().address());
   EXPECT_EQ((*plan)->reads()[1].request.generation(),
             cp->DescribeTable("t")->spec().generation());
+  // A worker that serves its internal API on a port of its own is read there.
+  HeartbeatRequest internal = workers[1].Request();
+  internal.set_internal_address("10.0.0.1:2001");
+  ASSERT_TRUE(cp->Heartbeat(internal).ok());
+  plan = cp->PlanExport("t", out);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ((*plan)->reads()[0].address, workers[0].Request().address());
+  EXPECT_EQ((*plan)->reads()[1].address, "10.0.0.1:2001");
   workers[0].broken = true;
   ASSERT_TRUE(cp->Heartbeat(workers[0].Request()).ok());
   EXPECT_EQ(cp->PlanExport("t", out).status().code(), absl::StatusCode::kUnavailable);

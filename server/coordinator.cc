@@ -231,11 +231,20 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptio
   ApplyServerSettings(builder);
   builder.experimental().SetInterceptorCreators(CallCountingInterceptors(c->metrics_.registry()));
   builder.RegisterService(c->admin_.get());
-  builder.RegisterService(c->internal_.get());
+  if (options.internal_listen.empty()) builder.RegisterService(c->internal_.get());
   builder.RegisterService(c->forwarding_.get());
   c->server_ = builder.BuildAndStart();
   if (c->server_ == nullptr || c->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("coordinator: cannot listen on ", options.listen));
+  }
+  if (!options.internal_listen.empty()) {
+    SHARDSERVE_ASSIGN_OR_RETURN(c->internal_security_,
+                                ServerSecurity::Create(options.security, options.internal_listen,
+                                                       "coordinator internal"));
+    SHARDSERVE_ASSIGN_OR_RETURN(
+        c->internal_server_,
+        StartServiceServer(options.internal_listen, c->internal_security_->credentials(),
+                           c->internal_.get(), &c->internal_port_));
   }
   Coordinator* raw = c.get();
   c->metrics_.AddCollector([raw] { return raw->CollectState(); });
@@ -259,10 +268,14 @@ void Coordinator::Shutdown() {
   if (control_) control_->Shutdown();  // ends the handlers' waits
   if (server_ && server_->GetHealthCheckService()) server_->GetHealthCheckService()->Shutdown();
   if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  if (internal_server_) {
+    internal_server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  }
 }
 
 void Coordinator::Wait() {
   if (server_) server_->Wait();
+  if (internal_server_) internal_server_->Wait();
 }
 
 std::vector<prometheus::MetricFamily> Coordinator::CollectState() const {

@@ -34,6 +34,9 @@ struct CoordinatorOptions {
   absl::Duration create_wait = absl::Seconds(30);  // admin calls wait at most this long
   std::string metrics_listen;  // HOST:PORT of GET /metrics (port 0: any); empty: not served
   SecurityOptions security;    // TLS and access control of its port, and of its calls to workers
+  // HOST:PORT of the internal API alone (heartbeats, rendezvous: give it to the workers as
+  // --coordinator; port 0: any); empty: on `listen`'s port.
+  std::string internal_listen;
 };
 
 class Coordinator {
@@ -43,6 +46,7 @@ class Coordinator {
   ~Coordinator();
 
   int port() const { return port_; }
+  int internal_port() const { return internal_port_; }  // 0: the internal API is on port()
   int metrics_port() const { return metrics_.port(); }  // 0: metrics not served
   void Shutdown();
   void Wait();
@@ -65,6 +69,9 @@ class Coordinator {
   std::unique_ptr<ServerSecurity> security_;  // the port's credentials and access check
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  std::unique_ptr<ServerSecurity> internal_security_;  // with internal_listen
+  std::unique_ptr<grpc::Server> internal_server_;
+  int internal_port_ = 0;
   std::thread ticker_;
 
   absl::Mutex mu_;

@@ -19,6 +19,12 @@ ABSL_FLAG(int, world_size, 2, "workers (ranks) per group");
 ABSL_FLAG(std::string, state_dir, "", "where the table registry is persisted (empty: nowhere)");
 ABSL_FLAG(int, liveness_ms, 1500, "a worker silent this long is considered dead");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
+ABSL_FLAG(std::string, internal_listen, "",
+          "serve the internal API (heartbeats, rendezvous) alone on this HOST:PORT (port 0: any): "
+          "give it to the workers as --coordinator, and a network policy can open it to them "
+          "only; empty: on --listen's port");
+ABSL_FLAG(std::string, internal_port_file, "",
+          "write the bound --internal_listen port here once serving");
 ABSL_FLAG(std::string, metrics_listen, "",
           "serve Prometheus metrics at http://HOST:PORT/metrics (port 0: pick a free port; "
           "empty: not served)");
@@ -49,6 +55,7 @@ int main(int argc, char** argv) {
   options.liveness_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_liveness_ms));
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.security = shardserve::server::SecurityOptionsFromFlags();
+  options.internal_listen = absl::GetFlag(FLAGS_internal_listen);
   absl::StatusOr<std::unique_ptr<shardserve::server::Coordinator>> coordinator =
       shardserve::server::Coordinator::Start(options);
   if (!coordinator.ok()) {
@@ -66,6 +73,8 @@ int main(int argc, char** argv) {
   }
   shardserve::server::WritePortFile(absl::GetFlag(FLAGS_metrics_port_file),
                                     (*coordinator)->metrics_port());
+  shardserve::server::WritePortFile(absl::GetFlag(FLAGS_internal_port_file),
+                                    (*coordinator)->internal_port());
   shardserve::server::WritePortFile(absl::GetFlag(FLAGS_port_file), (*coordinator)->port());
   shardserve::server::WaitForShutdownSignal();
   (*coordinator)->Shutdown();

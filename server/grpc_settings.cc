@@ -1,5 +1,6 @@
 #include "server/grpc_settings.h"
 
+#include "absl/strings/str_cat.h"
 #include "grpc/grpc.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -39,6 +40,20 @@ void ApplyServerSettings(grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServiceServer(
+    const std::string& listen, std::shared_ptr<grpc::ServerCredentials> credentials,
+    grpc::Service* service, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(listen, std::move(credentials), port);
+  ApplyServerSettings(builder);
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || *port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", listen));
+  }
+  return server;
 }
 
 }  // namespace shardserve::server

@@ -8,7 +8,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "server/security.h"
@@ -50,6 +52,13 @@ inline constexpr int kKeepaliveTimeoutMs = 20 * 1000;
 // sends without reading parks in a server's memory, but cost single callers of 80 KiB requests
 // 10-15 % of their rate (bench/run_ab.sh, bag_c1).
 void ApplyServerSettings(grpc::ServerBuilder& builder);
+
+// A server of `service` alone on `listen` (the internal API on a port of its own, which a network
+// policy can close to all but the cluster's processes), with the settings above and
+// `credentials`; sets `*port`. UNAVAILABLE when it cannot listen.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServiceServer(
+    const std::string& listen, std::shared_ptr<grpc::ServerCredentials> credentials,
+    grpc::Service* service, int* port);
 
 }  // namespace shardserve::server
 

@@ -36,7 +36,7 @@ class TableExport {
   // What to read from one rank.
   struct ShardRead {
     int rank = 0;
-    std::string address;  // the rank's worker (WorkerInternal service)
+    std::string address;  // the rank's worker's WorkerInternal service
     v1::internal::ReadShardRequest request;
   };
 

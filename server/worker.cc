@@ -150,12 +150,23 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   builder.AddListeningPort(w->options_.listen, w->security_->credentials(), &w->port_);
   ApplyServerSettings(builder);
   builder.RegisterService(w->data_service_.get());
-  builder.RegisterService(w->internal_service_.get());
+  if (w->options_.internal_listen.empty()) builder.RegisterService(w->internal_service_.get());
   w->data_service_->health().AddTo(builder);
   w->data_service_->UseQueue(builder.AddCompletionQueue());
   w->server_ = builder.BuildAndStart();
   if (w->server_ == nullptr || w->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("worker: cannot listen on ", w->options_.listen));
+  }
+  if (!w->options_.internal_listen.empty()) {
+    SHARDSERVE_ASSIGN_OR_RETURN(
+        w->internal_security_,
+        ServerSecurity::Create(w->options_.security, w->options_.internal_listen,
+                               absl::StrFormat("worker g%dr%d internal", w->options_.group,
+                                               w->options_.rank)));
+    SHARDSERVE_ASSIGN_OR_RETURN(
+        w->internal_server_,
+        StartServiceServer(w->options_.internal_listen, w->internal_security_->credentials(),
+                           w->internal_service_.get(), &w->internal_port_));
   }
   {
     absl::MutexLock lock(&w->mu_);
@@ -196,6 +207,9 @@ void Worker::Shutdown() {
   if (data_service_) data_service_->health().Shutdown();  // every service NOT_SERVING
   // No new calls from here; those in flight finish (the loop still runs their steps).
   if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  if (internal_server_) {
+    internal_server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  }
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
@@ -222,6 +236,7 @@ void Worker::Shutdown() {
 
 void Worker::Wait() {
   if (server_) server_->Wait();
+  if (internal_server_) internal_server_->Wait();
 }
 
 std::vector<prometheus::MetricFamily> Worker::CollectState() const {
@@ -327,6 +342,9 @@ v1::internal::HeartbeatRequest Worker::HeartbeatNow() {
   request.set_group(options_.group);
   request.set_rank(options_.rank);
   request.set_address(address());
+  if (internal_port_ != 0) {
+    request.set_internal_address(absl::StrCat(options_.advertise_host, ":", internal_port_));
+  }
   request.set_device(options_.device);
   request.set_incarnation(incarnation_);
   request.set_epoch(joined_epoch_);

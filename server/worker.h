@@ -39,6 +39,8 @@ struct WorkerOptions {
   std::string advertise_host = "127.0.0.1";  // how peers and clients reach this host
   std::string device = "cpu";  // or cuda:N in builds with --config=cuda
   std::string metrics_listen;  // HOST:PORT of GET /metrics (port 0: any); empty: not served
+  // HOST:PORT of the internal API alone (shard reads; port 0: any); empty: on `listen`'s port.
+  std::string internal_listen;
   int copy_lanes = 4;  // cuda:N: threads per host<->device copy of 2 MiB or more (0: the driver's)
   int group = 0;  // the replica group this worker is a rank of
   int rank = 0;
@@ -60,6 +62,7 @@ class Worker {
   ~Worker();
 
   int port() const { return port_; }
+  int internal_port() const { return internal_port_; }  // 0: the internal API is on port()
   int metrics_port() const { return metrics_.port(); }  // 0: metrics not served
   std::string address() const;
   // The first part of a graceful stop (SIGTERM): health says NOT_SERVING everywhere and
@@ -100,6 +103,9 @@ class Worker {
   std::unique_ptr<ServerSecurity> security_;  // the port's credentials and access check
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  std::unique_ptr<ServerSecurity> internal_security_;  // with --internal_listen
+  std::unique_ptr<grpc::Server> internal_server_;
+  int internal_port_ = 0;
   std::thread heartbeat_thread_;
   std::thread reconcile_thread_;
 

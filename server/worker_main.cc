@@ -53,6 +53,11 @@ ABSL_FLAG(int64_t, shared_memory_block_mb, 16,
           "exchange blocks up to this size go through shared memory between workers that can map "
           "each other's (one host); 0: always the sockets");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
+ABSL_FLAG(std::string, internal_listen, "",
+          "serve the internal API (shard reads for export) alone on this HOST:PORT (port 0: any), "
+          "which a network policy can open to the coordinator only; empty: on --listen's port");
+ABSL_FLAG(std::string, internal_port_file, "",
+          "write the bound --internal_listen port here once serving");
 ABSL_FLAG(std::string, metrics_listen, "",
           "serve Prometheus metrics at http://HOST:PORT/metrics (port 0: pick a free port; "
           "empty: not served)");
@@ -112,6 +117,7 @@ int main(int argc, char** argv) {
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.copy_lanes = absl::GetFlag(FLAGS_copy_lanes);
   options.security = shardserve::server::SecurityOptionsFromFlags();
+  options.internal_listen = absl::GetFlag(FLAGS_internal_listen);
   const double drain_s = absl::GetFlag(FLAGS_drain_s);
   if (!(drain_s >= 0 && drain_s <= 3600)) {
     std::fprintf(stderr, "--drain_s: %g must be in [0, 3600]\n", drain_s);
@@ -179,6 +185,8 @@ int main(int argc, char** argv) {
   }
   shardserve::server::WritePortFile(absl::GetFlag(FLAGS_metrics_port_file),
                                     (*worker)->metrics_port());
+  shardserve::server::WritePortFile(absl::GetFlag(FLAGS_internal_port_file),
+                                    (*worker)->internal_port());
   shardserve::server::WritePortFile(absl::GetFlag(FLAGS_port_file), (*worker)->port());
   shardserve::server::WaitForShutdownSignal();
   (*worker)->Drain(absl::Seconds(drain_s));

@@ -62,9 +62,24 @@ for overlay, groups, device, image in (("cpu", 1, "cpu", "shardserve:latest"),
         assert keys == {"ca.pem", f"{role}.pem", f"{role}.key"}, (overlay, role, keys)
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         assert {"/tls", "/tokens"} <= mounts, (overlay, role, mounts)
+        assert flag(c, "internal_listen").endswith(
+            ":50061" if role == "coordinator" else ":50062"), (overlay, role, "internal port")
         probe = c["readinessProbe"]["exec"]["command"]
         assert probe[:2] == ["/usr/local/bin/shardserve", "health"] and \
             f"--tls_cert=/tls/{role}.pem" in probe, (overlay, role, probe)
+    if tls:
+        assert flag(worker, "coordinator") == "shardserve-coordinator:50061", overlay
+        ports = {p["port"] for p in o["Service", "shardserve-coordinator"]["spec"]["ports"]}
+        assert 50061 in ports, (overlay, ports)
+        # The coordinator's internal port takes the workers only; its public port no worker.
+        rules = o["NetworkPolicy", "shardserve-coordinator"]["spec"]["ingress"]
+        internal = [r for r in rules if {"port": 50061, "protocol": "TCP"} in r.get("ports", [])]
+        assert internal == [{"from": [{"podSelector": {"matchLabels": {
+            "app": "shardserve", "role": "worker"}}}], "ports": [{"port": 50061, "protocol": "TCP"}]}], rules
+        worker_rules = o["NetworkPolicy", "shardserve-workers"]["spec"]["ingress"]
+        shard_reads = [r for r in worker_rules if {"port": 50062, "protocol": "TCP"} in r.get("ports", [])]
+        assert shard_reads and all(f["podSelector"]["matchLabels"].get("role") == "coordinator"
+                                   for r in shard_reads for f in r["from"]), worker_rules
     print(f"ok {overlay}: {groups} group(s) x {ranks} ranks on {device}, {image}" +
           (", mTLS" if tls else ""))
 PY

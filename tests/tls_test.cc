@@ -51,8 +51,11 @@ std::string ReadAll(const std::string& path) {
 
 class TlsClusterTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { Start(/*internal_ports=*/false); }
+
+  void Start(bool internal_ports) {
     client::LocalClusterOptions options = ClusterOptions(2);
+    options.internal_ports = internal_ports;
     certs_ = options.work_dir + "/given-certs";
     Shell(absl::StrCat(options.server_dir, "/make_certs ", certs_));
     // A reader with a token, beside the certificate identities make_certs.sh wrote.
@@ -239,6 +242,57 @@ TEST_F(TlsClusterTest, EveryPortIsClosedToCallersWithoutTheirRole) {
   EXPECT_THAT(ReadAll(cluster_->work_dir() + "/worker0.audit.log"),
               HasSubstr("\"who\": \"shardserve-client\", \"by\": \"certificate\", \"method\": "
                         "\"/shardserve.v1.internal.WorkerInternal/ReadShard\""));
+}
+
+// With --internal_listen, the internal API is on ports of its own: the public ports do not serve
+// it even to the cluster's own identities, and the cluster works through the internal ones.
+TEST_F(TlsClusterTest, TheInternalApiCanLiveOnPortsOfItsOwn) {
+  cluster_.reset();
+  Start(/*internal_ports=*/true);
+  ASSERT_FALSE(cluster_->coordinator_internal_address().empty());
+  std::unique_ptr<client::Client> admin = ClientAs(Caller("client"));
+  ASSERT_TRUE(admin->CreateTable(Seeded("t")).ok());  // the group formed over the internal port
+  ASSERT_TRUE(admin->EmbeddingBag(Bags("t")).ok());
+  // The export reads the shards from the workers' internal ports.
+  EXPECT_TRUE(admin->ExportTo("t", cluster_->work_dir() + "/t.safetensors").ok());
+  for (const std::string& address :
+       {cluster_->coordinator_address(), cluster_->coordinator_internal_address()}) {
+    auto internal = v1::internal::CoordinatorInternal::NewStub(
+        server::CreateChannel(address, Caller("worker")));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::internal::RendezvousGetRequest request;
+    request.set_key("no/such/key");
+    v1::internal::RendezvousGetResponse response;
+    const grpc::StatusCode code = internal->RendezvousGet(&context, request, &response).error_code();
+    // Public port: no such service. Internal port: the store answers (the key is not a forming
+    // group's), and to a client it is closed as before.
+    if (address == cluster_->coordinator_address()) {
+      EXPECT_EQ(code, grpc::StatusCode::UNIMPLEMENTED);
+    } else {
+      EXPECT_NE(code, grpc::StatusCode::UNIMPLEMENTED);
+      EXPECT_NE(code, grpc::StatusCode::PERMISSION_DENIED);
+    }
+  }
+  {
+    auto shards = v1::internal::WorkerInternal::NewStub(
+        server::CreateChannel(cluster_->worker_address(0), Caller("coordinator")));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::internal::ReadShardRequest request;
+    request.set_table("t");
+    auto stream = shards->ReadShard(&context, request);
+    v1::internal::ReadShardChunk chunk;
+    EXPECT_FALSE(stream->Read(&chunk));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  }
+  // The data and admin APIs stay on the public ports.
+  auto data = v1::DataService::NewStub(
+      server::CreateChannel(cluster_->worker_address(1), Caller("client")));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::TensorResponse response;
+  EXPECT_TRUE(data->EmbeddingBag(&context, Bags("t"), &response).ok());
 }
 
 // The SHA-256 fingerprint of the certificate a server presents in a fresh handshake.
