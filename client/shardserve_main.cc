@@ -42,9 +42,9 @@
 #include "core/process_setup.h"
 #include "core/safetensors.h"
 #include "google/protobuf/util/json_util.h"
-#include "server/cli.h"
 #include "grpcpp/client_context.h"
 #include "proto/health.grpc.pb.h"
+#include "server/cli.h"
 #include "server/grpc_settings.h"
 #include "server/grpc_status.h"
 #include "server/lifecycle.h"
@@ -582,8 +582,7 @@ int Up(const std::string& argv0) {
   if (!absl::GetFlag(FLAGS_no_demo)) {
     if (absl::Status made = demo_dir.Make(); !made.ok()) return LocalFailure(made);
     const int rc = RunDemo((*cluster)->coordinator_address(), *security, demo_dir.path(),
-                           options.workers,
-                           absl::GetFlag(FLAGS_device));
+                           options.workers, absl::GetFlag(FLAGS_device));
     if (rc != 0 || absl::GetFlag(FLAGS_exit_after_demo)) return rc;
   }
   std::printf("serving; try: shardserve tables --coordinator=%s%s   (Ctrl-C stops the cluster)\n",

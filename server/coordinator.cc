@@ -143,7 +143,9 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     // The caller's deadline, and ten minutes at most.
     const absl::Time deadline =
         std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(10));
-    if (absl::Status read = ReadShards(**plan, deadline, channels_); !read.ok()) return ToGrpcStatus(read);
+    if (absl::Status read = ReadShards(**plan, deadline, channels_); !read.ok()) {
+      return ToGrpcStatus(read);
+    }
     return ToGrpcStatus(Into((*plan)->Write(), response));
   }
 
