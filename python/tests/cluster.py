@@ -52,6 +52,7 @@ class LocalCluster:
             self._start_coordinator()
             for worker in range(world * groups):
                 self.start_worker(worker)
+            self.wait_until_groups_serve()
         except BaseException:
             self.stop()
             raise
@@ -109,6 +110,31 @@ class LocalCluster:
             *self._tls_flags("worker"), *self.worker_flags])
         self.workers[worker] = proc
         self.worker_ports[worker] = self._wait_port(port_file, proc, f"worker{worker}")
+
+    def wait_until_groups_serve(self, timeout: float = 30) -> None:
+        """Until the coordinator reports every group serving: a table created before a group has
+        formed waits only for the groups already formed (tests/cluster_fixture.cc waits so too)."""
+        import shardserve
+        from shardserve import _stubs
+
+        serving = _stubs.load()[0].GROUP_STATE_SERVING
+        tls = {}
+        if self.certs:
+            tls = {"tls_ca": os.path.join(self.certs, "ca.pem"),
+                   "tls_cert": os.path.join(self.certs, "client.pem"),
+                   "tls_key": os.path.join(self.certs, "client.key")}
+        deadline = time.monotonic() + timeout
+        with shardserve.Client(self.address, deadline=2, **tls) as c:
+            while time.monotonic() < deadline:
+                try:
+                    groups = c.describe_cluster().groups
+                    if len(groups) == self.groups and all(g.state == serving for g in groups):
+                        return
+                except shardserve.Error:
+                    pass
+                time.sleep(0.05)
+        raise RuntimeError(f"the groups do not serve after {timeout} s: "
+                           f"{self.log('coordinator')[-2000:]}")
 
     def _tls_flags(self, who: str) -> List[str]:
         if not self.certs:
