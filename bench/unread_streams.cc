@@ -30,7 +30,8 @@ ABSL_FLAG(double, seconds, 10, "how long nothing is read");
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   using namespace shardserve;
-  auto stub = v1::DataService::NewStub(server::CreateChannel(absl::GetFlag(FLAGS_target)));
+  auto stub = v1::DataService::NewStub(server::CreateChannel(absl::GetFlag(FLAGS_target),
+                                                                     server::PlaintextChannels()));
   const int64_t batch = absl::GetFlag(FLAGS_batch), bag = absl::GetFlag(FLAGS_bag);
   std::vector<int64_t> ids(batch * bag);
   for (size_t k = 0; k < ids.size(); ++k) ids[k] = (k * 7919) % absl::GetFlag(FLAGS_rows);

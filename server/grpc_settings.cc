@@ -20,11 +20,6 @@ grpc::ChannelArguments ChannelArguments() {
   return args;
 }
 
-std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address) {
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                   ChannelArguments());
-}
-
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address,
                                              const ChannelSecurity& security,
                                              grpc::ChannelArguments args) {

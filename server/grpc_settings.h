@@ -31,8 +31,6 @@ inline constexpr int kMinConnectTimeoutMs = 20000;
 
 // Channel arguments for connections to shardserve servers (message limits, reconnect backoff).
 grpc::ChannelArguments ChannelArguments();
-// A plaintext channel to `address` with ChannelArguments().
-std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address);
 // A channel to `address` with `args` and `security`'s credentials.
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& address,
                                              const ChannelSecurity& security,

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <utility>
 
@@ -51,45 +52,45 @@ bool SecretEquals(absl::string_view a, absl::string_view b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-// INVALID_ARGUMENT unless `cert` is a PEM certificate and `key` its private key (gRPC's file
-// watcher only logs an unreadable pair, and every handshake then fails).
-absl::Status CheckKeyPair(const std::string& cert_path, const std::string& key_path) {
-  absl::StatusOr<std::string> cert = ReadFile(cert_path, "--tls_cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadFile(key_path, "--tls_key");
-  if (!key.ok()) return key.status();
-  BIO* cert_bio = BIO_new_mem_buf(cert->data(), static_cast<int>(cert->size()));
-  X509* x509 = PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr);
-  BIO_free(cert_bio);
-  BIO* key_bio = BIO_new_mem_buf(key->data(), static_cast<int>(key->size()));
-  EVP_PKEY* pkey = PEM_read_bio_PrivateKey(key_bio, nullptr, nullptr, nullptr);
-  BIO_free(key_bio);
-  absl::Status status;
-  if (x509 == nullptr) {
-    status = absl::InvalidArgumentError(
-        absl::StrCat("--tls_cert: ", cert_path, " holds no PEM certificate"));
-  } else if (pkey == nullptr) {
-    status = absl::InvalidArgumentError(
-        absl::StrCat("--tls_key: ", key_path, " holds no PEM private key"));
-  } else if (X509_check_private_key(x509, pkey) != 1) {
-    status = absl::InvalidArgumentError(
-        absl::StrCat("--tls_key: ", key_path, " is not the key of ", cert_path));
-  }
-  X509_free(x509);
-  EVP_PKEY_free(pkey);
-  return status;
-}
+using Certificate = std::unique_ptr<X509, decltype(&X509_free)>;
+using PrivateKey = std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)>;
 
-absl::Status CheckCa(const std::string& path, absl::string_view flag) {
+// The first PEM certificate in the file at `path` (given as `flag`); INVALID_ARGUMENT when there
+// is none.
+absl::StatusOr<Certificate> ReadCertificate(const std::string& path, absl::string_view flag) {
   absl::StatusOr<std::string> pem = ReadFile(path, flag);
   if (!pem.ok()) return pem.status();
   BIO* bio = BIO_new_mem_buf(pem->data(), static_cast<int>(pem->size()));
-  X509* x509 = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr);
+  Certificate x509(PEM_read_bio_X509(bio, nullptr, nullptr, nullptr), &X509_free);
   BIO_free(bio);
   if (x509 == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " holds no PEM certificate"));
   }
-  X509_free(x509);
+  return x509;
+}
+
+absl::Status CheckCa(const std::string& path, absl::string_view flag) {
+  return ReadCertificate(path, flag).status();
+}
+
+// INVALID_ARGUMENT unless `cert` is a PEM certificate and `key` its private key (gRPC's file
+// watcher only logs an unreadable pair, and every handshake then fails).
+absl::Status CheckKeyPair(const std::string& cert_path, const std::string& key_path) {
+  absl::StatusOr<Certificate> x509 = ReadCertificate(cert_path, "--tls_cert");
+  if (!x509.ok()) return x509.status();
+  absl::StatusOr<std::string> key = ReadFile(key_path, "--tls_key");
+  if (!key.ok()) return key.status();
+  BIO* bio = BIO_new_mem_buf(key->data(), static_cast<int>(key->size()));
+  PrivateKey pkey(PEM_read_bio_PrivateKey(bio, nullptr, nullptr, nullptr), &EVP_PKEY_free);
+  BIO_free(bio);
+  if (pkey == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_key: ", key_path, " holds no PEM private key"));
+  }
+  if (X509_check_private_key(x509->get(), pkey.get()) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_key: ", key_path, " is not the key of ", cert_path));
+  }
   return absl::OkStatus();
 }
 
@@ -121,10 +122,10 @@ unsigned RolesAllowedFor(absl::string_view method) {
 }
 
 bool IsAdminMethod(absl::string_view method) {
-  for (absl::string_view name : {"CreateTable", "DropTable", "ExportTable", "ExportTableStream"}) {
-    if (method == absl::StrCat("/shardserve.v1.AdminService/", name)) return true;
-  }
-  return false;
+  // (Runs on every call: no string is built.)
+  if (!absl::ConsumePrefix(&method, "/shardserve.v1.AdminService/")) return false;
+  return method == "CreateTable" || method == "DropTable" || method == "ExportTable" ||
+         method == "ExportTableStream";
 }
 
 std::string RoleNames(unsigned roles) {

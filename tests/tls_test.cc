@@ -42,6 +42,19 @@ std::string Shell(const std::string& command) {
   return out;
 }
 
+// The status a ReadShard stream from `address` ends with, for `caller`.
+grpc::StatusCode ReadShardCode(const std::string& address, const server::ChannelSecurity& caller) {
+  auto shards = v1::internal::WorkerInternal::NewStub(server::CreateChannel(address, caller));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::internal::ReadShardRequest request;
+  request.set_table("t");
+  auto stream = shards->ReadShard(&context, request);
+  v1::internal::ReadShardChunk chunk;
+  EXPECT_FALSE(stream->Read(&chunk));
+  return stream->Finish().error_code();
+}
+
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path);
   std::stringstream text;
@@ -205,18 +218,8 @@ TEST_F(TlsClusterTest, EveryPortIsClosedToCallersWithoutTheirRole) {
     EXPECT_EQ(internal->RendezvousSet(&context, request, &response).error_code(),
               grpc::StatusCode::PERMISSION_DENIED);
   }
-  {
-    auto shards = v1::internal::WorkerInternal::NewStub(
-        server::CreateChannel(cluster_->worker_address(0), Caller("client")));
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    v1::internal::ReadShardRequest request;
-    request.set_table("t");
-    auto stream = shards->ReadShard(&context, request);
-    v1::internal::ReadShardChunk chunk;
-    EXPECT_FALSE(stream->Read(&chunk));
-    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::PERMISSION_DENIED);
-  }
+  EXPECT_EQ(ReadShardCode(cluster_->worker_address(0), Caller("client")),
+            grpc::StatusCode::PERMISSION_DENIED);
   // And a worker's identity is no administrator.
   EXPECT_EQ(ClientAs(Caller("worker"))->CreateTable(Seeded("u")).status().code(),
             absl::StatusCode::kPermissionDenied);
@@ -274,18 +277,8 @@ TEST_F(TlsClusterTest, TheInternalApiCanLiveOnPortsOfItsOwn) {
       EXPECT_NE(code, grpc::StatusCode::PERMISSION_DENIED);
     }
   }
-  {
-    auto shards = v1::internal::WorkerInternal::NewStub(
-        server::CreateChannel(cluster_->worker_address(0), Caller("coordinator")));
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    v1::internal::ReadShardRequest request;
-    request.set_table("t");
-    auto stream = shards->ReadShard(&context, request);
-    v1::internal::ReadShardChunk chunk;
-    EXPECT_FALSE(stream->Read(&chunk));
-    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
-  }
+  EXPECT_EQ(ReadShardCode(cluster_->worker_address(0), Caller("coordinator")),
+            grpc::StatusCode::UNIMPLEMENTED);
   // The data and admin APIs stay on the public ports.
   auto data = v1::DataService::NewStub(
       server::CreateChannel(cluster_->worker_address(1), Caller("client")));
