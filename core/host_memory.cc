@@ -6,9 +6,6 @@
 #include "absl/strings/str_cat.h"
 
 namespace shardserve::core {
-namespace {
-
-// MemAvailable, or -1 if unknown.
 int64_t AvailableHostBytes() {
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
@@ -19,8 +16,6 @@ int64_t AvailableHostBytes() {
   }
   return -1;
 }
-
-}  // namespace
 
 absl::Status CheckHostAllocation(int64_t bytes, absl::string_view what) {
   if (bytes <= (int64_t{1} << 30)) return absl::OkStatus();

@@ -16,6 +16,9 @@ namespace shardserve::core {
 // are left to the allocator (nothing is read for them: kernels check every allocation).
 absl::Status CheckHostAllocation(int64_t bytes, absl::string_view what);
 
+// What the kernel says can be allocated without swapping (MemAvailable), or -1 if unknown.
+int64_t AvailableHostBytes();
+
 }  // namespace shardserve::core
 
 #endif  // SHARDSERVE_CORE_HOST_MEMORY_H_

@@ -87,6 +87,13 @@ absl::Status ShardedTable::WriteShard(const std::function<void(float* shard)>& f
                                static_cast<int64_t>(staging.size() * sizeof(float)));
 }
 
+int64_t ShardedTable::ShardBytes(const TableConfig& config, int rank) {
+  const int dim = config.spec.dim();
+  const ShardLayout layout(config.spec, dim == 0 ? config.num_rows : config.num_cols);
+  const int64_t other = dim == 0 ? config.num_cols : config.num_rows;
+  return layout.SizeOfRank(rank) * other * static_cast<int64_t>(sizeof(float));
+}
+
 absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* bias) {
   SHARDSERVE_RETURN_IF_ERROR(WriteShard([&](float* shard) {
     for (int64_t r = 0; shard_cols_ > 0 && r < shard_rows_; ++r) {

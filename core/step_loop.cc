@@ -47,6 +47,8 @@ struct StepLoop::Step {
   std::shared_ptr<const TableSet> tables;
   std::map<WorkKey, std::vector<size_t>> mine;  // this rank's work: indices into `batch`
   std::optional<Agreement> agreement;
+  // The load each agreed key runs on (the same table version on every rank).
+  std::map<WorkKey, std::shared_ptr<ShardedTable>> loads;
   // For the observer: when the round began, and how long the agreement took.
   absl::Time round_start;
   absl::Duration agreement_time;
@@ -353,6 +355,7 @@ bool StepLoop::WaitForRound(Group& group, Step& step) {
     return true;
   }
   step.tables.reset();
+  step.loads.clear();
   absl::Status waited = group.transports.channel->AwaitRound();
   if (waited.ok()) {
     group.round_due = true;
@@ -435,6 +438,7 @@ void StepLoop::TakeTurn(Group& group, Step& step) {
 // loop goes on to its next iteration (false: the park failed, step.broken says why).
 bool StepLoop::Idle(Group& group, Step& step) {
   step.tables.reset();
+  step.loads.clear();
   StepChannel& channel = *group.transports.channel;
   if (channel.ParksCheaply()) return true;
   if (++group.idle_rounds > options_.park_after_idle_rounds) {
@@ -460,38 +464,52 @@ bool StepLoop::Idle(Group& group, Step& step) {
 void StepLoop::RunOps(Group& group, Step& step) {
   Agreement& agreement = *step.agreement;
   auto& work = agreement.work();
+  // Which load each key runs on, decided from what every rank said, so alike on every rank. When
+  // the ranks hold different tables (one being created, replaced or dropped, a version staged or
+  // switched to), they first tell each other which they hold; work for a table (version) not every
+  // rank holds alike is answered UNAVAILABLE on every rank.
+  std::optional<std::map<std::string, HeldAlike>> alike;
   if (!agreement.same_tables()) {
-    // The ranks hold different tables (one being created, replaced or dropped): they tell each
-    // other which they hold, and work for a table not every rank holds alike is answered
-    // UNAVAILABLE on every rank, since all decide from the same messages.
     agreement.Own();  // the second round reuses the channel's buffers
     const std::vector<int64_t> held = HeldTablesMessage(*step.tables);
     absl::StatusOr<std::vector<absl::Span<const char>>> messages =
         group.transports.channel->AllGatherMessages(AsBytes(held), options_.collective_timeout);
-    absl::StatusOr<std::set<std::string>> alike =
+    absl::StatusOr<std::map<std::string, HeldAlike>> read =
         messages.ok() ? TablesHeldAlike(*messages)
-                      : absl::StatusOr<std::set<std::string>>(messages.status());
-    if (!alike.ok()) {
-      step.broken = alike.status();
+                      : absl::StatusOr<std::map<std::string, HeldAlike>>(messages.status());
+    if (!read.ok()) {
+      step.broken = read.status();
       return;
     }
-    for (auto it = work.begin(); it != work.end();) {
-      if (alike->count(it->first.table)) {
-        ++it;
-        continue;
-      }
-      auto m = step.mine.find(it->first);
-      if (m != step.mine.end()) {
-        for (size_t i : m->second) {
-          Answer(step.batch[i],
-                 absl::UnavailableError(absl::StrCat(
-                     "table \"", it->first.table,
-                     "\" is not the same on every rank of the group right now (it is being "
-                     "created, replaced or dropped); retry")));
-        }
-      }
-      it = work.erase(it);
+    alike = *std::move(read);
+  }
+  step.loads.clear();
+  for (auto it = work.begin(); it != work.end();) {
+    const WorkKey& key = it->first;
+    std::shared_ptr<ShardedTable> table;
+    if (!alike) {
+      table = step.tables->Find(key.table, key.version);
+    } else if (auto h = alike->find(key.table); h != alike->end()) {
+      const std::optional<uint64_t> version = h->second.Resolve(key.version);
+      if (version) table = step.tables->Find(key.table, *version);
     }
+    if (table != nullptr) {
+      step.loads[key] = std::move(table);
+      ++it;
+      continue;
+    }
+    const std::string what =
+        key.version == 0 ? absl::StrCat("table \"", key.table, "\"")
+                         : absl::StrCat("version ", key.version, " of table \"", key.table, "\"");
+    const absl::Status refused =
+        alike ? absl::UnavailableError(absl::StrCat(
+                    what, " is not the same on every rank of the group right now (it is being "
+                          "created, replaced or dropped); retry"))
+              : absl::NotFoundError(absl::StrCat(what, " is not loaded"));
+    if (auto m = step.mine.find(key); m != step.mine.end()) {
+      for (size_t i : m->second) Answer(step.batch[i], refused);
+    }
+    it = work.erase(it);
   }
   if (!work.empty()) {
     absl::MutexLock lock(&mu_);
@@ -533,15 +551,7 @@ void StepLoop::RunOps(Group& group, Step& step) {
 void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
   auto& work = step.agreement->work();
   for (auto& [key, inputs] : work) {
-    auto held = step.tables->tables.find(key.table);
-    if (held == step.tables->tables.end()) {
-      // A peer has work for a table this rank does not hold: the group cannot run it.
-      group.Abort();
-      step.broken = absl::UnavailableError(
-          absl::StrCat("table \"", key.table, "\" is not loaded on this rank"));
-      return;
-    }
-    const std::shared_ptr<ShardedTable>& table = held->second;
+    const std::shared_ptr<ShardedTable>& table = step.loads.at(key);
     const TableConfig& config = table->config();
     // Ranks without work for this key sent no input: theirs is the empty one.
     std::vector<int64_t> empty;
@@ -553,6 +563,7 @@ void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
     auto m = step.mine.find(key);
     const std::vector<size_t> none;
     const std::vector<size_t>& indices = m != step.mine.end() ? m->second : none;
+    for (size_t i : indices) step.batch[i]->served_version = config.version;
     absl::StatusOr<DenseResult> result = [&]() -> absl::StatusOr<DenseResult> {
       SHARDSERVE_ASSIGN_OR_RETURN(GatheredInputs gathered,
                                   DecodeInputs(key.kind(), config, inputs));
@@ -638,6 +649,7 @@ void StepLoop::FailGroup(Group& group, Step& step) {
   }
   for (auto& r : queued) sink_.Deliver(*r, status);
   step.tables.reset();
+  step.loads.clear();
   for (const std::shared_ptr<ShardedTable>& table : step.renorm_unsure) {
     tables_.DropRenormUnsure(table);
   }

@@ -52,6 +52,7 @@ using Done = std::function<void(absl::StatusOr<DenseResult>)>;
 class TestSink : public ResponseSink {
  public:
   void Deliver(const StepRequest& request, absl::StatusOr<DenseResult> answer) override {
+    if (answer.ok()) last_served = request.served_version;
     std::unique_ptr<Done> done(static_cast<Done*>(request.caller));
     (*done)(std::move(answer));
   }
@@ -59,6 +60,7 @@ class TestSink : public ResponseSink {
     if (on_flush) on_flush();
   }
   std::function<void()> on_flush;  // set before the loop starts
+  std::atomic<uint64_t> last_served{0};  // the table version of the last answer served
 };
 
 // Submits `r` to `loop`, answered through `done` (at once, with the error, when refused).
@@ -312,6 +314,100 @@ void ExpectBag(Fixture& f, std::future<absl::StatusOr<DenseResult>> future,
   const std::vector<float> want = f.ExpectedBag(ids, bag, mode);
   ASSERT_EQ(got->Values().size(), want.size());
   for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got->Values()[k], want[k], 1e-5);
+}
+
+// A version switch: staged on one rank, then the other, then made active on one rank only - at
+// every point both ranks run the same version in each step, callers that name none never get an
+// error, and a pinned call gets its version while every rank holds it.
+TEST(StepLoop, ANewVersionIsSwitchedToAtOneStepOnEveryRankWithoutErrors) {
+  Fixture f;
+  InProcessRendezvous store;
+  f.StartLoops(Connect(Fixture::kWorld, "versions", store));
+  TableConfig v1 = f.emb, v2 = f.emb;
+  v1.version = 1;
+  v2.version = 2;
+  v2.source = "v2";
+  std::vector<float> weight2 = f.emb_weight;
+  for (float& w : weight2) w = 2 * w + 1;
+  auto load = [&](const TableConfig& config, int rank, const std::vector<float>& weight) {
+    auto t = ShardedTable::Create(config, rank, f.kernels);
+    EXPECT_TRUE((*t)->LoadFromFull(weight.data(), nullptr).ok());
+    return std::shared_ptr<ShardedTable>(*std::move(t));
+  };
+  for (int r = 0; r < Fixture::kWorld; ++r) f.tables[r]->Set(load(v1, r, f.emb_weight));
+  for (auto& loop : f.loops) loop->Start();
+  const std::vector<int64_t> ids = {1, 7, 49};
+  // Which version an answer came from, by its values: 1, 2, or 0 for neither.
+  auto version_of = [&](const DenseResult& got) -> int {
+    const absl::Span<const float> v = got.Values();
+    bool one = v.size() == 18, two = v.size() == 18;
+    for (size_t i = 0; i < v.size(); ++i) {
+      const float w = f.emb_weight[ids[i / 6] * 6 + i % 6];
+      one = one && v[i] == w;
+      two = two && v[i] == 2 * w + 1;
+    }
+    return one ? 1 : two ? 2 : 0;
+  };
+  auto lookup = [&](int rank, uint64_t version) {
+    auto r = LookupRequest("emb", ids);
+    r->version = version;
+    return f.Submit(rank, std::move(r)).get();
+  };
+  // Callers on both ranks throughout: every answer is one version's, and once a rank has seen v2
+  // it never sees v1 again.
+  std::atomic<bool> stop{false};
+  std::atomic<int> errors{0}, wrong{0}, went_back{0};
+  std::vector<std::thread> callers;
+  for (int rank = 0; rank < Fixture::kWorld; ++rank) {
+    callers.emplace_back([&, rank] {
+      int seen = 1;
+      while (!stop) {
+        absl::StatusOr<DenseResult> got = lookup(rank, 0);
+        if (!got.ok()) {
+          ++errors;
+          continue;
+        }
+        const int v = version_of(*got);
+        if (v == 0) ++wrong;
+        if (v < seen) ++went_back;
+        seen = std::max(seen, v);
+      }
+    });
+  }
+  auto expect = [&](int rank, uint64_t pinned, int want) {
+    absl::StatusOr<DenseResult> got = lookup(rank, pinned);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(version_of(*got), want) << "rank " << rank << " pinned " << pinned;
+    EXPECT_EQ(f.sinks[rank]->last_served.load(), static_cast<uint64_t>(want));
+  };
+  f.tables[0]->Stage(load(v2, 0, weight2));  // rank 0 only: v1 serves, v2 cannot be pinned yet
+  for (int rank : {0, 1}) expect(rank, 0, 1);
+  absl::StatusOr<DenseResult> early = lookup(1, 2);
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable) << early.status();
+  f.tables[1]->Stage(load(v2, 1, weight2));  // staged everywhere: still v1, v2 pinned works
+  for (int rank : {0, 1}) {
+    expect(rank, 0, 1);
+    expect(rank, 2, 2);
+  }
+  f.tables[1]->Activate("emb", 2);  // one rank told: the group switches
+  for (int rank : {0, 1}) {
+    expect(rank, 0, 2);
+    expect(rank, 1, 1);
+  }
+  f.tables[1]->Drop("emb", 1);  // unloaded on one rank: v2 serves on, v1 pinned cannot run
+  for (int rank : {0, 1}) expect(rank, 0, 2);
+  absl::StatusOr<DenseResult> gone = lookup(0, 1);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable) << gone.status();
+  f.tables[0]->Activate("emb", 2);
+  f.tables[0]->Drop("emb", 1);
+  gone = lookup(1, 1);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
+  EXPECT_THAT(gone.status().message(), HasSubstr("version 1 of table \"emb\" is not loaded"));
+  stop = true;
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(went_back.load(), 0);
 }
 
 TEST(StepLoop, ARequestForATableDroppedWhileItWaitedIsAnsweredNotFoundAndTheGroupServesOn) {

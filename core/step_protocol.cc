@@ -15,8 +15,9 @@ namespace {
 constexpr int64_t kHelloMagic = 0x70657473'64726168;  // "hardstep" in little-endian bytes
 
 // An agreement entry: a key word (op | mode << 8 | has_weights << 16), the table name's length
-// in bytes, the input message's length in words, the name (padded to whole words), the message.
-constexpr int64_t kEntryHeaderWords = 3;
+// in bytes, the input message's length in words, the version (0: the latest), the name (padded
+// to whole words), the message.
+constexpr int64_t kEntryHeaderWords = 4;
 constexpr int64_t kMaxNameBytes = 1 << 16;
 
 int64_t NameWords(int64_t bytes) { return (bytes + 7) / 8; }
@@ -27,7 +28,9 @@ absl::Status Malformed(size_t rank, absl::string_view what) {
 
 }  // namespace
 
-WorkKey WorkKey::Of(const StepRequest& r) { return WorkKey{r.op, r.mode, r.has_weights, r.table}; }
+WorkKey WorkKey::Of(const StepRequest& r) {
+  return WorkKey{r.op, r.mode, r.has_weights, r.table, r.version};
+}
 
 InputKind WorkKey::kind() const {
   switch (op) {
@@ -42,11 +45,13 @@ InputKind WorkKey::kind() const {
 }
 
 bool WorkKey::operator<(const WorkKey& o) const {
-  return std::tie(op, mode, has_weights, table) < std::tie(o.op, o.mode, o.has_weights, o.table);
+  return std::tie(op, mode, has_weights, table, version) <
+         std::tie(o.op, o.mode, o.has_weights, o.table, o.version);
 }
 
 bool WorkKey::operator==(const WorkKey& o) const {
-  return std::tie(op, mode, has_weights, table) == std::tie(o.op, o.mode, o.has_weights, o.table);
+  return std::tie(op, mode, has_weights, table, version) ==
+         std::tie(o.op, o.mode, o.has_weights, o.table, o.version);
 }
 
 std::vector<int64_t> HelloMessage(bool one_request_per_step) {
@@ -93,6 +98,7 @@ void AgreementWriter::Add(const WorkKey& key, absl::Span<StepRequest* const> req
   words_[entry] = static_cast<int64_t>(key.op) | static_cast<int64_t>(key.mode) << 8 |
                   int64_t{key.has_weights} << 16;
   words_[entry + 1] = name_bytes;
+  words_[entry + 3] = static_cast<int64_t>(key.version);
   std::memcpy(words_.data() + entry + kEntryHeaderWords, key.table.data(), name_bytes);
   const size_t at = words_.size();
   const InputLayout l = AppendInputMessage(kind, num, bags, key.has_weights, key.mode, words_);
@@ -150,6 +156,7 @@ absl::StatusOr<Agreement> Agreement::Read(absl::Span<const absl::Span<const char
       key.op = static_cast<StepRequest::Op>(op);
       key.mode = static_cast<PoolMode>(mode);
       key.has_weights = weights == 1;
+      key.version = static_cast<uint64_t>(words[at + 3]);
       const char* name = reinterpret_cast<const char*>(words + at + kEntryHeaderWords);
       key.table.assign(name, name_bytes);
       const int64_t* input = words + at + kEntryHeaderWords + NameWords(name_bytes);
@@ -183,11 +190,18 @@ void Agreement::Own() {
   for (size_t q = 0; q < messages_.size(); ++q) messages_[q] = AsBytes(owned_[q]);
 }
 
+// Per table: the name's length in bytes, the active version, the number of loads, then (version,
+// identity) per load, then the name (padded to whole words).
 std::vector<int64_t> HeldTablesMessage(const TableSet& tables) {
   std::vector<int64_t> out;
-  for (const auto& [name, table] : tables.tables) {
-    out.push_back(TableIdentity(table->config()));
+  for (const auto& [name, versions] : tables.tables) {
     out.push_back(static_cast<int64_t>(name.size()));
+    out.push_back(static_cast<int64_t>(versions.active));
+    out.push_back(static_cast<int64_t>(versions.loads.size()));
+    for (const auto& [version, table] : versions.loads) {
+      out.push_back(static_cast<int64_t>(version));
+      out.push_back(TableIdentity(table->config()));
+    }
     const size_t at = out.size();
     out.resize(at + NameWords(static_cast<int64_t>(name.size())), 0);
     std::memcpy(out.data() + at, name.data(), name.size());
@@ -195,29 +209,51 @@ std::vector<int64_t> HeldTablesMessage(const TableSet& tables) {
   return out;
 }
 
-absl::StatusOr<std::set<std::string>> TablesHeldAlike(
+std::optional<uint64_t> HeldAlike::Resolve(uint64_t version) const {
+  if (version != 0) {
+    if (versions.count(version)) return version;
+    return std::nullopt;
+  }
+  for (auto it = active.rbegin(); it != active.rend(); ++it) {
+    if (versions.count(*it)) return *it;
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<std::map<std::string, HeldAlike>> TablesHeldAlike(
     absl::Span<const absl::Span<const char>> messages) {
-  std::map<std::string, std::pair<int64_t, size_t>> seen;  // name -> identity, ranks alike
+  // name -> version -> (identity, ranks holding it with that identity)
+  std::map<std::string, std::map<uint64_t, std::pair<int64_t, size_t>>> seen;
+  std::map<std::string, HeldAlike> held;
   for (size_t q = 0; q < messages.size(); ++q) {
     const auto* words = reinterpret_cast<const int64_t*>(messages[q].data());
     const int64_t n = static_cast<int64_t>(messages[q].size() / 8);
     if (messages[q].size() % 8 != 0) return Malformed(q, "(held tables) is not whole words");
     for (int64_t at = 0; at < n;) {
-      if (n - at < 2 || words[at + 1] < 0 || words[at + 1] > kMaxNameBytes ||
-          NameWords(words[at + 1]) > n - at - 2) {
+      if (n - at < 3 || words[at] < 0 || words[at] > kMaxNameBytes || words[at + 2] < 0 ||
+          words[at + 2] > (n - at - 3) / 2 ||
+          NameWords(words[at]) > n - at - 3 - 2 * words[at + 2]) {
         return Malformed(q, "(held tables) does not hold what it says");
       }
-      std::string name(reinterpret_cast<const char*>(words + at + 2), words[at + 1]);
-      auto [it, fresh] = seen.try_emplace(std::move(name), words[at], 0);
-      if (fresh || it->second.first == words[at]) ++it->second.second;
-      at += 2 + NameWords(words[at + 1]);
+      const int64_t loads = words[at + 2];
+      const int64_t* load = words + at + 3;
+      std::string name(reinterpret_cast<const char*>(load + 2 * loads), words[at]);
+      auto& versions = seen[name];
+      HeldAlike& h = held[name];
+      for (int64_t l = 0; l < loads; ++l) {
+        if (load[2 * l] == words[at + 1]) h.active.insert(static_cast<uint64_t>(words[at + 1]));
+        auto [it, fresh] = versions.try_emplace(static_cast<uint64_t>(load[2 * l]), load[2 * l + 1], 0);
+        if (fresh || it->second.first == load[2 * l + 1]) ++it->second.second;
+      }
+      at += 3 + 2 * loads + NameWords(words[at]);
     }
   }
-  std::set<std::string> alike;
-  for (const auto& [name, held] : seen) {
-    if (held.second == messages.size()) alike.insert(name);
+  for (const auto& [name, versions] : seen) {
+    for (const auto& [version, identity] : versions) {
+      if (identity.second == messages.size()) held[name].versions.insert(version);
+    }
   }
-  return alike;
+  return held;
 }
 
 }  // namespace shardserve::core

@@ -10,8 +10,13 @@
 //   concatenated input of its queued requests for that key. Every rank thus learns every rank's
 //   work and input, and the ops need no input round of their own.
 // - In the rare step whose ranks hold different tables (digests differ: a table being created,
-//   replaced or dropped), one more round tells them which tables each holds, and work for a table
-//   not every rank holds alike is answered UNAVAILABLE on every rank.
+//   replaced or dropped, a version staged, switched to or unloaded), one more round tells them
+//   which tables each holds, and work for a table not every rank holds alike is answered
+//   UNAVAILABLE on every rank.
+// - Versions: work names a version (pinned) or none (the latest). The latest is the highest
+//   version that some rank has been told to serve (its active one) and that every rank holds: so
+//   a group switches to a new version at one step, the first whose round shows it active on any
+//   rank once every rank holds it, and no step mixes two versions.
 //
 // Bump kStepProtocol on any change to these messages, the input message or the ops' collectives.
 #ifndef SHARDSERVE_CORE_STEP_PROTOCOL_H_
@@ -20,6 +25,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -33,7 +39,7 @@
 
 namespace shardserve::core {
 
-inline constexpr int64_t kStepProtocol = 4;
+inline constexpr int64_t kStepProtocol = 5;
 
 // Requests that can share one sharded op call: same table, op, pool mode and weights-or-not.
 struct WorkKey {
@@ -41,6 +47,7 @@ struct WorkKey {
   PoolMode mode = PoolMode::kSum;
   bool has_weights = false;
   std::string table;
+  uint64_t version = 0;  // pinned, or 0: the latest
 
   static WorkKey Of(const StepRequest& request);
   InputKind kind() const;
@@ -92,10 +99,18 @@ class Agreement {
   std::map<WorkKey, std::vector<absl::Span<const char>>> work_;
 };
 
-// The tables this rank holds (name and identity), for a step whose ranks hold different ones.
+// The tables this rank holds (name, versions and their identities, the active version), for a
+// step whose ranks hold different ones.
 std::vector<int64_t> HeldTablesMessage(const TableSet& tables);
-// The names of the tables that every rank holds alike, from every rank's HeldTablesMessage.
-absl::StatusOr<std::set<std::string>> TablesHeldAlike(
+
+// What the group holds of one table, from every rank's HeldTablesMessage.
+struct HeldAlike {
+  std::set<uint64_t> versions;  // held alike (same identity) by every rank
+  std::set<uint64_t> active;    // active (and held) on some rank
+  // The version work for `version` (0: the latest) runs on; none when the group cannot run it.
+  std::optional<uint64_t> Resolve(uint64_t version) const;
+};
+absl::StatusOr<std::map<std::string, HeldAlike>> TablesHeldAlike(
     absl::Span<const absl::Span<const char>> messages);
 
 // Views of int64 words as the bytes a channel sends.

@@ -141,26 +141,95 @@ TEST(StepProtocol, TablesHeldAlikeNeedTheSameIdentityOnEveryRank) {
   auto load = [&](const TableConfig& config) {
     return std::shared_ptr<ShardedTable>(*ShardedTable::Create(config, 0, kernels));
   };
+  auto one = [&](const TableConfig& config) {
+    TableSet::Versions v;
+    v.loads[config.version] = load(config);
+    v.active = config.version;
+    return v;
+  };
   TableConfig a = Table("a", 4, 2), b = Table("b", 4, 2);
   TableConfig b_elsewhere = b;
   b_elsewhere.source = "checkpoint /elsewhere";
-  auto rank0 = TableSet::Of({{"a", load(a)}, {"b", load(b)}});
-  auto rank1 = TableSet::Of({{"a", load(a)}, {"b", load(b_elsewhere)}});
-  auto rank2 = TableSet::Of({{"a", load(a)}});
+  auto rank0 = TableSet::Of({{"a", one(a)}, {"b", one(b)}});
+  auto rank1 = TableSet::Of({{"a", one(a)}, {"b", one(b_elsewhere)}});
+  auto rank2 = TableSet::Of({{"a", one(a)}});
   EXPECT_NE(rank0->digest, rank1->digest);
-  EXPECT_EQ(rank0->digest, TableSet::Of({{"a", load(a)}, {"b", load(b)}})->digest);
+  EXPECT_EQ(rank0->digest, TableSet::Of({{"a", one(a)}, {"b", one(b)}})->digest);
   const std::vector<int64_t> m0 = HeldTablesMessage(*rank0), m1 = HeldTablesMessage(*rank1),
                              m2 = HeldTablesMessage(*rank2);
-  absl::StatusOr<std::set<std::string>> alike = TablesHeldAlike({AsBytes(m0), AsBytes(m1)});
+  auto names = [](const std::map<std::string, HeldAlike>& held) {
+    std::set<std::string> out;
+    for (const auto& [name, h] : held) {
+      if (h.Resolve(0)) out.insert(name);
+    }
+    return out;
+  };
+  absl::StatusOr<std::map<std::string, HeldAlike>> alike =
+      TablesHeldAlike({AsBytes(m0), AsBytes(m1)});
   ASSERT_TRUE(alike.ok());
-  EXPECT_EQ(*alike, std::set<std::string>{"a"});
+  EXPECT_EQ(names(*alike), std::set<std::string>{"a"});
   alike = TablesHeldAlike({AsBytes(m0), AsBytes(m0), AsBytes(m2)});
   ASSERT_TRUE(alike.ok());
-  EXPECT_EQ(*alike, std::set<std::string>{"a"});
+  EXPECT_EQ(names(*alike), std::set<std::string>{"a"});
   alike = TablesHeldAlike({AsBytes(m0), AsBytes(m0)});
-  EXPECT_EQ(*alike, (std::set<std::string>{"a", "b"}));
+  EXPECT_EQ(names(*alike), (std::set<std::string>{"a", "b"}));
   const std::vector<int64_t> cut(m0.begin(), m0.end() - 1);
   EXPECT_EQ(TablesHeldAlike({AsBytes(cut)}).status().code(), absl::StatusCode::kInternal);
+}
+
+// The switch to a new version: the latest is the highest version active on some rank that every
+// rank holds, so a rank that has not been told yet switches with its peers in the same step.
+TEST(StepProtocol, TheLatestVersionIsTheHighestActiveOneEveryRankHolds) {
+  CpuKernels kernels;
+  TableConfig v1 = Table("t", 4, 2), v2 = Table("t", 4, 2), v3 = Table("t", 4, 2);
+  v1.version = 1;
+  v2.version = 2;
+  v2.source = "seed 2";
+  v3.version = 3;
+  v3.source = "seed 3";
+  auto load = [&](const TableConfig& config) {
+    return std::shared_ptr<ShardedTable>(*ShardedTable::Create(config, 0, kernels));
+  };
+  auto held = [&](std::vector<TableConfig> versions, uint64_t active) {
+    TableSet::Versions v;
+    for (const TableConfig& c : versions) v.loads[c.version] = load(c);
+    v.active = active;
+    return HeldTablesMessage(*TableSet::Of({{"t", v}}));
+  };
+  auto resolve = [&](const std::vector<std::vector<int64_t>>& ranks, uint64_t version) {
+    std::vector<absl::Span<const char>> messages;
+    for (const auto& m : ranks) messages.push_back(AsBytes(m));
+    auto alike = TablesHeldAlike(messages);
+    EXPECT_TRUE(alike.ok());
+    return alike->count("t") ? alike->at("t").Resolve(version).value_or(0) : 0;
+  };
+  // v2 staged on one rank only: v1 serves, a call pinned to v2 cannot run yet.
+  const auto staged0 = held({v1, v2}, 1), serving1 = held({v1}, 1);
+  EXPECT_EQ(resolve({staged0, serving1}, 0), 1u);
+  EXPECT_EQ(resolve({staged0, serving1}, 2), 0u);
+  EXPECT_EQ(resolve({staged0, serving1}, 1), 1u);
+  // Staged everywhere, rank 1 told to switch first: both run v2.
+  const auto staged1 = held({v1, v2}, 1), switched1 = held({v1, v2}, 2);
+  EXPECT_EQ(resolve({staged1, switched1}, 0), 2u);
+  EXPECT_EQ(resolve({staged1, switched1}, 1), 1u);  // pinned: still there
+  // Rank 1 has already unloaded v1: v2 still resolves, v1 pinned does not.
+  const auto only2 = held({v2}, 2);
+  EXPECT_EQ(resolve({staged1, only2}, 0), 2u);
+  EXPECT_EQ(resolve({staged1, only2}, 1), 0u);
+  // v3 loaded elsewhere from another source on one rank: not alike, never run.
+  TableConfig v3_other = v3;
+  v3_other.source = "seed 4";
+  const auto a3 = held({v2, v3}, 3), b3 = [&] {
+    TableSet::Versions v;
+    v.loads[2] = load(v2);
+    v.loads[3] = load(v3_other);
+    v.active = 3;
+    return HeldTablesMessage(*TableSet::Of({{"t", v}}));
+  }();
+  EXPECT_EQ(resolve({a3, b3}, 0), 0u);
+  EXPECT_EQ(resolve({a3, b3}, 2), 2u);
+  // The message of one rank is read back whole (many versions, long names).
+  EXPECT_EQ(resolve({a3, a3}, 0), 3u);
 }
 
 }  // namespace

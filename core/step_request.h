@@ -27,6 +27,8 @@ struct StepRequest {
   bool has_weights = false;
   PoolMode mode = PoolMode::kMean;
   std::vector<float> values;     // linear input rows
+  uint64_t version = 0;          // of the table: pinned, or 0 for the latest the group serves
+  uint64_t served_version = 0;   // the version the step ran it on (set by the step loop)
   absl::Time deadline = absl::InfiniteFuture();
   // When the call arrived (InfinitePast: not known), for the queue wait StepObserver is told.
   absl::Time received = absl::InfinitePast();

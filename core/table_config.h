@@ -31,6 +31,9 @@ struct TableConfig {
   // Where the weights came from (e.g. a checkpoint's path or a seed): ranks whose tables came
   // from different sources do not hold the same table, even under the same name and shape.
   std::string source;
+  // Which version of the table this is (1, 2, ... as the coordinator numbers them; 0 for tables
+  // outside a cluster). Versions of a table differ only in their weights (`source`).
+  uint64_t version = 0;
 
   // INVALID_ARGUMENT naming the field, value and bound. Normalises padding_idx.
   absl::Status Validate();

@@ -29,20 +29,29 @@ int64_t TableIdentity(const TableConfig& c) {
   return static_cast<int64_t>(Fnv1a(absl::StrCat(
       c.name, "\n", static_cast<int>(c.kind), "|", c.num_rows, "|", c.num_cols, "|",
       c.spec.ToString(), "|", c.padding_idx.value_or(-1), "|", c.max_norm.has_value(), "|",
-      bits(c.max_norm.value_or(0)), "|", bits(c.norm_type), "|", c.has_bias, "\n", c.source)));
+      bits(c.max_norm.value_or(0)), "|", bits(c.norm_type), "|", c.has_bias, "|", c.version, "\n",
+      c.source)));
 }
 
-std::shared_ptr<const TableSet> TableSet::Of(
-    std::map<std::string, std::shared_ptr<ShardedTable>> tables) {
+std::shared_ptr<const TableSet> TableSet::Of(std::map<std::string, Versions> tables) {
   auto set = std::make_shared<TableSet>();
   set->tables = std::move(tables);
   set->digest = Fnv1a("");
-  for (const auto& [name, table] : set->tables) {
-    const int64_t identity = TableIdentity(table->config());
-    set->digest =
-        Fnv1a(absl::string_view(reinterpret_cast<const char*>(&identity), 8), set->digest);
+  auto mix = [&](int64_t word) {
+    set->digest = Fnv1a(absl::string_view(reinterpret_cast<const char*>(&word), 8), set->digest);
+  };
+  for (const auto& [name, versions] : set->tables) {
+    for (const auto& [version, table] : versions.loads) mix(TableIdentity(table->config()));
+    mix(static_cast<int64_t>(versions.active));
   }
   return set;
+}
+
+std::shared_ptr<ShardedTable> TableSet::Find(const std::string& name, uint64_t version) const {
+  auto it = tables.find(name);
+  if (it == tables.end()) return nullptr;
+  auto load = it->second.loads.find(version == 0 ? it->second.active : version);
+  return load == it->second.loads.end() ? nullptr : load->second;
 }
 
 FixedTables::FixedTables() : tables_(TableSet::Of({})) {}
@@ -50,7 +59,25 @@ FixedTables::FixedTables() : tables_(TableSet::Of({})) {}
 void FixedTables::Set(std::shared_ptr<ShardedTable> table) {
   absl::MutexLock lock(&mu_);
   auto tables = tables_->tables;
-  tables[table->config().name] = std::move(table);
+  TableSet::Versions& versions = tables[table->config().name];
+  versions.loads.clear();
+  versions.active = table->config().version;
+  versions.loads[versions.active] = std::move(table);
+  tables_ = TableSet::Of(std::move(tables));
+}
+
+void FixedTables::Stage(std::shared_ptr<ShardedTable> table) {
+  absl::MutexLock lock(&mu_);
+  auto tables = tables_->tables;
+  const uint64_t version = table->config().version;
+  tables[table->config().name].loads[version] = std::move(table);
+  tables_ = TableSet::Of(std::move(tables));
+}
+
+void FixedTables::Activate(const std::string& name, uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  auto tables = tables_->tables;
+  tables[name].active = version;
   tables_ = TableSet::Of(std::move(tables));
 }
 
@@ -58,6 +85,16 @@ void FixedTables::Drop(const std::string& name) {
   absl::MutexLock lock(&mu_);
   auto tables = tables_->tables;
   tables.erase(name);
+  tables_ = TableSet::Of(std::move(tables));
+}
+
+void FixedTables::Drop(const std::string& name, uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  auto tables = tables_->tables;
+  auto it = tables.find(name);
+  if (it == tables.end()) return;
+  it->second.loads.erase(version);
+  if (it->second.loads.empty()) tables.erase(it);
   tables_ = TableSet::Of(std::move(tables));
 }
 
@@ -70,8 +107,11 @@ void FixedTables::DropRenormUnsure(const std::shared_ptr<ShardedTable>& table) {
   absl::MutexLock lock(&mu_);
   auto tables = tables_->tables;
   auto it = tables.find(table->config().name);
-  if (it == tables.end() || it->second != table) return;  // loaded anew meanwhile: kept
-  tables.erase(it);
+  if (it == tables.end()) return;
+  auto load = it->second.loads.find(table->config().version);
+  if (load == it->second.loads.end() || load->second != table) return;  // loaded anew: kept
+  it->second.loads.erase(load);
+  if (it->second.loads.empty()) tables.erase(it);
   tables_ = TableSet::Of(std::move(tables));
 }
 

@@ -2,6 +2,11 @@
 // holds for its whole duration (TF Serving's ServableHandle idea), and TableSource, where the loop
 // gets the latest one from. The worker's table lifecycle (server/table_lifecycle.h) is the
 // TableSource of a serving process; tests use FixedTables.
+//
+// A table may be held in several versions (TableConfig::version): the one calls that name no
+// version get on this rank (`active`), a next one staged beside it, and older ones kept for calls
+// pinned to them. Which version a step runs is decided by the group (step_protocol.h), never by
+// one rank alone.
 #ifndef SHARDSERVE_CORE_TABLE_SOURCE_H_
 #define SHARDSERVE_CORE_TABLE_SOURCE_H_
 
@@ -22,12 +27,18 @@ namespace shardserve::core {
 int64_t TableIdentity(const TableConfig& config);
 
 struct TableSet {
-  std::map<std::string, std::shared_ptr<ShardedTable>> tables;
-  // Of every table's identity: equal on ranks that hold the same tables.
+  struct Versions {
+    std::map<uint64_t, std::shared_ptr<ShardedTable>> loads;  // by TableConfig::version
+    uint64_t active = 0;  // what calls that name no version get on this rank (0: none)
+  };
+  std::map<std::string, Versions> tables;
+  // Of every load's identity and every table's active version: equal on ranks that hold the same
+  // tables alike.
   uint64_t digest = 0;
 
-  static std::shared_ptr<const TableSet> Of(
-      std::map<std::string, std::shared_ptr<ShardedTable>> tables);
+  static std::shared_ptr<const TableSet> Of(std::map<std::string, Versions> tables);
+  // The load of `name` that `version` names here (0: the active one), or null.
+  std::shared_ptr<ShardedTable> Find(const std::string& name, uint64_t version) const;
 };
 
 class TableSource {
@@ -47,8 +58,14 @@ class TableSource {
 class FixedTables : public TableSource {
  public:
   FixedTables();
-  void Set(std::shared_ptr<ShardedTable> table);  // adds or replaces by name
-  void Drop(const std::string& name);
+  // Holds `table` as its name's only version, active.
+  void Set(std::shared_ptr<ShardedTable> table);
+  // Holds `table` beside the name's other versions (replacing its own version), not active.
+  void Stage(std::shared_ptr<ShardedTable> table);
+  // Calls that name no version get `version` of `name` from now on.
+  void Activate(const std::string& name, uint64_t version);
+  void Drop(const std::string& name);                     // every version
+  void Drop(const std::string& name, uint64_t version);   // that version
 
   std::shared_ptr<const TableSet> Tables() const override;
   void DropRenormUnsure(const std::shared_ptr<ShardedTable>& table) override;

@@ -24,6 +24,7 @@ namespace {
 std::string SpecDifference(v1::TableSpec registered, v1::TableSpec asked) {
   for (v1::TableSpec* spec : {&registered, &asked}) {
     spec->clear_generation();
+    spec->clear_version();
     if (!spec->has_norm_type()) spec->set_norm_type(2.0);
     if (spec->dtype() == v1::DTYPE_UNSPECIFIED) spec->set_dtype(v1::FLOAT32);
   }
@@ -101,6 +102,11 @@ absl::Status ControlPlane::LoadRegistry() {
     replica_generations_[{r.table(), r.group()}] = r.generation();
     last_generation_ = std::max<uint64_t>(last_generation_, r.generation());
   }
+  for (const v1::TableSpec& spec : registry.kept_versions()) {
+    if (!tables_.count(spec.name())) continue;
+    kept_[spec.name()].push_back(spec);
+    last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
+  }
   return absl::OkStatus();
 }
 
@@ -114,6 +120,9 @@ absl::Status ControlPlane::SaveRegistry() {
     r->set_table(replica.first);
     r->set_group(replica.second);
     r->set_generation(generation);
+  }
+  for (const auto& [name, kept] : kept_) {
+    for (const v1::TableSpec& spec : kept) *registry.add_kept_versions() = spec;
   }
   return store_->Save(registry);
 }
@@ -145,6 +154,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   v1::TableSpec stored = spec;
   stored.set_dtype(v1::FLOAT32);
   stored.clear_generation();  // output only
+  stored.clear_version();
   if (config.padding_idx) stored.set_padding_idx(*config.padding_idx);  // normalised
   bool registered = false;  // a retry: the same spec is registered under the name
   {
@@ -193,6 +203,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
     }
   }
   stored.set_generation(last_generation_ + 1);
+  stored.set_version(1);
   const uint64_t generation = stored.generation();
   tables_[name] = std::move(stored);
   last_generation_ = generation;
@@ -311,6 +322,11 @@ absl::StatusOr<v1::DropTableResponse> ControlPlane::DropTable(const std::string&
   }
   v1::TableSpec dropped = std::move(it->second);
   tables_.erase(it);
+  std::vector<v1::TableSpec> kept;
+  if (auto k = kept_.find(name); k != kept_.end()) {
+    kept = std::move(k->second);
+    kept_.erase(k);
+  }
   std::map<std::pair<std::string, int>, uint64_t> replicas;
   for (auto r = replica_generations_.begin(); r != replica_generations_.end();) {
     if (r->first.first == name) {
@@ -323,9 +339,11 @@ absl::StatusOr<v1::DropTableResponse> ControlPlane::DropTable(const std::string&
   if (absl::Status s = SaveRegistry(); !s.ok()) {
     tables_[name] = std::move(dropped);  // a failed save changes nothing
     replica_generations_.insert(replicas.begin(), replicas.end());
+    if (!kept.empty()) kept_[name] = std::move(kept);
     return s;
   }
   unserved_.erase(name);
+  ForgetVersions(name);
   LOG(INFO) << "coordinator: table \"" << name << "\" dropped";
   // Until a worker has reported since the drop, it may still serve the table: its last report was
   // built before it applied a reply without it. A report sent since that does not list it was
@@ -474,7 +492,7 @@ bool ControlPlane::PlacedOn(const v1::TableSpec& spec, int group) {
 bool ControlPlane::Holds(const Member& m, const v1::TableSpec& spec) {
   if (std::find(m.loaded.begin(), m.loaded.end(), spec.name()) == m.loaded.end()) return false;
   if (m.loaded_specs.empty()) return true;  // a worker that does not say which spec
-  auto it = m.loaded_specs.find(spec.name());
+  auto it = m.loaded_specs.find({spec.name(), spec.version()});
   return it != m.loaded_specs.end() &&
          google::protobuf::util::MessageDifferencer::Equals(it->second, spec);
 }
@@ -492,6 +510,14 @@ const absl::Status* ControlPlane::LoadError(const v1::TableSpec& spec) const {
 }
 
 v1::TableSpec ControlPlane::SpecFor(const v1::TableSpec& spec, int g) const {
+  // A replica that LoadVersion took to the new version already (one at a time).
+  if (auto load = loading_.find(spec.name());
+      load != loading_.end() && load->second.mode == v1::SWAP_MODE_ONE_REPLICA_AT_A_TIME) {
+    const VersionLoad& l = load->second;
+    for (size_t i = 0; i < l.swapped; ++i) {
+      if (l.order[i] == g) return l.spec;
+    }
+  }
   auto it = replica_generations_.find({spec.name(), g});
   if (it == replica_generations_.end()) return spec;
   v1::TableSpec replica = spec;
@@ -558,6 +584,13 @@ v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
       failed = failed || (e != m.load_errors.end() && e->second.first == held.generation());
     }
     const bool replica_serves = TableServing(spec.name(), g);
+    // Next to unload the old version (LoadVersion one replica at a time): clients move away.
+    if (auto load = loading_.find(spec.name());
+        load != loading_.end() && load->second.unload_at != absl::InfiniteFuture() &&
+        load->second.swapped < load->second.order.size() &&
+        load->second.order[load->second.swapped] == g) {
+      draining = true;
+    }
     replica->set_state(replica_serves && draining ? v1::TABLE_STATE_DRAINING
                        : replica_serves           ? v1::TABLE_STATE_SERVING
                        : failed                   ? v1::TABLE_STATE_FAILED
@@ -601,6 +634,7 @@ v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
     }
   }
   if (first != nullptr) *info.mutable_shards() = first->shards();
+  AddVersions(spec, info);
   return info;
 }
 

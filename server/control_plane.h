@@ -64,6 +64,10 @@ struct ControlPlaneOptions {
   // replaces its copy).
   absl::Duration learn_time = absl::Seconds(4);
   absl::Duration create_wait = absl::Seconds(30);  // an admin call waits at most this long
+  // LoadVersion one replica at a time: how long a replica is listed as DRAINING before it
+  // unloads the old version, so that clients (which re-read placement maps every second) have
+  // moved to the other replicas first.
+  absl::Duration swap_drain = absl::Milliseconds(1500);
   Clock* clock = nullptr;    // not owned; null: Clock::Real()
   FileOps* files = nullptr;  // not owned, for the registry; null: FileOps::Posix()
 };
@@ -125,6 +129,28 @@ class ControlPlane {
   // NOT_FOUND; UNAVAILABLE while learning (no state_dir); the registry's errors as above (then
   // nothing has changed).
   absl::StatusOr<v1::DropTableResponse> DropTable(const std::string& name, absl::Time deadline);
+  // Loads the next version of a table (the source in `request`; shape, sharding and options
+  // stay) and switches its replicas to it, then waits for the switch (or its failure) as
+  // WaitTable does: the TableInfo, whose `versions` show how far it got.
+  //   - Every rank with room for both copies (as its heartbeats say): every rank loads it beside
+  //     the serving version; once every rank of every formed group holds it, the table's spec
+  //     becomes the new version (persisted) and each group switches at a step all its ranks agree
+  //     on (step_protocol.h).
+  //   - Otherwise, with two replicas or more (or allow_gap): one replica at a time is listed as
+  //     DRAINING for swap_drain, then unloads the old version and loads the new one, while the
+  //     others serve; the table's spec becomes the new version when the last replica serves it.
+  //   - A rank that cannot load it (its error in `versions`) ends the load: every replica holds
+  //     the serving version again (beside: a rank out of memory turns it into one at a time when
+  //     that is possible).
+  // Idempotent while a load of the same source runs. INVALID_ARGUMENT (source, checkpoint,
+  // keep_versions, timeout), NOT_FOUND, FAILED_PRECONDITION (another load runs; the table does
+  // not serve yet), RESOURCE_EXHAUSTED (no room beside and one replica without allow_gap), the
+  // load's error (code and message of the rank that could not load it), UNAVAILABLE while
+  // learning (no state_dir).
+  absl::StatusOr<v1::TableInfo> LoadVersion(const v1::LoadVersionRequest& request,
+                                            absl::Time deadline);
+  // Unloads a kept version: NOT_FOUND, FAILED_PRECONDITION (the serving or a loading version).
+  absl::StatusOr<v1::TableInfo> UnloadVersion(const std::string& name, uint64_t version);
   // UNAVAILABLE while learning (no state_dir).
   absl::StatusOr<std::vector<v1::TableInfo>> ListTables() const;
   // NOT_FOUND; UNAVAILABLE while learning (no state_dir).
@@ -184,8 +210,10 @@ class ControlPlane {
     absl::Time broken_since = absl::InfiniteFuture();
     absl::Time last_seen = absl::InfinitePast();
     std::vector<std::string> loaded;
-    // The spec each loaded table came from (empty when the worker does not say: then `loaded`).
-    std::map<std::string, v1::TableSpec> loaded_specs;
+    // The spec each loaded table version came from, by (table, version) (empty when the worker
+    // does not say: then `loaded`).
+    std::map<std::pair<std::string, uint64_t>, v1::TableSpec> loaded_specs;
+    int64_t memory_available = -1;  // bytes of tables it could still load (-1: not known)
     std::vector<std::string> serving;  // tables the worker accepts calls for
     // Tables it could not load: the generation of the spec that failed, and why.
     std::map<std::string, std::pair<uint64_t, absl::Status>> load_errors;
@@ -208,7 +236,39 @@ class ControlPlane {
     v1::GroupState logged_state = v1::GROUP_STATE_UNSPECIFIED;  // what the log last said
   };
 
+  // A LoadVersion under way (control_plane_versions.cc).
+  struct VersionLoad {
+    v1::TableSpec spec;  // the new version, with a generation of its own
+    v1::SwapMode mode = v1::SWAP_MODE_BESIDE;
+    std::vector<int> order;  // the groups holding the table
+    // One at a time: the groups order[0, swapped) hold (or load) the new version instead of the
+    // serving one; order[swapped] unloads it at `unload_at` (InfiniteFuture: not draining yet).
+    size_t swapped = 0;
+    absl::Time unload_at = absl::InfiniteFuture();
+    int keep = 1;
+    bool allow_gap = false;
+    absl::Time started;
+  };
+
   ControlPlane(ControlPlaneOptions options, Clock& clock, std::unique_ptr<RegistryStore> store);
+  // Moves each LoadVersion on: its failure, the next replica of one at a time, the switch.
+  void AdvanceVersions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The table's spec becomes `load`'s (persisted): false (and the load failed, saying why) if the
+  // registry cannot be saved.
+  bool SwitchVersion(const std::string& name, const VersionLoad& load)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailVersion(const std::string& name, const VersionLoad& load, const absl::Status& error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why a rank could not load `spec` (that generation), if one could not.
+  const absl::Status* VersionLoadError(const v1::TableSpec& spec, const std::vector<int>& groups)
+      const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Ranks of `group` that hold `spec`.
+  int RanksHolding(const v1::TableSpec& spec, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The table's versions for TableInfo.versions.
+  void AddVersions(const v1::TableSpec& serving, v1::TableInfo& info) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Forgets the table's versions (it is dropped).
+  void ForgetVersions(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status LoadRegistry();
   // The rendezvous store of the group whose epoch `key` names (else group 0's).
   GroupRendezvous& RendezvousOf(const std::string& key) ABSL_LOCKS_EXCLUDED(mu_);
@@ -290,6 +350,15 @@ class ControlPlane {
   std::set<std::pair<std::string, int>> reloaded_while_down_ ABSL_GUARDED_BY(mu_);
   // (table, group) -> the replica's own generation (see SpecFor); persisted with the registry.
   std::map<std::pair<std::string, int>, uint64_t> replica_generations_ ABSL_GUARDED_BY(mu_);
+  // LoadVersions under way, by table (not persisted: a coordinator's restart ends them, and the
+  // workers drop what they loaded of them).
+  std::map<std::string, VersionLoad> loading_ ABSL_GUARDED_BY(mu_);
+  // Older versions kept loaded for pinned calls, newest first (persisted).
+  std::map<std::string, std::vector<v1::TableSpec>> kept_ ABSL_GUARDED_BY(mu_);
+  // The last LoadVersion of each table that failed, as TableInfo.versions shows it.
+  std::map<std::string, v1::VersionInfo> failed_versions_ ABSL_GUARDED_BY(mu_);
+  // How each table's serving version was loaded (mode, load_ms), when LoadVersion loaded it.
+  std::map<std::string, v1::VersionInfo> switched_ ABSL_GUARDED_BY(mu_);
   std::vector<Group> groups_ ABSL_GUARDED_BY(mu_);
   // Whether each table served when the log last said (LogChanges).
   std::map<std::string, bool> logged_serving_ ABSL_GUARDED_BY(mu_);

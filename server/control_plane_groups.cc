@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -78,7 +79,10 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   }
   m.loaded.assign(request.loaded_tables().begin(), request.loaded_tables().end());
   m.loaded_specs.clear();
-  for (const v1::TableSpec& spec : request.loaded_specs()) m.loaded_specs[spec.name()] = spec;
+  for (const v1::TableSpec& spec : request.loaded_specs()) {
+    m.loaded_specs[{spec.name(), spec.version()}] = spec;
+  }
+  m.memory_available = request.memory_available_bytes();
   m.serving.assign(request.serving_tables().begin(), request.serving_tables().end());
   m.load_errors.clear();
   for (const v1::internal::TableLoadError& e : request.load_errors()) {
@@ -95,6 +99,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     ReloadAfterPartialRenorm(g, request.rank(), held);
   }
   Reconcile(g);
+  AdvanceVersions();
   ForgetServedCreations();
   v1::internal::HeartbeatResponse response;
   response.set_world_size(options_.world_size);
@@ -118,6 +123,13 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   for (const auto& [name, spec] : tables_) {
     if (!PlacedOn(spec, g)) continue;
     *response.add_tables() = SpecFor(spec, g);
+    if (auto load = loading_.find(name);
+        load != loading_.end() && load->second.mode == v1::SWAP_MODE_BESIDE) {
+      *response.add_other_versions() = load->second.spec;
+    }
+    if (auto kept = kept_.find(name); kept != kept_.end()) {
+      for (const v1::TableSpec& old : kept->second) *response.add_other_versions() = old;
+    }
     if (TableReady(name, g)) response.add_serving_tables(name);
     if (unserved_.count(name)) response.add_creating_tables(name);
     if (const absl::Status* error = LoadError(spec)) {
@@ -225,6 +237,7 @@ ServingState ControlPlane::Serving() const {
 void ControlPlane::Tick() {
   absl::MutexLock lock(&mu_);
   Reconcile();
+  AdvanceVersions();
   ForgetServedCreations();
   LogChanges();
 }
@@ -366,11 +379,16 @@ void ControlPlane::LearnTables(int g) {
   // previous coordinator last told them to hold and all of them loaded. Tables they hold
   // differently (a creation, drop or reload under way when it stopped) are left to be dropped.
   const std::vector<Member>& members = groups_[g].members;
-  for (const auto& [name, spec] : members[0].loaded_specs) {
-    if (!ConfigFromSpec(spec, options_.world_size).ok()) continue;
+  std::set<std::string> learnt;  // the highest version every member holds counts
+  for (auto held = members[0].loaded_specs.rbegin(); held != members[0].loaded_specs.rend();
+       ++held) {
+    const std::string& name = held->first.first;
+    const v1::TableSpec& spec = held->second;
+    if (learnt.count(name) || !ConfigFromSpec(spec, options_.world_size).ok()) continue;
     bool everywhere = true;
     for (const Member& m : members) everywhere = everywhere && Holds(m, spec);
     if (!everywhere) continue;
+    learnt.insert(name);
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
     if (auto known = tables_.find(name); known != tables_.end()) {
       // Learnt from another group already: the same table but for a replica's own generation.

@@ -70,6 +70,9 @@ struct FakeWorker {
   std::map<std::string, v1::TableSpec> loaded;
   std::map<std::string, std::string> load_errors;  // table -> message (RESOURCE_EXHAUSTED)
   std::set<std::string> serving;
+  // Other versions held beside the serving ones (LoadVersion), by (table, version).
+  std::map<std::pair<std::string, uint64_t>, v1::TableSpec> others;
+  int64_t memory = -1;  // memory_available_bytes
   HeartbeatResponse last;
 
   HeartbeatRequest Request() const {
@@ -85,14 +88,23 @@ struct FakeWorker {
       request.add_loaded_tables(name);
       *request.add_loaded_specs() = spec;
     }
+    for (const auto& [key, spec] : others) *request.add_loaded_specs() = spec;
     for (const std::string& name : serving) request.add_serving_tables(name);
+    request.set_memory_available_bytes(memory);
     for (const auto& [name, message] : load_errors) {
       v1::internal::TableLoadError* e = request.add_load_errors();
       e->set_table(name);
       e->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
       e->set_message(message);
       for (const v1::TableSpec& spec : last.tables()) {
-        if (spec.name() == name) e->set_generation(spec.generation());
+        if (spec.name() == name && !loaded.count(name)) e->set_generation(spec.generation());
+      }
+      for (const v1::TableSpec& spec : last.other_versions()) {  // a new version failed
+        auto held = loaded.find(name);
+        if (spec.name() == name && held != loaded.end() &&
+            spec.version() > held->second.version()) {
+          e->set_generation(spec.generation());
+        }
       }
     }
     return request;
@@ -118,6 +130,12 @@ struct FakeWorker {
     for (const auto& [name, spec] : wanted) {
       if (loads && !loaded.count(name) && !load_errors.count(name)) loaded[name] = spec;
     }
+    std::map<std::pair<std::string, uint64_t>, v1::TableSpec> held;
+    for (const v1::TableSpec& spec : response->other_versions()) {
+      const std::pair<std::string, uint64_t> key(spec.name(), spec.version());
+      if (others.count(key) || (loads && !load_errors.count(spec.name()))) held[key] = spec;
+    }
+    others = std::move(held);
     serving = std::set<std::string>(response->serving_tables().begin(),
                                     response->serving_tables().end());
     return response;
@@ -157,12 +175,14 @@ class ControlPlaneTest : public ::testing::Test {
   }
   // A group that serves `tables`, created through `cp`.
   void Serve(ControlPlane& cp, std::vector<FakeWorker>& workers,
-             const std::vector<std::string>& tables) {
+             const std::vector<std::string>& tables, int world = 0) {
     Settle(cp, workers);
     for (const std::string& name : tables) {
       absl::Notification created;
       std::thread create([&] {
-        EXPECT_TRUE(cp.CreateTable(Seeded(name, workers.size()), absl::InfiniteFuture()).ok());
+        EXPECT_TRUE(
+            cp.CreateTable(Seeded(name, world ? world : workers.size()), absl::InfiniteFuture())
+                .ok());
         created.Notify();
       });
       while (!created.WaitForNotificationWithTimeout(absl::Milliseconds(1))) {
@@ -1278,6 +1298,245 @@ TEST_F(ControlPlaneTest, AnExportIsPlannedOnlyForAServingTableAndAPathOutsideThe
   workers[0].broken = true;
   ASSERT_TRUE(cp->Heartbeat(workers[0].Request()).ok());
   EXPECT_EQ(cp->PlanExport("t", out).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// --- Table versions ---
+
+// LoadVersion waits on another thread while the workers report: its answer.
+absl::StatusOr<v1::TableInfo> LoadAndSettle(ControlPlane& cp, std::vector<FakeWorker>& workers,
+                                            FakeClock& clock, v1::LoadVersionRequest request) {
+  absl::StatusOr<v1::TableInfo> result = absl::UnknownError("not run");
+  absl::Notification done;
+  std::thread load([&] {
+    result = cp.LoadVersion(request, absl::InfiniteFuture());
+    done.Notify();
+  });
+  for (int i = 0; i < 2000 && !done.WaitForNotificationWithTimeout(absl::Milliseconds(1)); ++i) {
+    for (FakeWorker& w : workers) EXPECT_TRUE(w.Report(cp).ok());
+    clock.Advance(absl::Milliseconds(50));
+    cp.Tick();
+  }
+  load.join();
+  return result;
+}
+
+v1::LoadVersionRequest SeedVersion(const std::string& name, uint64_t seed) {
+  v1::LoadVersionRequest request;
+  request.set_name(name);
+  request.set_seed(seed);
+  return request;
+}
+
+const v1::VersionInfo* VersionOf(const v1::TableInfo& info, uint64_t version) {
+  for (const v1::VersionInfo& v : info.versions()) {
+    if (v.version() == version) return &v;
+  }
+  return nullptr;
+}
+
+TEST_F(ControlPlaneTest, ANewVersionLoadsBesideTheServingOneAndTheTableSwitchesOnceAllHoldIt) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"t"});
+  ASSERT_EQ(cp->DescribeTable("t")->spec().version(), 1u);
+  workers[1].loads = false;  // rank 1 is slow to load it
+  absl::Notification done;
+  absl::StatusOr<v1::TableInfo> result;
+  std::thread load([&] {
+    result = cp->LoadVersion(SeedVersion("t", 7), absl::InfiniteFuture());
+    done.Notify();
+  });
+  for (int i = 0; i < 1000 && cp->DescribeTable("t")->versions_size() < 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));  // the load registers
+  }
+  for (int i = 0; i < 5; ++i) Settle(*cp, workers, 1);
+  // Rank 0 holds v2 beside v1; v1 serves on, and every heartbeat still names it.
+  EXPECT_FALSE(done.HasBeenNotified());
+  v1::TableInfo during = *cp->DescribeTable("t");
+  EXPECT_EQ(during.spec().version(), 1u);
+  EXPECT_EQ(during.state(), v1::TABLE_STATE_SERVING);
+  const v1::VersionInfo* next = VersionOf(during, 2);
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(next->state(), v1::VERSION_STATE_LOADING);
+  EXPECT_EQ(next->mode(), v1::SWAP_MODE_BESIDE);
+  EXPECT_EQ(next->source(), "seed 7");
+  EXPECT_EQ(next->replicas(0).ranks_loaded(), 1);
+  EXPECT_EQ(workers[0].last.tables(0).version(), 1u);
+  ASSERT_EQ(workers[0].last.other_versions_size(), 1);
+  EXPECT_EQ(workers[0].last.other_versions(0).version(), 2u);
+  EXPECT_EQ(workers[0].last.other_versions(0).seed(), 7u);
+  // A second load of another source is refused while this one runs; the same source waits.
+  EXPECT_EQ(cp->LoadVersion(SeedVersion("t", 8), absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  workers[1].loads = true;
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) Settle(*cp, workers, 1);
+  load.join();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->spec().version(), 2u);
+  EXPECT_EQ(result->spec().seed(), 7u);
+  Settle(*cp, workers);
+  EXPECT_EQ(workers[1].last.tables(0).version(), 2u);
+  EXPECT_EQ(workers[1].last.other_versions_size(), 0);  // v1 is unloaded (keep_versions 1)
+  const v1::TableInfo after = *cp->DescribeTable("t");
+  ASSERT_EQ(after.versions_size(), 1);
+  EXPECT_EQ(after.versions(0).state(), v1::VERSION_STATE_SERVING);
+  EXPECT_EQ(after.versions(0).replicas(0).ranks_loaded(), 2);
+  EXPECT_TRUE(after.versions(0).replicas(0).serving());
+  EXPECT_EQ(after.state(), v1::TABLE_STATE_SERVING);
+}
+
+TEST_F(ControlPlaneTest, AVersionThatARankCannotLoadLeavesTheServingVersionEverywhere) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"t"});
+  workers[1].load_errors["t"] = "no room for version 2";
+  absl::StatusOr<v1::TableInfo> result =
+      LoadAndSettle(*cp, workers, clock_, SeedVersion("t", 7));
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted) << result.status();
+  EXPECT_THAT(std::string(result.status().message()),
+              HasSubstr("version 2 of table \"t\" could not be loaded"));
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("no room for version 2"));
+  workers[1].load_errors.clear();
+  Settle(*cp, workers);
+  const v1::TableInfo info = *cp->DescribeTable("t");
+  EXPECT_EQ(info.spec().version(), 1u);
+  EXPECT_EQ(info.state(), v1::TABLE_STATE_SERVING);
+  const v1::VersionInfo* failed = VersionOf(info, 2);
+  ASSERT_NE(failed, nullptr);
+  EXPECT_EQ(failed->state(), v1::VERSION_STATE_FAILED);
+  EXPECT_THAT(failed->error(), HasSubstr("rank 1: no room for version 2"));
+  for (const FakeWorker& w : workers) {
+    EXPECT_EQ(w.last.tables(0).version(), 1u);
+    EXPECT_EQ(w.last.other_versions_size(), 0);  // what rank 0 loaded of v2 is dropped
+    EXPECT_TRUE(w.others.empty());
+  }
+}
+
+TEST_F(ControlPlaneTest, WithoutRoomForTwoCopiesOneReplicaIsRefusedUnlessItAllowsAGap) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"t"});
+  for (FakeWorker& w : workers) w.memory = 50;  // a shard is 10 x 2 floats: 80 bytes
+  Settle(*cp, workers);
+  absl::StatusOr<v1::TableInfo> refused =
+      cp->LoadVersion(SeedVersion("t", 7), absl::InfiniteFuture());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("rank 0 needs 80 bytes beside the serving version and has 50"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("allow_gap"));
+  EXPECT_EQ(cp->DescribeTable("t")->versions_size(), 1);  // nothing changed
+  v1::LoadVersionRequest gap = SeedVersion("t", 7);
+  gap.set_allow_gap(true);
+  absl::StatusOr<v1::TableInfo> result = LoadAndSettle(*cp, workers, clock_, gap);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->spec().version(), 2u);
+  EXPECT_EQ(VersionOf(*result, 2)->mode(), v1::SWAP_MODE_ONE_REPLICA_AT_A_TIME);
+}
+
+TEST_F(ControlPlaneTest, WithoutRoomForTwoCopiesReplicasSwapOneAtATimeWhileTheOthersServe) {
+  auto cp = Make(2, "", nullptr, /*groups=*/2);
+  std::vector<FakeWorker> workers = Workers(2, 0);
+  for (FakeWorker& w : Workers(2, 1)) workers.push_back(w);
+  Serve(*cp, workers, {"t"}, 2);
+  for (FakeWorker& w : workers) w.memory = 50;
+  Settle(*cp, workers);
+  absl::Notification done;
+  absl::StatusOr<v1::TableInfo> result;
+  std::thread load([&] {
+    result = cp->LoadVersion(SeedVersion("t", 7), absl::InfiniteFuture());
+    done.Notify();
+  });
+  for (int i = 0; i < 1000 && cp->DescribeTable("t")->versions_size() < 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));  // the load registers
+  }
+  // Group 0 is listed as draining first (clients move to group 1), and still holds v1.
+  Settle(*cp, workers, 2);
+  v1::TableInfo info = *cp->DescribeTable("t");
+  EXPECT_EQ(info.replicas(0).state(), v1::TABLE_STATE_DRAINING);
+  EXPECT_EQ(info.replicas(1).state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(info.state(), v1::TABLE_STATE_SERVING);
+  EXPECT_EQ(workers[0].last.tables(0).version(), 1u);
+  EXPECT_EQ(workers[0].last.other_versions_size(), 0);  // never two copies
+  // After the drain, group 0 swaps while group 1 serves v1; then group 1 swaps.
+  std::set<std::pair<int, int>> seen;  // (group 0's version, group 1's version) told
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) {
+    Settle(*cp, workers, 1);
+    seen.insert({static_cast<int>(workers[0].last.tables(0).version()),
+                 static_cast<int>(workers[2].last.tables(0).version())});
+    const v1::TableInfo now = *cp->DescribeTable("t");
+    EXPECT_EQ(now.state(), v1::TABLE_STATE_SERVING);  // some replica always serves
+    for (const FakeWorker& w : workers) EXPECT_EQ(w.last.other_versions_size(), 0);
+  }
+  load.join();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->spec().version(), 2u);
+  EXPECT_TRUE(seen.count({2, 1})) << "group 0 swapped while group 1 kept v1";
+  EXPECT_FALSE(seen.count({1, 2})) << "group 1 swapped first";
+  const v1::VersionInfo* v2 = VersionOf(*result, 2);
+  ASSERT_NE(v2, nullptr);
+  EXPECT_EQ(v2->mode(), v1::SWAP_MODE_ONE_REPLICA_AT_A_TIME);
+  EXPECT_GE(v2->load_ms(), 2 * 1500);  // each replica drained for swap_drain
+}
+
+TEST_F(ControlPlaneTest, KeptVersionsAreHeldForPinnedCallsUnloadedOnAskAndPersisted) {
+  const std::string dir = NewDir();
+  {
+    auto cp = Make(2, dir);
+    std::vector<FakeWorker> workers = Workers();
+    Serve(*cp, workers, {"t"});
+    v1::LoadVersionRequest keep = SeedVersion("t", 7);
+    keep.set_keep_versions(3);
+    ASSERT_TRUE(LoadAndSettle(*cp, workers, clock_, keep).ok());
+    keep.set_seed(8);
+    absl::StatusOr<v1::TableInfo> info = LoadAndSettle(*cp, workers, clock_, keep);
+    ASSERT_TRUE(info.ok()) << info.status();
+    ASSERT_EQ(info->versions_size(), 3);
+    EXPECT_EQ(info->versions(0).state(), v1::VERSION_STATE_KEPT);
+    EXPECT_EQ(info->versions(1).state(), v1::VERSION_STATE_KEPT);
+    EXPECT_EQ(info->versions(2).state(), v1::VERSION_STATE_SERVING);
+    EXPECT_EQ(info->versions(2).version(), 3u);
+    Settle(*cp, workers);
+    EXPECT_EQ(workers[0].last.other_versions_size(), 2);
+    EXPECT_EQ(VersionOf(*cp->DescribeTable("t"), 1)->replicas(0).ranks_loaded(), 2);
+    EXPECT_EQ(cp->UnloadVersion("t", 3).status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(cp->UnloadVersion("t", 9).status().code(), absl::StatusCode::kNotFound);
+    ASSERT_TRUE(cp->UnloadVersion("t", 1).ok());
+    Settle(*cp, workers);
+    ASSERT_EQ(workers[0].last.other_versions_size(), 1);
+    EXPECT_EQ(workers[0].last.other_versions(0).version(), 2u);
+  }
+  // A restarted coordinator serves version 3 and keeps version 2.
+  auto cp = Make(2, dir);
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  const v1::TableInfo info = *cp->DescribeTable("t");
+  EXPECT_EQ(info.spec().version(), 3u);
+  EXPECT_EQ(info.spec().seed(), 8u);
+  ASSERT_EQ(info.versions_size(), 2);
+  EXPECT_EQ(info.versions(0).version(), 2u);
+  EXPECT_EQ(info.versions(0).state(), v1::VERSION_STATE_KEPT);
+}
+
+TEST_F(ControlPlaneTest, LoadVersionRefusesBadRequests) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"t"});
+  v1::LoadVersionRequest none;
+  none.set_name("t");
+  EXPECT_EQ(cp->LoadVersion(none, absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cp->LoadVersion(SeedVersion("nope", 1), absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kNotFound);
+  v1::LoadVersionRequest missing = SeedVersion("t", 1);
+  missing.set_checkpoint("/no/such/file.safetensors");
+  const absl::Status no_file = cp->LoadVersion(missing, absl::InfiniteFuture()).status();
+  EXPECT_EQ(no_file.code(), absl::StatusCode::kNotFound);  // as CreateTable's
+  EXPECT_THAT(std::string(no_file.message()), HasSubstr("/no/such/file.safetensors"));
+  v1::LoadVersionRequest keep = SeedVersion("t", 1);
+  keep.set_keep_versions(-1);
+  EXPECT_EQ(cp->LoadVersion(keep, absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cp->DescribeTable("t")->versions_size(), 1);  // nothing changed
 }
 
 }  // namespace

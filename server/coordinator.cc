@@ -115,6 +115,17 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
         control_.DropTable(request->name(), absl::FromChrono(context->deadline())), response));
   }
 
+  grpc::Status LoadVersion(grpc::ServerContext* context, const v1::LoadVersionRequest* request,
+                           v1::TableInfo* response) override {
+    return ToGrpcStatus(
+        Into(control_.LoadVersion(*request, absl::FromChrono(context->deadline())), response));
+  }
+
+  grpc::Status UnloadVersion(grpc::ServerContext*, const v1::UnloadVersionRequest* request,
+                             v1::TableInfo* response) override {
+    return ToGrpcStatus(Into(control_.UnloadVersion(request->name(), request->version()), response));
+  }
+
   grpc::Status ListTables(grpc::ServerContext*, const v1::ListTablesRequest*,
                           v1::ListTablesResponse* response) override {
     absl::StatusOr<std::vector<v1::TableInfo>> tables = control_.ListTables();

@@ -120,10 +120,11 @@ class DataService::UnaryCall final : public Tag, public Caller {
     }
   }
 
-  void Answer(const core::StepRequest&, absl::StatusOr<core::DenseResult> answer) override {
+  void Answer(const core::StepRequest& request,
+              absl::StatusOr<core::DenseResult> answer) override {
     grpc::Status status;
     if (answer.ok()) {
-      response_ = EncodeTensorResponse(*std::move(answer));
+      response_ = EncodeTensorResponse(*std::move(answer), request.served_version);
     } else {
       status = ToGrpcStatus(answer.status());
     }
@@ -176,7 +177,8 @@ class DataService::StreamCall final : public Caller {
   void Answer(const core::StepRequest& request,
               absl::StatusOr<core::DenseResult> answer) override {
     const int code = static_cast<int>(answer.status().code());
-    grpc::ByteBuffer response = EncodeStreamResponse(request.caller_id, std::move(answer));
+    grpc::ByteBuffer response =
+        EncodeStreamResponse(request.caller_id, std::move(answer), request.served_version);
     service_.Queue([this, response = std::move(response), reserved = request.answer_bytes,
                     method = MetricsMethod(request.op), table = request.table, code,
                     received = request.received, rows = request.Rows()]() mutable {
@@ -426,7 +428,7 @@ template <typename Request>
 absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Request& request,
                                                                         std::string& label) {
   absl::StatusOr<std::shared_ptr<const core::TableConfig>> table =
-      tables_.Admit(request.table(), loop_->GroupStatus());
+      tables_.Admit(request.table(), loop_->GroupStatus(), request.version());
   if (!absl::IsNotFound(table.status())) label = request.table();  // a table it knows
   if (!table.ok()) return table.status();
   SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::StepRequest> step,

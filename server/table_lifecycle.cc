@@ -12,17 +12,52 @@ namespace shardserve::server {
 
 TableLifecycle::TableLifecycle(int rank) : rank_(rank), tables_(core::TableSet::Of({})) {}
 
+const TableLifecycle::Load* TableLifecycle::Record::Serving() const {
+  if (wanted) {
+    auto it = loads.find(wanted->version());
+    return it == loads.end() ? nullptr : &it->second;
+  }
+  return loads.empty() ? nullptr : &loads.rbegin()->second;
+}
+
+bool TableLifecycle::Record::HoldsAny(Phase phase) const {
+  for (const auto& [version, load] : loads) {
+    if (load.phase == phase) return true;
+  }
+  return false;
+}
+
 absl::StatusOr<std::shared_ptr<const core::TableConfig>> TableLifecycle::Admit(
-    const std::string& name, const absl::Status& group) const {
+    const std::string& name, const absl::Status& group, uint64_t version) const {
   absl::MutexLock lock(&mu_);
   auto it = records_.find(name);
-  if (it == records_.end() ||
-      (!it->second.wanted && it->second.phase != Phase::kLoaded &&
-       it->second.phase != Phase::kRenormUnsure)) {
+  if (it == records_.end() || (!it->second.wanted && !it->second.HoldsAny(Phase::kLoaded) &&
+                               !it->second.HoldsAny(Phase::kRenormUnsure))) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
   }
   const Record& r = it->second;
-  if (r.phase == Phase::kRenormUnsure) {
+  if (version != 0 && (!r.wanted || version != r.wanted->version())) {
+    // A pinned version other than the serving one: held here or not (the step decides whether
+    // every rank holds it).
+    auto load = r.loads.find(version);
+    if (load != r.loads.end() && load->second.phase == Phase::kLoaded) {
+      if (!group.ok()) {
+        return absl::UnavailableError(
+            absl::StrCat("table \"", name, "\" on rank ", rank_, ": ", group.message()));
+      }
+      return load->second.config;
+    }
+    std::string held;
+    for (const auto& [v, l] : r.loads) {
+      if (l.phase == Phase::kLoaded) absl::StrAppend(&held, held.empty() ? "" : ", ", v);
+    }
+    return absl::NotFoundError(absl::StrCat("version ", version, " of table \"", name,
+                                            "\" is not loaded on rank ", rank_, " (loaded: ",
+                                            held.empty() ? "none" : held, ")"));
+  }
+  const Load* load = r.Serving();
+  const Phase phase = load == nullptr ? Phase::kLoading : load->phase;
+  if (phase == Phase::kRenormUnsure) {
     return absl::UnavailableError(absl::StrCat(
         "table \"", name, "\" is being loaded again on every rank: a step failed on rank ", rank_,
         " while it renormed rows (max_norm), which the ranks may now hold differently; retry"));
@@ -31,12 +66,12 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> TableLifecycle::Admit(
     return absl::UnavailableError(
         absl::StrCat("table \"", name, "\" on rank ", rank_, ": ", group.message()));
   }
-  const bool loaded = r.phase == Phase::kLoaded;
-  if (loaded && r.serving) return r.config;
+  const bool loaded = phase == Phase::kLoaded;
+  if (loaded && r.serving) return load->config;
   // Not served yet: being created, loaded again, or dropped.
-  if (r.phase == Phase::kFailed) {
+  if (phase == Phase::kFailed) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "table \"", name, "\" could not be loaded on rank ", rank_, ": ", r.error.message()));
+        "table \"", name, "\" could not be loaded on rank ", rank_, ": ", load->error.message()));
   }
   if (!r.group_error.empty()) {
     return absl::FailedPreconditionError(
@@ -57,15 +92,29 @@ absl::StatusOr<std::shared_ptr<const core::TableConfig>> TableLifecycle::Admit(
 
 void TableLifecycle::Want(const v1::internal::HeartbeatResponse& response) {
   absl::MutexLock lock(&mu_);
+  std::map<std::string, uint64_t> active_before;
   for (auto& [name, r] : records_) {
+    active_before[name] = r.wanted ? r.wanted->version() : 0;
     r.wanted.reset();
+    r.others.clear();
     r.serving = r.creating = false;
     r.group_error.clear();
   }
   for (const v1::TableSpec& spec : response.tables()) records_[spec.name()].wanted = spec;
+  for (const v1::TableSpec& spec : response.other_versions()) {
+    records_[spec.name()].others.push_back(spec);
+  }
   for (const std::string& name : response.serving_tables()) records_[name].serving = true;
   for (const std::string& name : response.creating_tables()) records_[name].creating = true;
   for (const auto& [name, error] : response.load_errors()) records_[name].group_error = error;
+  // A switch to a version this rank holds already: the step loop sees it at once.
+  bool switched = false;
+  for (const auto& [name, r] : records_) {
+    auto before = active_before.find(name);
+    const uint64_t now = r.wanted ? r.wanted->version() : 0;
+    if (now != 0 && before != active_before.end() && before->second != now) switched = true;
+  }
+  if (switched) PublishLocked();
   PruneLocked();
 }
 
@@ -73,25 +122,26 @@ void TableLifecycle::Report(v1::internal::HeartbeatRequest& request) const {
   absl::MutexLock lock(&mu_);
   for (const auto& [name, r] : records_) {
     if (r.serving) request.add_serving_tables(name);
-    if (!r.held) continue;
-    switch (r.phase) {
-      case Phase::kLoaded:
-        request.add_loaded_tables(name);
-        *request.add_loaded_specs() = *r.held;
-        break;
-      case Phase::kRenormUnsure:
-        *request.add_renorm_unsure() = *r.held;
-        break;
-      case Phase::kFailed: {
-        v1::internal::TableLoadError* e = request.add_load_errors();
-        e->set_table(name);
-        e->set_code(static_cast<int>(r.error.code()));
-        e->set_message(std::string(r.error.message()));
-        e->set_generation(r.held->generation());
-        break;
+    if (r.HoldsAny(Phase::kLoaded)) request.add_loaded_tables(name);
+    for (const auto& [version, load] : r.loads) {
+      switch (load.phase) {
+        case Phase::kLoaded:
+          *request.add_loaded_specs() = load.spec;
+          break;
+        case Phase::kRenormUnsure:
+          *request.add_renorm_unsure() = load.spec;
+          break;
+        case Phase::kFailed: {
+          v1::internal::TableLoadError* e = request.add_load_errors();
+          e->set_table(name);
+          e->set_code(static_cast<int>(load.error.code()));
+          e->set_message(std::string(load.error.message()));
+          e->set_generation(load.spec.generation());
+          break;
+        }
+        default:
+          break;
       }
-      default:
-        break;
     }
   }
 }
@@ -100,89 +150,105 @@ TableLifecycle::Plan TableLifecycle::NextPlan() {
   absl::MutexLock lock(&mu_);
   Plan plan;
   for (auto& [name, r] : records_) {
-    if (!r.wanted) {
-      if (r.phase == Phase::kLoaded) {
-        plan.drops.push_back(name);
-      } else if (r.held) {  // dropped: forget its error or unsure load
-        r.held.reset();
-        r.error = absl::OkStatus();
-        r.phase = Phase::kLoading;
+    std::map<uint64_t, const v1::TableSpec*> wanted;  // by version
+    for (const v1::TableSpec& spec : r.others) wanted[spec.version()] = &spec;
+    if (r.wanted) wanted[r.wanted->version()] = &*r.wanted;
+    for (auto it = r.loads.begin(); it != r.loads.end();) {
+      auto w = wanted.find(it->first);
+      const bool keep = w != wanted.end() && google::protobuf::util::MessageDifferencer::Equals(
+                                                 it->second.spec, *w->second);
+      if (keep) {
+        ++it;
+      } else if (it->second.phase == Phase::kLoaded) {
+        plan.drops.emplace_back(name, it->first);  // the old load goes first
+        ++it;
+      } else {  // a failed or renorm-unsure load no longer wanted: forget it
+        it = r.loads.erase(it);
       }
-      continue;
     }
-    const bool replaced =
-        r.held && !google::protobuf::util::MessageDifferencer::Equals(*r.held, *r.wanted);
-    if (replaced && r.phase == Phase::kLoaded) {
-      plan.drops.push_back(name);  // the old one goes first
-    } else if (replaced) {  // a failed or renorm-unsure load of an older spec: forget it
-      r.held.reset();
-      r.error = absl::OkStatus();
-      r.phase = Phase::kLoading;
+    for (const auto& [version, spec] : wanted) {
+      auto held = r.loads.find(version);
+      if (held == r.loads.end() ||
+          !google::protobuf::util::MessageDifferencer::Equals(held->second.spec, *spec)) {
+        plan.loads.push_back(*spec);
+      }
     }
-    if (replaced || !r.held) plan.loads.push_back(*r.wanted);
   }
   PruneLocked();
   return plan;
 }
 
-void TableLifecycle::Dropped(const std::string& name) {
+void TableLifecycle::Dropped(const std::string& name, uint64_t version) {
   absl::MutexLock lock(&mu_);
   auto it = records_.find(name);
   if (it == records_.end()) return;
-  Record& r = it->second;
-  r.held.reset();
-  r.shard.reset();
-  r.config.reset();
-  r.error = absl::OkStatus();
-  r.phase = Phase::kLoading;
+  it->second.loads.erase(version);
   PublishLocked();
   PruneLocked();
 }
 
 void TableLifecycle::Loaded(const v1::TableSpec& spec, std::shared_ptr<core::ShardedTable> shard) {
   absl::MutexLock lock(&mu_);
-  Record& r = records_[spec.name()];
-  r.held = spec;
-  r.config = std::make_shared<const core::TableConfig>(shard->config());
-  r.shard = std::move(shard);
-  r.error = absl::OkStatus();
-  r.phase = Phase::kLoaded;
+  Load& load = records_[spec.name()].loads[spec.version()];
+  load.spec = spec;
+  load.config = std::make_shared<const core::TableConfig>(shard->config());
+  load.shard = std::move(shard);
+  load.error = absl::OkStatus();
+  load.phase = Phase::kLoaded;
   PublishLocked();
 }
 
 void TableLifecycle::LoadFailed(const v1::TableSpec& spec, const absl::Status& error) {
-  LOG(WARNING) << absl::StrFormat("worker rank %d: loading table \"%s\" failed: %s", rank_,
-                                  spec.name().c_str(), error.ToString().c_str());
+  LOG(WARNING) << absl::StrFormat("worker rank %d: loading table \"%s\" (version %d) failed: %s",
+                                  rank_, spec.name().c_str(), spec.version(),
+                                  error.ToString().c_str());
   absl::MutexLock lock(&mu_);
-  Record& r = records_[spec.name()];
-  r.held = spec;
-  r.error = error;
-  r.phase = Phase::kFailed;
+  Load& load = records_[spec.name()].loads[spec.version()];
+  load.spec = spec;
+  load.shard.reset();
+  load.config.reset();
+  load.error = error;
+  load.phase = Phase::kFailed;
 }
 
 absl::StatusOr<std::shared_ptr<core::ShardedTable>> TableLifecycle::Shard(
     const std::string& name, uint64_t generation) const {
   absl::MutexLock lock(&mu_);
   auto it = records_.find(name);
-  if (it == records_.end() || it->second.phase != Phase::kLoaded) {
+  if (it == records_.end() || !it->second.HoldsAny(Phase::kLoaded)) {
     return absl::NotFoundError(
         absl::StrCat("table \"", name, "\" is not loaded on rank ", rank_));
   }
-  if (it->second.held->generation() != generation) {
-    return absl::AbortedError(absl::StrCat(
-        "table \"", name, "\" on rank ", rank_, " is another load than generation ", generation,
-        " (it was created again or reloaded meanwhile); retry"));
+  for (const auto& [version, load] : it->second.loads) {
+    if (load.phase == Phase::kLoaded && load.spec.generation() == generation) return load.shard;
   }
-  return it->second.shard;
+  return absl::AbortedError(absl::StrCat(
+      "table \"", name, "\" on rank ", rank_, " is another load than generation ", generation,
+      " (it was created again or reloaded meanwhile); retry"));
 }
 
 std::map<std::string, TableLifecycle::Phase> TableLifecycle::Phases() const {
   absl::MutexLock lock(&mu_);
   std::map<std::string, Phase> phases;
   for (const auto& [name, r] : records_) {
-    phases[name] = r.phase == Phase::kLoaded && r.serving ? Phase::kServing : r.phase;
+    const Load* load = r.Serving();
+    const Phase phase = load == nullptr ? Phase::kLoading : load->phase;
+    phases[name] = phase == Phase::kLoaded && r.serving ? Phase::kServing : phase;
   }
   return phases;
+}
+
+int64_t TableLifecycle::HeldBytes() const {
+  absl::MutexLock lock(&mu_);
+  int64_t bytes = 0;
+  for (const auto& [name, r] : records_) {
+    for (const auto& [version, load] : r.loads) {
+      if (load.shard == nullptr) continue;
+      const core::MatrixView shard = load.shard->shard();
+      bytes += shard.rows * shard.cols * static_cast<int64_t>(sizeof(float));
+    }
+  }
+  return bytes;
 }
 
 std::shared_ptr<const core::TableSet> TableLifecycle::Tables() const {
@@ -194,30 +260,38 @@ void TableLifecycle::DropRenormUnsure(const std::shared_ptr<core::ShardedTable>&
   absl::MutexLock lock(&mu_);
   const std::string& name = table->config().name;
   auto it = records_.find(name);
-  if (it == records_.end() || it->second.shard != table) return;  // since loaded anew
+  if (it == records_.end()) return;
+  auto load = it->second.loads.find(table->config().version);
+  if (load == it->second.loads.end() || load->second.shard != table) return;  // since loaded anew
   LOG(WARNING) << absl::StrFormat(
       "worker rank %d: table \"%s\" waits for a new generation: the step failed while "
       "it renormed rows, which the ranks may now hold differently",
       rank_, name.c_str());
-  Record& r = it->second;
-  r.shard.reset();
-  r.config.reset();
-  r.phase = Phase::kRenormUnsure;  // its spec stays in `held`
+  load->second.shard.reset();
+  load->second.config.reset();
+  load->second.phase = Phase::kRenormUnsure;  // its spec stays
   PublishLocked();
 }
 
 void TableLifecycle::PublishLocked() {
-  std::map<std::string, std::shared_ptr<core::ShardedTable>> shards;
+  std::map<std::string, core::TableSet::Versions> tables;
   for (const auto& [name, r] : records_) {
-    if (r.shard != nullptr) shards[name] = r.shard;
+    core::TableSet::Versions versions;
+    for (const auto& [version, load] : r.loads) {
+      if (load.shard != nullptr) versions.loads[version] = load.shard;
+    }
+    if (versions.loads.empty()) continue;
+    versions.active = r.wanted ? r.wanted->version() : versions.loads.rbegin()->first;
+    tables[name] = std::move(versions);
   }
-  tables_ = core::TableSet::Of(std::move(shards));
+  tables_ = core::TableSet::Of(std::move(tables));
 }
 
 void TableLifecycle::PruneLocked() {
   for (auto it = records_.begin(); it != records_.end();) {
     const Record& r = it->second;
-    const bool empty = !r.wanted && !r.held && !r.serving && !r.creating && r.group_error.empty();
+    const bool empty = !r.wanted && r.others.empty() && r.loads.empty() && !r.serving &&
+                       !r.creating && r.group_error.empty();
     it = empty ? records_.erase(it) : std::next(it);
   }
 }

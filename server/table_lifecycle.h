@@ -12,6 +12,11 @@
 // generation, which every rank loads anew). A new generation of a table replaces the record's
 // load: the old shard is dropped first, then the new one loaded.
 //
+// Versions: a record holds one load per table version - the serving one (what the coordinator's
+// `tables` say), a next one being loaded beside it and older ones kept (`other_versions`). Each
+// load has its own phase; the record's phase is its serving version's. When the coordinator
+// switches the table to a version this rank holds already, the load is kept, not loaded anew.
+//
 // Thread-safe.
 #ifndef SHARDSERVE_SERVER_TABLE_LIFECYCLE_H_
 #define SHARDSERVE_SERVER_TABLE_LIFECYCLE_H_
@@ -39,7 +44,7 @@ class TableLifecycle : public core::TableSource {
 
   // What the reconcile thread is to do: drop these tables' shards, then load these specs.
   struct Plan {
-    std::vector<std::string> drops;
+    std::vector<std::pair<std::string, uint64_t>> drops;  // (table, version)
     std::vector<v1::TableSpec> loads;
   };
 
@@ -49,8 +54,11 @@ class TableLifecycle : public core::TableSource {
   // The table's config if so; otherwise NOT_FOUND (unknown), FAILED_PRECONDITION (being created,
   // or it could not be loaded here or on another rank: not worth a retry), UNAVAILABLE (no group;
   // or not on every rank right now: being loaded again, or dropped - clients retry).
+  // `version` pins a table version (0: the serving one): NOT_FOUND when this rank holds no load of
+  // it.
   absl::StatusOr<std::shared_ptr<const core::TableConfig>> Admit(
-      const std::string& name, const absl::Status& group = absl::OkStatus()) const;
+      const std::string& name, const absl::Status& group = absl::OkStatus(),
+      uint64_t version = 0) const;
 
   // The coordinator's heartbeat reply: the tables to hold, those served on every rank, those
   // whose CreateTable still waits and those some rank could not load.
@@ -62,7 +70,7 @@ class TableLifecycle : public core::TableSource {
   // What the reconcile thread must do to hold what is wanted. Forgets the errors of tables no
   // longer wanted.
   Plan NextPlan();
-  void Dropped(const std::string& name);
+  void Dropped(const std::string& name, uint64_t version);
   void Loaded(const v1::TableSpec& spec, std::shared_ptr<core::ShardedTable> shard);
   void LoadFailed(const v1::TableSpec& spec, const absl::Status& error);
 
@@ -73,25 +81,35 @@ class TableLifecycle : public core::TableSource {
 
   // The phase of each table this rank holds or is asked to (for health checks and metrics).
   std::map<std::string, Phase> Phases() const;
+  // Bytes of the shards this rank holds now.
+  int64_t HeldBytes() const;
 
   // core::TableSource: the step loop's view.
   std::shared_ptr<const core::TableSet> Tables() const override;
   void DropRenormUnsure(const std::shared_ptr<core::ShardedTable>& table) override;
 
  private:
+  // One version's load on this rank.
+  struct Load {
+    v1::TableSpec spec;  // what it was loaded from
+    Phase phase = Phase::kLoading;  // kLoaded, kFailed or kRenormUnsure
+    std::shared_ptr<core::ShardedTable> shard;        // kLoaded
+    std::shared_ptr<const core::TableConfig> config;  // kLoaded
+    absl::Status error;                               // kFailed
+  };
   struct Record {
     // From the coordinator.
-    std::optional<v1::TableSpec> wanted;  // absent: to be dropped
+    std::optional<v1::TableSpec> wanted;  // the serving version; absent: to be dropped
+    std::vector<v1::TableSpec> others;    // other versions to hold (being loaded, kept)
     bool serving = false;      // every rank holds it: calls may run
     bool creating = false;     // its CreateTable still waits
     std::string group_error;   // a rank could not load this generation (empty: none)
-    // This rank's.
-    Phase phase = Phase::kLoading;
-    std::optional<v1::TableSpec> held;  // the spec of this rank's load (kLoaded, kFailed,
-                                        // kRenormUnsure)
-    std::shared_ptr<core::ShardedTable> shard;           // kLoaded
-    std::shared_ptr<const core::TableConfig> config;     // kLoaded
-    absl::Status error;                                  // kFailed
+    // This rank's, by version.
+    std::map<uint64_t, Load> loads;
+
+    // The load of the serving version (else, while dropped, the newest load), or null.
+    const Load* Serving() const;
+    bool HoldsAny(Phase phase) const;
   };
 
   // Rebuilds the step loop's snapshot after a change of shards.

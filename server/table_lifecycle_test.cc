@@ -51,7 +51,7 @@ class TableLifecycleTest : public ::testing::Test {
   // Runs the reconcile thread's plan: drops, then loads (every load succeeds).
   void Reconcile() {
     TableLifecycle::Plan plan = tables_.NextPlan();
-    for (const std::string& name : plan.drops) tables_.Dropped(name);
+    for (const auto& [name, version] : plan.drops) tables_.Dropped(name, version);
     for (const v1::TableSpec& spec : plan.loads) tables_.Loaded(spec, Load(spec));
   }
   absl::StatusCode AdmitCode(const std::string& name, bool formed = true) {
@@ -101,18 +101,18 @@ TEST_F(TableLifecycleTest, ATableGoesFromLoadingToLoadedToServing) {
 TEST_F(TableLifecycleTest, ANewGenerationReplacesTheLoadAndADroppedTableGoes) {
   tables_.Want(Reply({Spec("t", 1)}, {"t"}));
   Reconcile();
-  auto first = tables_.Tables()->tables.at("t");
+  auto first = tables_.Tables()->Find("t", 0);
   tables_.Want(Reply({Spec("t", 2)}));
   // Until the reconcile thread replaces it, calls are retried (UNAVAILABLE), not refused.
   EXPECT_EQ(AdmitCode("t"), absl::StatusCode::kUnavailable);
   TableLifecycle::Plan plan = tables_.NextPlan();
-  EXPECT_EQ(plan.drops, std::vector<std::string>{"t"});
+  EXPECT_EQ(plan.drops, (std::vector<std::pair<std::string, uint64_t>>{{"t", 0}}));
   ASSERT_EQ(plan.loads.size(), 1u);
   EXPECT_EQ(plan.loads[0].generation(), 2u);
-  tables_.Dropped("t");
+  tables_.Dropped("t", 0);
   EXPECT_TRUE(tables_.Tables()->tables.empty());
   tables_.Loaded(plan.loads[0], Load(plan.loads[0]));
-  EXPECT_NE(tables_.Tables()->tables.at("t"), first);
+  EXPECT_NE(tables_.Tables()->Find("t", 0), first);
   // No longer wanted: dropped, then forgotten.
   tables_.Want(Reply({}));
   EXPECT_EQ(AdmitCode("t"), absl::StatusCode::kUnavailable);  // still held, being dropped
@@ -151,7 +151,7 @@ TEST_F(TableLifecycleTest, ALoadThatFailedIsRefusedUntilANewGenerationIsWanted) 
 TEST_F(TableLifecycleTest, ARenormUnsureTableLeavesTheStepLoopUntilItsNextGeneration) {
   tables_.Want(Reply({Spec("t", 1)}, {"t"}));
   Reconcile();
-  auto loaded = tables_.Tables()->tables.at("t");
+  auto loaded = tables_.Tables()->Find("t", 0);
   auto other = Load(Spec("t", 1));
   tables_.DropRenormUnsure(other);  // not the load this rank holds: kept
   EXPECT_EQ(tables_.Phases().at("t"), Phase::kServing);

@@ -63,6 +63,7 @@ absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int 
   if (spec.has_max_norm()) config.max_norm = spec.max_norm();
   if (spec.has_norm_type()) config.norm_type = spec.norm_type();
   config.has_bias = !spec.no_bias();
+  config.version = spec.version();
   config.source = absl::StrCat(spec.init_case() == v1::TableSpec::kCheckpoint
                                    ? absl::StrCat("checkpoint ", spec.checkpoint())
                                    : absl::StrCat("seed ", spec.seed()),

@@ -66,11 +66,13 @@ void AppendVarint(uint64_t value, std::string* out) {
 }
 
 // `fields` (a message's fields numbered below `tensor_field`, already encoded), then
-// `tensor_field` = Tensor{FLOAT32, result.shape, result.values}, the values referenced in place.
+// `tensor_field` = Tensor{FLOAT32, result.shape, result.values}, the values referenced in place,
+// then `after` (the fields numbered above it).
 // The largest step buffer an answer keeps alive for the sake of a smaller share of it.
 constexpr size_t kLargestSharedPin = size_t{1} << 20;
 
-grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::DenseResult result) {
+grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::DenseResult result,
+                                  const std::string& after) {
   v1::Tensor head;  // every field of the Tensor but its data
   head.set_dtype(v1::FLOAT32);
   head.mutable_shape()->Assign(result.shape.begin(), result.shape.end());
@@ -86,7 +88,7 @@ grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::De
   head.AppendToString(&prefix);
   prefix += data_key;
   if (data_bytes == 0) {
-    grpc::Slice only(prefix);
+    grpc::Slice only(prefix + after);
     return grpc::ByteBuffer(&only, 1);
   }
   // The data slice keeps the values' buffer (or a share of a step's buffer) until gRPC has sent it.
@@ -109,8 +111,8 @@ grpc::ByteBuffer EncodeWithTensor(std::string fields, int tensor_field, core::De
     data = grpc::Slice(const_cast<float*>((*share)->data() + result.offset), data_bytes,
                        [](void* owner) { delete static_cast<Share*>(owner); }, share);
   }
-  const grpc::Slice slices[] = {grpc::Slice(prefix), std::move(data)};
-  return grpc::ByteBuffer(slices, 2);
+  const grpc::Slice slices[] = {grpc::Slice(prefix), std::move(data), grpc::Slice(after)};
+  return grpc::ByteBuffer(slices, after.empty() ? 2 : 3);
 }
 
 }  // namespace
@@ -125,11 +127,26 @@ absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
   return Decode(tensor, field, v1::FLOAT32, values, shape);
 }
 
-grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result) {
-  return EncodeWithTensor("", v1::TensorResponse::kOutputFieldNumber, std::move(result));
+namespace {
+
+// A uint64 field, as protobuf writes it (nothing for 0).
+std::string VarintField(int field, uint64_t value) {
+  std::string out;
+  if (value == 0) return out;
+  out.push_back(static_cast<char>(field << 3));
+  AppendVarint(value, &out);
+  return out;
 }
 
-grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result) {
+}  // namespace
+
+grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result, uint64_t version) {
+  return EncodeWithTensor("", v1::TensorResponse::kOutputFieldNumber, std::move(result),
+                          VarintField(v1::TensorResponse::kVersionFieldNumber, version));
+}
+
+grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result,
+                                      uint64_t version) {
   v1::StreamResponse head;  // the fields before `output`, or the whole error answer
   head.set_id(id);
   if (!result.ok()) {
@@ -139,7 +156,8 @@ grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseRes
     return grpc::ByteBuffer(&only, 1);
   }
   return EncodeWithTensor(head.SerializeAsString(), v1::StreamResponse::kOutputFieldNumber,
-                          *std::move(result));
+                          *std::move(result),
+                          VarintField(v1::StreamResponse::kVersionFieldNumber, version));
 }
 
 absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message) {
@@ -158,6 +176,7 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
   auto r = std::make_unique<core::StepRequest>();
   r->op = core::StepRequest::Op::kEmbedding;
   r->table = request.table();
+  r->version = request.version();
   SHARDSERVE_RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
   SHARDSERVE_RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
   return r;
@@ -169,6 +188,7 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
   auto r = std::make_unique<core::StepRequest>();
   r->op = core::StepRequest::Op::kEmbeddingBag;
   r->table = request.table();
+  r->version = request.version();
   if (!v1::PoolMode_IsValid(request.mode())) {
     return absl::InvalidArgumentError(
         absl::StrCat("mode: ", request.mode(),
@@ -207,6 +227,7 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
   auto r = std::make_unique<core::StepRequest>();
   r->op = core::StepRequest::Op::kLinear;
   r->table = request.table();
+  r->version = request.version();
   SHARDSERVE_RETURN_IF_ERROR(DecodeFloat(request.input(), "input", &r->values, &r->shape));
   SHARDSERVE_RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
   return r;

@@ -37,7 +37,8 @@ using RawDataService = v1::DataService::WithRawCallbackMethod_Embedding<
 // A TensorResponse holding `result` in protobuf's wire format (the very bytes
 // TensorResponse::SerializeAsString() gives), with the values referenced where they lie, not
 // copied: the buffer owns them and frees them once gRPC has sent them.
-grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result);
+// `version`: the table version the answer came from (0: not said).
+grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result, uint64_t version = 0);
 
 // The table a raw Embedding, EmbeddingBag or Linear request names (their field 1), read without
 // parsing the rest: where the coordinator forwards it. The first occurrence counts (serializers
@@ -46,7 +47,8 @@ grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result);
 absl::StatusOr<std::string> TableOfRequest(const grpc::ByteBuffer& request,
                                            absl::string_view type);
 // The same for a StreamResponse: `id`, and the result or the error's code and message.
-grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result);
+grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result,
+                                      uint64_t version = 0);
 
 // Parses a request that arrived as raw bytes: INVALID_ARGUMENT if they are not a `message`.
 absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message);

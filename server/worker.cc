@@ -6,6 +6,11 @@
 #include <cstdio>
 #include <deque>
 #include <random>
+#include <thread>
+
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <utility>
 
 #include "absl/functional/any_invocable.h"
@@ -14,6 +19,7 @@
 #include "glog/logging.h"
 #include "absl/strings/str_join.h"
 #include "core/fault_injecting_collectives.h"
+#include "core/host_memory.h"
 #include "core/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -350,6 +356,7 @@ v1::internal::HeartbeatRequest Worker::HeartbeatNow() {
   request.set_epoch(joined_epoch_);
   request.set_group_broken(group_broken_);
   request.set_draining(draining_);
+  request.set_memory_available_bytes(MemoryAvailable());
   tables_.Report(request);
   return request;
 }
@@ -373,39 +380,74 @@ void Worker::ReconcileLoop() {
       }
     }
     const TableLifecycle::Plan plan = tables_.NextPlan();
-    for (const std::string& name : plan.drops) {
-      tables_.Dropped(name);
+    for (const auto& [name, version] : plan.drops) {
+      tables_.Dropped(name, version);
       LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank
-                << ": dropped table \"" << name << "\"";
+                << ": dropped table \"" << name << "\" version " << version;
       absl::MutexLock lock(&mu_);
       UpdateHealth();
     }
-    for (const v1::TableSpec& spec : plan.loads) {
-      absl::StatusOr<std::shared_ptr<core::ShardedTable>> table =
-          [&]() -> absl::StatusOr<std::shared_ptr<core::ShardedTable>> {
-        SHARDSERVE_ASSIGN_OR_RETURN(core::TableConfig config, ConfigFromSpec(spec, world));
-        SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::ShardedTable> table,
-                                    core::ShardedTable::Create(config, options_.rank, *kernels_));
-        if (spec.init_case() == v1::TableSpec::kCheckpoint) {
-          SHARDSERVE_RETURN_IF_ERROR(table->LoadCheckpoint(spec.checkpoint()));
-        } else {
-          SHARDSERVE_RETURN_IF_ERROR(table->LoadSeeded(spec.seed()));
+    if (!plan.loads.empty()) {
+      // Loads run on a thread of lower priority, so that a version loaded beside the serving one
+      // takes the CPU the step loop leaves (a large load must not stretch steps).
+      std::thread loader([&] {
+        setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
+        kernels_->InitThread();  // tables are loaded into the device from this thread
+        for (const v1::TableSpec& spec : plan.loads) {
+          absl::StatusOr<std::shared_ptr<core::ShardedTable>> table = LoadShard(spec, world);
+          if (!table.ok()) {
+            tables_.LoadFailed(spec, table.status());
+            continue;
+          }
+          tables_.Loaded(spec, *std::move(table));
+          LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank
+                    << ": loaded table \"" << spec.name() << "\" version " << spec.version()
+                    << " (generation " << spec.generation() << ")";
+          absl::MutexLock lock(&mu_);
+          UpdateHealth();
         }
-        return table;
-      }();
-      if (table.ok()) {
-        tables_.Loaded(spec, *std::move(table));
-        LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank
-                  << ": loaded table \"" << spec.name() << "\" (generation " << spec.generation()
-                  << ")";
-        absl::MutexLock lock(&mu_);
-        UpdateHealth();
-      } else {
-        tables_.LoadFailed(spec, table.status());
-      }
+      });
+      loader.join();
     }
     if (epoch != 0) JoinGroup(epoch, world, rendezvous);
   }
+}
+
+int64_t Worker::MemoryAvailable() const {
+  int64_t room = -1;
+  if (options_.table_memory_bytes > 0) {
+    room = std::max<int64_t>(options_.table_memory_bytes - tables_.HeldBytes(), 0);
+  }
+  if (cuda_device_ < 0) {
+    const int64_t host = core::AvailableHostBytes();
+    if (host >= 0) room = room < 0 ? host : std::min(room, host);
+  }
+  return room;
+}
+
+absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::TableSpec& spec,
+                                                                      int world) {
+  SHARDSERVE_ASSIGN_OR_RETURN(core::TableConfig config, ConfigFromSpec(spec, world));
+  const int64_t need = core::ShardedTable::ShardBytes(config, options_.rank);
+  const int64_t room = MemoryAvailable();
+  if (room >= 0 && need > room) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "group ", options_.group, " rank ", options_.rank, ": version ", spec.version(),
+        " of table \"", spec.name(), "\" needs ", need, " bytes for its shard, but only ", room,
+        " are available (tables held: ", tables_.HeldBytes(), " bytes",
+        options_.table_memory_bytes > 0
+            ? absl::StrCat(", --table_memory_bytes ", options_.table_memory_bytes)
+            : std::string(),
+        ")"));
+  }
+  SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::ShardedTable> table,
+                              core::ShardedTable::Create(config, options_.rank, *kernels_));
+  if (spec.init_case() == v1::TableSpec::kCheckpoint) {
+    SHARDSERVE_RETURN_IF_ERROR(table->LoadCheckpoint(spec.checkpoint()));
+  } else {
+    SHARDSERVE_RETURN_IF_ERROR(table->LoadSeeded(spec.seed()));
+  }
+  return std::shared_ptr<core::ShardedTable>(std::move(table));
 }
 
 bool Worker::JoinGroup(uint64_t epoch, int world, core::RendezvousStore& rendezvous) {

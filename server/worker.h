@@ -51,6 +51,9 @@ struct WorkerOptions {
   // Fault drill: this worker's Nth AllReduce (counted over its groups) fails after it has run
   // (core::FaultInjectingCollectives). 0: never.
   int64_t fail_allreduce = 0;
+  // Bytes of table shards (every version) this worker may hold at once; 0: as memory allows. A
+  // load that would go over it, or over the memory free, fails with RESOURCE_EXHAUSTED instead.
+  int64_t table_memory_bytes = 0;
   SecurityOptions security;  // TLS and access control of its port, and of its coordinator calls
 };
 
@@ -85,6 +88,12 @@ class Worker {
   // Joins group `epoch` of `world` ranks (forms its communicators); false if it could not.
   bool JoinGroup(uint64_t epoch, int world, core::RendezvousStore& rendezvous);
   void UpdateHealth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bytes of tables this worker could still load (-1: not known): --table_memory_bytes left, and
+  // the host memory available for a CPU worker.
+  int64_t MemoryAvailable() const;
+  // Loads `spec`'s shard of this rank, after checking there is room for it.
+  absl::StatusOr<std::shared_ptr<core::ShardedTable>> LoadShard(const v1::TableSpec& spec,
+                                                                int world);
   // The heartbeat this worker sends now.
   v1::internal::HeartbeatRequest HeartbeatNow() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -49,6 +49,10 @@ ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
 ABSL_FLAG(double, drain_s, 5,
           "on SIGTERM: seconds to go on serving while health says NOT_SERVING and clients move "
           "to other replicas; then calls in flight get 2 s to finish, and the worker leaves");
+ABSL_FLAG(int64_t, table_memory_mb, 0,
+          "MiB of table shards (every version loaded) this worker may hold at once; 0: as memory "
+          "allows. A load over it fails with RESOURCE_EXHAUSTED, and LoadVersion then swaps one "
+          "replica at a time");
 ABSL_FLAG(int64_t, shared_memory_block_mb, 16,
           "exchange blocks up to this size go through shared memory between workers that can map "
           "each other's (one host); 0: always the sockets");
@@ -136,6 +140,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.gloo.shared_memory_block_bytes = block_mb << 20;
+  const int64_t table_memory_mb = absl::GetFlag(FLAGS_table_memory_mb);
+  if (table_memory_mb < 0) {
+    std::fprintf(stderr, "--table_memory_mb: %lld must be >= 0\n",
+                 static_cast<long long>(table_memory_mb));
+    return 2;
+  }
+  options.table_memory_bytes = table_memory_mb << 20;
   const std::pair<const char*, int> intervals[] = {
       {"--heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)},
       {"--collective_timeout_ms", absl::GetFlag(FLAGS_collective_timeout_ms)}};
