@@ -155,6 +155,27 @@ absl::StatusOr<v1::TableInfo> Client::CreateTable(const v1::TableSpec& spec) {
   return info;
 }
 
+absl::StatusOr<v1::TableInfo> Client::LoadVersion(const v1::LoadVersionRequest& request,
+                                                  absl::Duration timeout) {
+  const absl::Time deadline =
+      absl::Now() + (timeout > absl::ZeroDuration() ? timeout : options_.deadline);
+  v1::TableInfo info;
+  absl::Status status =
+      CallAdminUntil(&v1::AdminService::Stub::LoadVersion, request, &info, deadline);
+  if (!status.ok()) return status;
+  return info;
+}
+
+absl::StatusOr<v1::TableInfo> Client::UnloadVersion(const std::string& name, uint64_t version) {
+  v1::UnloadVersionRequest request;
+  request.set_name(name);
+  request.set_version(version);
+  v1::TableInfo info;
+  absl::Status status = CallAdmin(&v1::AdminService::Stub::UnloadVersion, request, &info);
+  if (!status.ok()) return status;
+  return info;
+}
+
 absl::StatusOr<v1::TableInfo> Client::WaitTable(const std::string& name, absl::Duration timeout) {
   return WaitTableUntil(name, absl::Now() + timeout);
 }
@@ -358,7 +379,9 @@ absl::StatusOr<DenseTensor> Client::CallData(const Request& request, const char*
       !s.ok()) {
     return absl::InternalError(absl::StrCat("cannot parse the answer: ", s.error_message()));
   }
-  return ToDense(response.output());
+  absl::StatusOr<DenseTensor> dense = ToDense(response.output());
+  if (dense.ok()) dense->version = response.version();
+  return dense;
 }
 
 absl::StatusOr<DenseTensor> Client::Embedding(const v1::EmbeddingRequest& request) {

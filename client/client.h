@@ -39,6 +39,7 @@ struct ClientOptions {
 struct DenseTensor {
   std::vector<int64_t> shape;
   std::vector<float> values;
+  uint64_t version = 0;  // the table version it came from (0: not said)
 };
 
 v1::Tensor Int64Tensor(const std::vector<int64_t>& shape, const std::vector<int64_t>& values);
@@ -76,6 +77,14 @@ class Client {
   // (path), NOT_FOUND, UNAVAILABLE, ABORTED (created again during the export), INTERNAL (a
   // stream that does not add up), RESOURCE_EXHAUSTED (memory on the coordinator, or this disk).
   absl::StatusOr<int64_t> ExportTo(const std::string& name, const std::string& path);
+  // Loads the table's next version (LoadVersionRequest) and waits up to `timeout` (the client's
+  // deadline when zero) for every replica to switch to it: the TableInfo then (its spec the new
+  // version; or, when the time ran out, `versions` showing the load under way - it goes on). The
+  // load's error when a rank could not load it (the serving version stays everywhere). Retried
+  // on UNAVAILABLE: a LoadVersion of the same source is idempotent while it runs.
+  absl::StatusOr<v1::TableInfo> LoadVersion(const v1::LoadVersionRequest& request,
+                                            absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::TableInfo> UnloadVersion(const std::string& name, uint64_t version);
   // The coordinator's view of the workers (groups, epochs, every member and its tables).
   absl::StatusOr<v1::ClusterInfo> DescribeCluster();
 

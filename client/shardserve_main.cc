@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -105,6 +106,14 @@ ABSL_FLAG(bool, json, false,
           "ClusterInfo (cluster), DropTableResponse (drop), ExportTableResponse (export)");
 // data calls
 ABSL_FLAG(std::string, table, "", "table of a data call");
+ABSL_FLAG(uint64_t, table_version, 0,
+          "data calls: the table version to use (0: the latest serving)");
+ABSL_FLAG(int, keep_versions, 1,
+          "load-version: versions to keep loaded once the new one serves, counting it (2: the "
+          "one it replaces too, for pinned calls)");
+ABSL_FLAG(bool, allow_gap, false,
+          "load-version: with one replica and no room for two copies, unload the serving version "
+          "first (calls fail until the new one serves)");
 ABSL_FLAG(std::string, ids, "", "ids as a JSON array");
 ABSL_FLAG(std::string, ids_file, "", "file with the ids as a JSON array");
 ABSL_FLAG(std::string, offsets, "", "bag offsets as a JSON array");
@@ -183,9 +192,10 @@ v1::Tensor FloatsTensor(const JsonArray& a) {
 
 int PrintResult(const absl::StatusOr<DenseTensor>& result) {
   if (!result.ok()) return Fail(result.status());
-  const std::string json = absl::StrCat("{\"shape\": [", absl::StrJoin(result->shape, ", "),
-                                        "], \"values\": ",
-                                        FormatJsonArray(result->shape, result->values), "}\n");
+  const std::string json = absl::StrCat(
+      "{\"shape\": [", absl::StrJoin(result->shape, ", "), "], \"values\": ",
+      FormatJsonArray(result->shape, result->values),
+      result->version != 0 ? absl::StrCat(", \"version\": ", result->version) : "", "}\n");
   if (const std::string path = absl::GetFlag(FLAGS_output); !path.empty()) {
     std::ofstream(path) << json;
   } else {
@@ -216,6 +226,9 @@ void PrintInfo(const v1::TableInfo& info) {
               static_cast<long long>(s.num_rows()), static_cast<long long>(s.num_cols()),
               s.sharding().dim(), absl::StrJoin(s.sharding().placements(), ",").c_str());
   if (!info.error().empty()) std::printf("    error: %s\n", info.error().c_str());
+  if (s.version() > 1 || info.versions_size() > 1) {
+    std::printf("    version %llu serves\n", static_cast<unsigned long long>(s.version()));
+  }
   if (info.replicas_size() <= 1) {
     PrintShards(info.shards(), "    ");
     return;
@@ -233,6 +246,118 @@ std::string Json(const google::protobuf::Message& message) {
   options.always_print_primitive_fields = true;  // group 0, state 0: present, not implied
   (void)google::protobuf::util::MessageToJsonString(message, &json, options);
   return json;
+}
+
+// LOADING for VERSION_STATE_LOADING.
+std::string VersionStateName(v1::VersionState state) {
+  return std::string(absl::StripPrefix(v1::VersionState_Name(state), "VERSION_STATE_"));
+}
+
+// A table's versions, one line each, and per replica how many ranks hold it.
+int PrintVersions(const v1::TableInfo& info) {
+  if (absl::GetFlag(FLAGS_json)) {
+    std::vector<std::string> objects;
+    for (const v1::VersionInfo& v : info.versions()) objects.push_back(Json(v));
+    std::printf("[%s]\n", absl::StrJoin(objects, ",").c_str());
+    return 0;
+  }
+  for (const v1::VersionInfo& v : info.versions()) {
+    std::vector<std::string> replicas;
+    for (const v1::VersionReplica& r : v.replicas()) {
+      replicas.push_back(absl::StrCat("group ", r.group(), ": ", r.ranks_loaded(), " ranks",
+                                      r.serving() ? " serving" : ""));
+    }
+    std::printf("version %-4llu %-8s %-26s %s%s%s\n", static_cast<unsigned long long>(v.version()),
+                VersionStateName(v.state()).c_str(), v.source().c_str(),
+                absl::StrJoin(replicas, ", ").c_str(),
+                v.mode() == v1::SWAP_MODE_UNSPECIFIED
+                    ? ""
+                    : absl::StrCat("  ", absl::AsciiStrToLower(absl::StripPrefix(
+                                             v1::SwapMode_Name(v.mode()), "SWAP_MODE_")))
+                          .c_str(),
+                v.load_ms() > 0 ? absl::StrCat(", switched in ", v.load_ms(), " ms").c_str() : "");
+    if (!v.error().empty()) std::printf("    error: %s\n", v.error().c_str());
+  }
+  return 0;
+}
+
+// `load-version`: starts the load (LoadVersion, idempotent while it runs), then follows it with
+// DescribeTable - a second LoadVersion after the switch would load yet another version - printing
+// its progress, until the new version serves, fails, or --deadline_ms runs out (it goes on).
+int LoadVersionCommand(Client& c, const std::string& name) {
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  v1::LoadVersionRequest request;
+  request.set_name(name);
+  if (const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint); !checkpoint.empty()) {
+    request.set_checkpoint(checkpoint);
+  } else {
+    request.set_seed(absl::GetFlag(FLAGS_seed));
+  }
+  request.set_keep_versions(absl::GetFlag(FLAGS_keep_versions));
+  request.set_allow_gap(absl::GetFlag(FLAGS_allow_gap));
+  request.set_timeout_ms(1000);
+  const bool json = absl::GetFlag(FLAGS_json);
+  absl::StatusOr<v1::TableInfo> info = c.LoadVersion(request, deadline - absl::Now());
+  if (!info.ok()) return Fail(info.status());
+  // Ours: the version LOADING now, else the one serving (switched already).
+  uint64_t ours = info->spec().version();
+  for (const v1::VersionInfo& v : info->versions()) {
+    if (v.state() == v1::VERSION_STATE_LOADING) ours = v.version();
+  }
+  std::string last;
+  while (true) {
+    const v1::VersionInfo* mine = nullptr;
+    for (const v1::VersionInfo& v : info->versions()) {
+      if (v.version() == ours) mine = &v;
+    }
+    if (mine == nullptr) {
+      return Fail(absl::AbortedError(absl::StrCat("version ", ours, " of table \"", name,
+                                                  "\" is gone (dropped, or the coordinator "
+                                                  "restarted while it loaded)")));
+    }
+    if (mine->state() == v1::VERSION_STATE_FAILED) {
+      const int code = mine->error_code();
+      return Fail(absl::Status(
+          code > 0 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown,
+          absl::StrCat("version ", ours, " of table \"", name,
+                       "\" could not be loaded (the serving version serves on): ", mine->error())));
+    }
+    if (mine->state() != v1::VERSION_STATE_LOADING) {
+      if (json) {
+        std::printf("%s\n", Json(*info).c_str());
+      } else {
+        std::printf("table \"%s\" serves version %llu (%s, switched in %lld ms)\n", name.c_str(),
+                    static_cast<unsigned long long>(ours),
+                    absl::AsciiStrToLower(
+                        absl::StripPrefix(v1::SwapMode_Name(mine->mode()), "SWAP_MODE_"))
+                        .c_str(),
+                    static_cast<long long>(mine->load_ms()));
+      }
+      return 0;
+    }
+    std::vector<std::string> replicas;
+    for (const v1::VersionReplica& r : mine->replicas()) {
+      replicas.push_back(absl::StrCat("group ", r.group(), ": ", r.ranks_loaded(), " ranks loaded",
+                                      r.serving() ? ", serving it" : ""));
+    }
+    const std::string progress = absl::StrCat(
+        "loading version ", ours, " (",
+        absl::AsciiStrToLower(absl::StripPrefix(v1::SwapMode_Name(mine->mode()), "SWAP_MODE_")),
+        "): ", absl::StrJoin(replicas, "; "));
+    if (progress != last && !json) std::fprintf(stderr, "%s\n", progress.c_str());
+    last = progress;
+    if (absl::Now() + absl::Milliseconds(200) >= deadline) {
+      std::fprintf(stderr,
+                   "shardserve: version %llu of table \"%s\" is still loading after "
+                   "--deadline_ms=%d; it goes on (`shardserve versions %s` shows it)\n",
+                   static_cast<unsigned long long>(ours), name.c_str(),
+                   absl::GetFlag(FLAGS_deadline_ms), name.c_str());
+      return 1;
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+    info = c.DescribeTable(name);
+    if (!info.ok()) return Fail(info.status());
+  }
 }
 
 // TableInfos as text, or with --json as one JSON object (`one`) or an array.
@@ -594,8 +719,8 @@ int Up(const std::string& argv0) {
 }
 
 constexpr char kCommands[] =
-    "up | demo | create-table | wait | tables | describe | drop | export | cluster | health | "
-    "embedding | bag | linear";
+    "up | demo | create-table | wait | tables | describe | drop | export | load-version | "
+    "versions | unload-version | cluster | health | embedding | bag | linear";
 
 // grpc.health.v1 Check of one server, over the caller's TLS: exit 0 when it says SERVING, 1
 // otherwise (a probe that needs TLS, where Kubernetes' gRPC probe has none).
@@ -626,7 +751,7 @@ server::Usage UsageOf(const std::vector<std::string>& args) {
   const std::vector<std::string> admin =
       with({"coordinator", "deadline_ms", "json"}, server::CallerSecurityFlags());
   const std::vector<std::string> data =
-      with({"coordinator", "deadline_ms", "via_coordinator", "table", "output"},
+      with({"coordinator", "deadline_ms", "via_coordinator", "table", "table_version", "output"},
            server::CallerSecurityFlags());
   if (command == "up") {
     return {"shardserve up [flags]",
@@ -672,6 +797,23 @@ server::Usage UsageOf(const std::vector<std::string>& args) {
             command == "tables" ? "Every table with its state and replicas."
                                 : "The coordinator's view of every group and worker.",
             admin};
+  }
+  if (command == "load-version") {
+    return {"shardserve load-version T --checkpoint=F | --seed=N [flags]",
+            "Loads T's next version while the serving one serves and switches every replica to "
+            "it (beside it where every rank has room, else one replica at a time); shows the "
+            "progress and waits until it serves or fails, within --deadline_ms (it goes on "
+            "after). A failed load leaves the serving version everywhere.",
+            with(admin, {"checkpoint", "seed", "keep_versions", "allow_gap"})};
+  }
+  if (command == "versions") {
+    return {"shardserve versions T [flags]",
+            "T's versions: serving, kept, loading or failed, with their sources and the ranks of "
+            "each replica that hold them.",
+            admin};
+  }
+  if (command == "unload-version") {
+    return {"shardserve unload-version T V [flags]", "Unloads T's kept version V.", admin};
   }
   if (command == "drop") {
     return {"shardserve drop T [flags]",
@@ -722,7 +864,8 @@ int Main(int argc, char** argv) {
   if (!client.ok()) return BadUsage(client.status());
   Client& c = **client;
   auto arg = [&](size_t i) -> std::string { return args.size() > i ? args[i] : ""; };
-  if ((command == "wait" || command == "describe" || command == "drop" || command == "export") &&
+  if ((command == "wait" || command == "describe" || command == "drop" || command == "export" ||
+       command == "load-version" || command == "versions" || command == "unload-version") &&
       arg(2).empty()) {
     return BadUsage(absl::InvalidArgumentError(absl::StrCat(command, ": give the table's name")));
   }
@@ -779,6 +922,22 @@ int Main(int argc, char** argv) {
     PrintInfos({*info}, /*one=*/true);
     return 0;
   }
+  if (command == "load-version") return LoadVersionCommand(c, arg(2));
+  if (command == "versions") {
+    absl::StatusOr<v1::TableInfo> info = c.DescribeTable(arg(2));
+    if (!info.ok()) return Fail(info.status());
+    return PrintVersions(*info);
+  }
+  if (command == "unload-version") {
+    uint64_t version = 0;
+    if (!absl::SimpleAtoi(arg(3), &version) || version == 0) {
+      return BadUsage(absl::InvalidArgumentError(
+          absl::StrCat("unload-version: give T and a version number (got \"", arg(3), "\")")));
+    }
+    absl::StatusOr<v1::TableInfo> info = c.UnloadVersion(arg(2), version);
+    if (!info.ok()) return Fail(info.status());
+    return PrintVersions(*info);
+  }
   if (command == "drop") {
     std::vector<int> serving;
     absl::Status status = c.DropTable(arg(2), &serving);
@@ -823,12 +982,14 @@ int Main(int argc, char** argv) {
     return 0;
   }
   const std::string table = absl::GetFlag(FLAGS_table);
+  const uint64_t table_version = absl::GetFlag(FLAGS_table_version);
   if (command == "embedding") {
     absl::StatusOr<JsonArray> ids =
         ArrayFlag(absl::GetFlag(FLAGS_ids), absl::GetFlag(FLAGS_ids_file), "ids");
     if (!ids.ok()) return BadUsage(ids.status());
     v1::EmbeddingRequest request;
     request.set_table(table);
+    request.set_version(table_version);
     absl::StatusOr<v1::Tensor> t = IdTensor(*ids, "ids");
     if (!t.ok()) return BadUsage(t.status());
     *request.mutable_ids() = *t;
@@ -840,6 +1001,7 @@ int Main(int argc, char** argv) {
     if (!ids.ok()) return BadUsage(ids.status());
     v1::EmbeddingBagRequest request;
     request.set_table(table);
+    request.set_version(table_version);
     absl::StatusOr<v1::Tensor> t = IdTensor(*ids, "ids");
     if (!t.ok()) return BadUsage(t.status());
     *request.mutable_ids() = *t;
@@ -871,6 +1033,7 @@ int Main(int argc, char** argv) {
     if (!input.ok()) return BadUsage(input.status());
     v1::LinearRequest request;
     request.set_table(table);
+    request.set_version(table_version);
     *request.mutable_input() = FloatsTensor(*input);
     return PrintResult(c.Linear(request));
   }

@@ -48,11 +48,14 @@ std::vector<std::unique_ptr<GlooCommunicator>> Connect(int world, const std::str
 // What a test does with an answer. A request's `caller` points at its Done.
 using Done = std::function<void(absl::StatusOr<DenseResult>)>;
 
+// The table version of the answer a Done is called with (on the thread that delivers it).
+thread_local uint64_t served_version = 0;
+
 // Answers each request through its Done, on the thread that delivers it; counts flushes.
 class TestSink : public ResponseSink {
  public:
   void Deliver(const StepRequest& request, absl::StatusOr<DenseResult> answer) override {
-    if (answer.ok()) last_served = request.served_version;
+    served_version = request.served_version;
     std::unique_ptr<Done> done(static_cast<Done*>(request.caller));
     (*done)(std::move(answer));
   }
@@ -60,7 +63,6 @@ class TestSink : public ResponseSink {
     if (on_flush) on_flush();
   }
   std::function<void()> on_flush;  // set before the loop starts
-  std::atomic<uint64_t> last_served{0};  // the table version of the last answer served
 };
 
 // Submits `r` to `loop`, answered through `done` (at once, with the error, when refused).
@@ -348,11 +350,18 @@ TEST(StepLoop, ANewVersionIsSwitchedToAtOneStepOnEveryRankWithoutErrors) {
     }
     return one ? 1 : two ? 2 : 0;
   };
-  auto lookup = [&](int rank, uint64_t version) {
+  // An answer and the version the loop says it came from.
+  auto lookup_said = [&](int rank, uint64_t version) {
     auto r = LookupRequest("emb", ids);
     r->version = version;
-    return f.Submit(rank, std::move(r)).get();
+    auto promise = std::make_shared<std::promise<std::pair<absl::StatusOr<DenseResult>, uint64_t>>>();
+    auto future = promise->get_future();
+    SubmitWith(*f.loops[rank], std::move(r), [promise](absl::StatusOr<DenseResult> got) {
+      promise->set_value({std::move(got), served_version});
+    });
+    return future.get();
   };
+  auto lookup = [&](int rank, uint64_t version) { return lookup_said(rank, version).first; };
   // Callers on both ranks throughout: every answer is one version's, and once a rank has seen v2
   // it never sees v1 again.
   std::atomic<bool> stop{false};
@@ -375,10 +384,10 @@ TEST(StepLoop, ANewVersionIsSwitchedToAtOneStepOnEveryRankWithoutErrors) {
     });
   }
   auto expect = [&](int rank, uint64_t pinned, int want) {
-    absl::StatusOr<DenseResult> got = lookup(rank, pinned);
+    auto [got, said] = lookup_said(rank, pinned);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(version_of(*got), want) << "rank " << rank << " pinned " << pinned;
-    EXPECT_EQ(f.sinks[rank]->last_served.load(), static_cast<uint64_t>(want));
+    EXPECT_EQ(said, static_cast<uint64_t>(want));
   };
   f.tables[0]->Stage(load(v2, 0, weight2));  // rank 0 only: v1 serves, v2 cannot be pinned yet
   for (int rank : {0, 1}) expect(rank, 0, 1);

@@ -143,8 +143,8 @@ class ControlPlane {
   //     the serving version again (beside: a rank out of memory turns it into one at a time when
   //     that is possible).
   // Idempotent while a load of the same source runs. INVALID_ARGUMENT (source, checkpoint,
-  // keep_versions, timeout), NOT_FOUND, FAILED_PRECONDITION (another load runs; the table does
-  // not serve yet), RESOURCE_EXHAUSTED (no room beside and one replica without allow_gap), the
+  // keep_versions, timeout), NOT_FOUND, FAILED_PRECONDITION (another load runs; the table is
+  // still being created), RESOURCE_EXHAUSTED (no room beside and one replica without allow_gap), the
   // load's error (code and message of the rank that could not load it), UNAVAILABLE while
   // learning (no state_dir).
   absl::StatusOr<v1::TableInfo> LoadVersion(const v1::LoadVersionRequest& request,

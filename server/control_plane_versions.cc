@@ -89,11 +89,10 @@ absl::StatusOr<v1::TableInfo> ControlPlane::LoadVersion(const v1::LoadVersionReq
     }
     generation = running->second.spec.generation();  // a retry: wait for the same load
   } else {
-    if (unserved_.count(name) || !TableServing(name)) {
+    if (unserved_.count(name)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "table \"", name, "\" does not serve now (",
-          v1::TableState_Name(InfoOf(it->second).state()),
-          "): a new version replaces a serving one; wait for it (WaitTable)"));
+          "table \"", name,
+          "\" is being created: a new version replaces a created one; wait for it (WaitTable)"));
     }
     VersionLoad load;
     load.keep = std::max(1, request.keep_versions());

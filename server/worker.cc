@@ -428,12 +428,16 @@ int64_t Worker::MemoryAvailable() const {
 absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::TableSpec& spec,
                                                                       int world) {
   SHARDSERVE_ASSIGN_OR_RETURN(core::TableConfig config, ConfigFromSpec(spec, world));
+  if (!options_.fail_load.empty() && spec.name() == options_.fail_load && spec.version() > 1) {
+    return absl::InternalError(absl::StrCat("--fail_load drill: version ", spec.version(),
+                                            " of table \"", spec.name(), "\" not loaded"));
+  }
   const int64_t need = core::ShardedTable::ShardBytes(config, options_.rank);
   const int64_t room = MemoryAvailable();
   if (room >= 0 && need > room) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "group ", options_.group, " rank ", options_.rank, ": version ", spec.version(),
-        " of table \"", spec.name(), "\" needs ", need, " bytes for its shard, but only ", room,
+        "version ", spec.version(), " of table \"", spec.name(), "\" needs ", need,
+        " bytes for its shard, but only ", room,
         " are available (tables held: ", tables_.HeldBytes(), " bytes",
         options_.table_memory_bytes > 0
             ? absl::StrCat(", --table_memory_bytes ", options_.table_memory_bytes)

@@ -54,6 +54,9 @@ struct WorkerOptions {
   // Bytes of table shards (every version) this worker may hold at once; 0: as memory allows. A
   // load that would go over it, or over the memory free, fails with RESOURCE_EXHAUSTED instead.
   int64_t table_memory_bytes = 0;
+  // Fault drill: on this worker, loads of this table's versions after its first fail (INTERNAL),
+  // as a rank that cannot read a new checkpoint would. Empty: never.
+  std::string fail_load;
   SecurityOptions security;  // TLS and access control of its port, and of its coordinator calls
 };
 

@@ -49,6 +49,9 @@ ABSL_FLAG(int, heartbeat_ms, 50, "heartbeat interval");
 ABSL_FLAG(double, drain_s, 5,
           "on SIGTERM: seconds to go on serving while health says NOT_SERVING and clients move "
           "to other replicas; then calls in flight get 2 s to finish, and the worker leaves");
+ABSL_FLAG(std::string, fail_load, "",
+          "fault drill: on this worker, every load of this table's versions after the first "
+          "fails (INTERNAL), as when a rank cannot read a new checkpoint");
 ABSL_FLAG(int64_t, table_memory_mb, 0,
           "MiB of table shards (every version loaded) this worker may hold at once; 0: as memory "
           "allows. A load over it fails with RESOURCE_EXHAUSTED, and LoadVersion then swaps one "
@@ -147,6 +150,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.table_memory_bytes = table_memory_mb << 20;
+  options.fail_load = absl::GetFlag(FLAGS_fail_load);
   const std::pair<const char*, int> intervals[] = {
       {"--heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)},
       {"--collective_timeout_ms", absl::GetFlag(FLAGS_collective_timeout_ms)}};
