@@ -91,70 +91,94 @@ def plot(rows, marks, title, path):
         f.write("\n".join(out))
 
 
+def summarise(folder, run, e, shard_kib):
+    rows = calls(os.path.join(folder, run + ".csv"))
+    start, done = e["start_at"], e["done_at"]
+    steady = [us for s, _, us, code in rows if 1.0 <= s < start - 0.2 and code == 0]
+    window = [us for s, _, us, code in rows if start <= s < done + 1.0]
+    # The longest time without an answer (between consecutive OK answers) after the start.
+    ok_done = sorted(d for s, d, _, code in rows if code == 0 and d >= start - 1)
+    mem = memory(os.path.join(folder, run + ".memory.txt"))
+    workers = {}
+    for w, samples in mem.items():
+        before = [a for t, a, _ in samples if t < start]
+        workers[w] = {
+            "anon_before_mib": (max(before) if before else 0) / 1024,
+            "anon_peak_mib": max(a for _, a, _ in samples) / 1024,
+            "file_peak_mib": max(f for _, _, f in samples) / 1024,
+        }
+    r = {
+        "calls": len(rows),
+        "errors": sum(1 for *_, code in rows if code != 0),
+        "steady_p99_ms": quantile(steady, 0.99) / 1000,
+        "window_p50_ms": quantile(window, 0.5) / 1000,
+        "window_p99_ms": quantile(window, 0.99) / 1000,
+        "window_max_ms": max(window, default=0) / 1000,
+        "p99_ratio": (quantile(window, 0.99) / quantile(steady, 0.99)) if steady else 0,
+        "change_s": done - start,
+        "longest_gap_s": max((b - a for a, b in zip(ok_done, ok_done[1:])), default=0.0),
+        "steal_s": e.get("steal_s", 0.0),
+        "workers": workers,
+    }
+    version = os.path.join(folder, run + ".version.json")
+    if os.path.exists(version):
+        info = json.load(open(version))
+        serving = [v for v in info.get("versions", []) if v.get("state") == "VERSION_STATE_SERVING"]
+        if serving:
+            r["load_to_switch_ms"] = int(serving[0].get("load_ms", 0))
+            r["mode"] = serving[0].get("mode")
+    kind = run.rsplit("_", 1)[0]
+    marks = [("load-version" if kind == "swap" else "drop", start),
+             ("switched" if kind == "swap" else "created", done)]
+    plot(rows, marks, f"{run}: open loop, 64 x 20 bags", os.path.join(folder, run + ".svg"))
+    return r
+
+
+def median(values):
+    s = sorted(values)
+    return s[len(s) // 2] if s else 0.0
+
+
 def main(folder):
     events = json.load(open(os.path.join(folder, "events.json")))
     shard_kib = events["rows"] * events["cols"] * 4 / 2 / 1024
-    summary = {"qps": events["qps"], "shard_mib": shard_kib / 1024, "runs": {}}
-    for run in ("swap", "drop_create"):
-        rows = calls(os.path.join(folder, run + ".csv"))
-        e = events[run]
-        start, done = e["start_at"], e["done_at"]
-        steady = [us for s, _, us, code in rows if 1.0 <= s < start - 0.2 and code == 0]
-        window = [us for s, _, us, code in rows if start <= s < done + 1.0]
-        errors = sum(1 for *_, code in rows if code != 0)
-        # The longest time without an answer (between consecutive OK answers) after the start.
-        ok_done = sorted(d for s, d, _, code in rows if code == 0 and d >= start - 1)
-        gap = max((b - a for a, b in zip(ok_done, ok_done[1:])), default=0.0)
-        mem = memory(os.path.join(folder, run + ".memory.txt"))
-        peaks = {}
-        for w, samples in mem.items():
-            before = [a for t, a, _ in samples if t < start]
-            peaks[w] = {
-                "anon_before_mib": (max(before) if before else 0) / 1024,
-                "anon_peak_mib": max(a for _, a, _ in samples) / 1024,
-                "file_peak_mib": max(f for _, _, f in samples) / 1024,
-            }
-        r = {
-            "calls": len(rows),
-            "errors": errors,
-            "steady_p50_ms": quantile(steady, 0.5) / 1000,
-            "steady_p99_ms": quantile(steady, 0.99) / 1000,
-            "window_p50_ms": quantile(window, 0.5) / 1000,
-            "window_p99_ms": quantile(window, 0.99) / 1000,
-            "window_max_ms": max(window, default=0) / 1000,
-            "p99_ratio": (quantile(window, 0.99) / quantile(steady, 0.99)) if steady else 0,
-            "change_s": done - start,
-            "longest_gap_s": gap,
-            "workers": peaks,
-        }
-        if run == "swap":
-            info = json.load(open(os.path.join(folder, "swap.version.json")))
-            serving = [v for v in info.get("versions", []) if v.get("state") == "VERSION_STATE_SERVING"]
-            if serving:
-                r["load_to_switch_ms"] = int(serving[0].get("load_ms", 0))
-                r["mode"] = serving[0].get("mode")
-        summary["runs"][run] = r
-        marks = [("load-version" if run == "swap" else "drop", start),
-                 ("switched" if run == "swap" else "created", done)]
-        plot(rows, marks, f"{run}: open loop {events['qps']} calls/s, 64 x 20 bags",
-             os.path.join(folder, run + ".svg"))
+    summary = {"qps": events["qps"], "shard_mib": shard_kib / 1024, "runs": {}, "median": {}}
+    for run in sorted(k for k in events if isinstance(events[k], dict)):
+        summary["runs"][run] = summarise(folder, run, events[run], shard_kib)
+    for kind in ("swap", "drop_create"):
+        runs = [r for name, r in summary["runs"].items() if name.rsplit("_", 1)[0] == kind]
+        m = {key: median([r[key] for r in runs])
+             for key in ("steady_p99_ms", "window_p99_ms", "window_max_ms", "p99_ratio",
+                         "change_s", "longest_gap_s")}
+        m["errors"] = sum(r["errors"] for r in runs)
+        m["calls"] = sum(r["calls"] for r in runs)
+        m["runs"] = len(runs)
+        if kind == "swap":
+            m["load_to_switch_ms"] = median([r.get("load_to_switch_ms", 0) for r in runs])
+            m["anon_peak_mib"] = max(p["anon_peak_mib"] for r in runs for p in r["workers"].values())
+            m["anon_before_mib"] = max(p["anon_before_mib"] for r in runs
+                                       for p in r["workers"].values())
+        summary["median"][kind] = m
     json.dump(summary, open(os.path.join(folder, "summary.json"), "w"), indent=2)
-    s, d = summary["runs"]["swap"], summary["runs"]["drop_create"]
-    print(f"open loop at {summary['qps']} calls/s; shard {summary['shard_mib']:.0f} MiB per worker\n")
+    s, d = summary["median"]["swap"], summary["median"]["drop_create"]
+    print(f"open loop at {summary['qps']} calls/s; shard {summary['shard_mib']:.0f} MiB per "
+          f"worker; medians of {s['runs']} runs each\n")
     print("| | errors | steady p99 | p99 during | ratio | max during | longest gap | change took |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in (("LoadVersion (swap)", s), ("DropTable + CreateTable", d)):
         print(f"| {name} | {r['errors']} of {r['calls']} | {r['steady_p99_ms']:.2f} ms | "
               f"{r['window_p99_ms']:.2f} ms | {r['p99_ratio']:.2f}x | {r['window_max_ms']:.1f} ms | "
               f"{r['longest_gap_s'] * 1000:.0f} ms | {r['change_s']:.2f} s |")
-    print()
-    if "load_to_switch_ms" in s:
-        print(f"LoadVersion to switch: {s['load_to_switch_ms']} ms ({s.get('mode')})\n")
-    print("| worker | anon before | anon peak (swap) | 2 x shard | file pages peak |")
-    print("|---|---|---|---|---|")
-    for w, p in sorted(s["workers"].items()):
-        print(f"| {w} | {p['anon_before_mib']:.0f} MiB | {p['anon_peak_mib']:.0f} MiB | "
-              f"{2 * summary['shard_mib']:.0f} MiB | {p['file_peak_mib']:.0f} MiB |")
+    print(f"\nLoadVersion to switch: {s['load_to_switch_ms']:.0f} ms (median); workers' anonymous "
+          f"memory: {s['anon_before_mib']:.0f} MiB before, {s['anon_peak_mib']:.0f} MiB at the "
+          f"peak of any swap, 2 x shard = {2 * summary['shard_mib']:.0f} MiB\n")
+    print("| run | errors | steady p99 | p99 during | ratio | max | gap | switch | steal |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in summary["runs"].items():
+        print(f"| {name} | {r['errors']} | {r['steady_p99_ms']:.2f} ms | {r['window_p99_ms']:.2f} ms | "
+              f"{r['p99_ratio']:.2f}x | {r['window_max_ms']:.1f} ms | "
+              f"{r['longest_gap_s'] * 1000:.0f} ms | "
+              f"{r.get('load_to_switch_ms', r['change_s'] * 1000):.0f} ms | {r['steal_s']:.2f} s |")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ absl::StatusOr<DeviceBuffer> CpuKernels::Allocate(int64_t bytes) {
   if (data == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat("cpu: cannot allocate ", bytes, " bytes"));
   }
-  return DeviceBuffer(data, bytes, [](void* p) { std::free(p); });
+  // (A table shard's memory goes back gradually: see FreeHostBuffer.)
+  return DeviceBuffer(data, bytes, [rounded](void* p) { FreeHostBuffer(p, rounded); });
 }
 
 absl::Status CpuKernels::CopyFromHost(const void* host, void* device, int64_t bytes) {

@@ -1,7 +1,18 @@
 #include "core/host_memory.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
 #include <fstream>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -26,6 +37,67 @@ absl::Status CheckHostAllocation(int64_t bytes, absl::string_view what) {
                                                      " bytes of memory are available"));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+constexpr size_t kLargeBuffer = size_t{64} << 20;
+constexpr size_t kReleaseChunk = size_t{16} << 20;
+
+// One thread, for the process's life, that gives large buffers back.
+class Releaser {
+ public:
+  static Releaser& Get() {
+    static Releaser* releaser = new Releaser();  // never destroyed: its thread may run at exit
+    return *releaser;
+  }
+  void Add(void* data, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.emplace_back(data, bytes);
+    }
+    wake_.notify_one();
+  }
+
+ private:
+  Releaser() { std::thread([this] { Run(); }).detach(); }
+  void Run() {
+    static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    while (true) {
+      std::pair<void*, size_t> next;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [this] { return !queue_.empty(); });
+        next = queue_.front();
+        queue_.pop_front();
+      }
+      // The whole pages inside the buffer, a chunk at a time (each madvise holds the memory map
+      // only for reading, and briefly), then the buffer itself.
+      const uintptr_t begin = (reinterpret_cast<uintptr_t>(next.first) + page - 1) / page * page;
+      const uintptr_t end = (reinterpret_cast<uintptr_t>(next.first) + next.second) / page * page;
+      for (uintptr_t at = begin; at < end; at += kReleaseChunk) {
+        madvise(reinterpret_cast<void*>(at), std::min<uintptr_t>(kReleaseChunk, end - at),
+                MADV_DONTNEED);
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      std::free(next.first);
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::pair<void*, size_t>> queue_;
+};
+
+}  // namespace
+
+void FreeHostBuffer(void* data, size_t bytes) {
+  if (data == nullptr) return;
+  if (bytes < kLargeBuffer) {
+    std::free(data);
+    return;
+  }
+  Releaser::Get().Add(data, bytes);
 }
 
 }  // namespace shardserve::core

@@ -19,6 +19,12 @@ absl::Status CheckHostAllocation(int64_t bytes, absl::string_view what);
 // What the kernel says can be allocated without swapping (MemAvailable), or -1 if unknown.
 int64_t AvailableHostBytes();
 
+// Frees `data` (from malloc, `bytes` long). Buffers of 64 MiB or more are freed on a background
+// thread, their pages given back 16 MiB at a time first: unmapping a table shard of gigabytes in
+// one call holds the process's memory map for that long, stalling every thread that faults a
+// page or maps memory meanwhile (steps, calls). Smaller ones are freed at once. Thread-safe.
+void FreeHostBuffer(void* data, size_t bytes);
+
 }  // namespace shardserve::core
 
 #endif  // SHARDSERVE_CORE_HOST_MEMORY_H_

@@ -18,6 +18,9 @@
 namespace shardserve::core {
 namespace {
 
+// Loads write (and read a checkpoint) in chunks of this many bytes, pacing after each.
+constexpr int64_t kPaceChunk = int64_t{16} << 20;
+
 // `count` floats of host memory, or RESOURCE_EXHAUSTED (naming `what`) where there is not that
 // much.
 absl::StatusOr<std::vector<float>> HostFloats(int64_t count, absl::string_view what) {
@@ -53,14 +56,14 @@ ShardedTable::ShardedTable(const TableConfig& config, int rank, LocalKernels& ke
 
 absl::StatusOr<std::unique_ptr<ShardedTable>> ShardedTable::Create(const TableConfig& config,
                                                                    int rank,
-                                                                   LocalKernels& kernels) {
+                                                                   LocalKernels& kernels,
+                                                                   const LoadPace& pace,
+                                                                   bool zero) {
   if (rank < 0 || rank >= config.spec.world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("rank: ", rank, " is out of range [0, ",
                                                    config.spec.world_size(), ")"));
   }
-  ShardLayout layout(config.spec, config.spec.dim() == 0 ? config.num_rows : config.num_cols);
-  const int64_t other = config.spec.dim() == 0 ? config.num_cols : config.num_rows;
-  const int64_t bytes = layout.SizeOfRank(rank) * other * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = ShardBytes(config, rank);
   // Every rank holds a linear layer's whole bias in host memory, however small its shard.
   std::vector<float> bias;
   if (config.kind == TableKind::kLinear && config.has_bias) {
@@ -69,8 +72,15 @@ absl::StatusOr<std::unique_ptr<ShardedTable>> ShardedTable::Create(const TableCo
   SHARDSERVE_ASSIGN_OR_RETURN(DeviceBuffer storage, kernels.Allocate(bytes));
   std::unique_ptr<ShardedTable> table(new ShardedTable(config, rank, kernels, std::move(storage)));
   table->bias_ = std::move(bias);
-  SHARDSERVE_RETURN_IF_ERROR(
-      table->WriteShard([bytes](float* shard) { std::memset(shard, 0, bytes); }));
+  if (!zero) return table;
+  SHARDSERVE_RETURN_IF_ERROR(table->WriteShard([bytes, &pace](float* shard) {
+    char* at = reinterpret_cast<char*>(shard);
+    for (int64_t done = 0; done < bytes; done += kPaceChunk) {
+      const int64_t n = std::min(kPaceChunk, bytes - done);
+      std::memset(at + done, 0, n);
+      if (pace) pace(n);
+    }
+  }));
   return table;
 }
 
@@ -119,7 +129,7 @@ absl::Status ShardedTable::LoadSeeded(uint64_t seed) {
   return absl::OkStatus();
 }
 
-absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
+absl::Status ShardedTable::LoadCheckpoint(const std::string& path, const LoadPace& pace) {
   SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
   const SafetensorsTensor* weight = file->Find("weight");
   const std::vector<int64_t> want = {config_.num_rows, config_.num_cols};
@@ -135,7 +145,7 @@ absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
   // once copied, so a large checkpoint passes through in bounded memory.
   const int64_t row_bytes = config_.num_cols * static_cast<int64_t>(sizeof(float));
   const char* base = weight->data + row_begin_ * row_bytes;
-  const int64_t chunk_rows = std::max<int64_t>(1, (int64_t{16} << 20) / row_bytes);
+  const int64_t chunk_rows = std::max<int64_t>(1, kPaceChunk / row_bytes);
   SHARDSERVE_RETURN_IF_ERROR(WriteShard([&](float* shard) {
     for (int64_t r0 = 0; r0 < shard_rows_; r0 += chunk_rows) {
       const int64_t n = std::min(chunk_rows, shard_rows_ - r0);
@@ -144,6 +154,7 @@ absl::Status ShardedTable::LoadCheckpoint(const std::string& path) {
                     shard_cols_ * sizeof(float));
       }
       file->Release(base + r0 * row_bytes, n * row_bytes);
+      if (pace) pace(n * shard_cols_ * static_cast<int64_t>(sizeof(float)));
     }
   }));
   if (!bias_.empty()) {

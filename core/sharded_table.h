@@ -23,11 +23,18 @@
 
 namespace shardserve::core {
 
+// Called after each chunk a load writes (16 MiB at most) with its bytes: a loader that must not
+// take the memory bandwidth and CPU serving needs paces itself there (it may sleep).
+using LoadPace = std::function<void(int64_t bytes)>;
+
 class ShardedTable {
  public:
-  // `config` must have passed Validate(). Allocates a zeroed shard for `rank`.
+  // `config` must have passed Validate(). Allocates a shard for `rank`, zeroed unless `zero` is
+  // false (for a caller that writes every value next, e.g. LoadCheckpoint).
   static absl::StatusOr<std::unique_ptr<ShardedTable>> Create(const TableConfig& config, int rank,
-                                                              LocalKernels& kernels);
+                                                              LocalKernels& kernels,
+                                                              const LoadPace& pace = nullptr,
+                                                              bool zero = true);
 
   // Bytes of `rank`'s shard of a table of `config` (validated).
   static int64_t ShardBytes(const TableConfig& config, int rank);
@@ -39,7 +46,7 @@ class ShardedTable {
   absl::Status LoadSeeded(uint64_t seed);
   // Copies the chunk out of a safetensors checkpoint holding "weight" (F32, num_rows x num_cols)
   // and, for a linear layer with a bias, "bias" (F32, num_rows). INVALID_ARGUMENT on a mismatch.
-  absl::Status LoadCheckpoint(const std::string& path);
+  absl::Status LoadCheckpoint(const std::string& path, const LoadPace& pace = nullptr);
   // The shard as a host row-major (shard_rows x shard_cols) matrix; RESOURCE_EXHAUSTED when host
   // memory cannot hold a copy of it.
   absl::StatusOr<std::vector<float>> ReadShard() const;

@@ -491,7 +491,7 @@ void StepLoop::RunOps(Group& group, Step& step) {
       table = step.tables->Find(key.table, key.version);
     } else if (auto h = alike->find(key.table); h != alike->end()) {
       const std::optional<uint64_t> version = h->second.Resolve(key.version);
-      if (version) table = step.tables->Find(key.table, *version);
+      if (version) table = step.tables->Load(key.table, *version);
     }
     if (table != nullptr) {
       step.loads[key] = std::move(table);

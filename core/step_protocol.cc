@@ -211,7 +211,8 @@ std::vector<int64_t> HeldTablesMessage(const TableSet& tables) {
 
 std::optional<uint64_t> HeldAlike::Resolve(uint64_t version) const {
   if (version != 0) {
-    if (versions.count(version)) return version;
+    // A pinned version: held alike, and not staged everywhere (some rank serves it or a newer one).
+    if (versions.count(version) && !active.empty() && version <= *active.rbegin()) return version;
     return std::nullopt;
   }
   for (auto it = active.rbegin(); it != active.rend(); ++it) {

@@ -16,7 +16,9 @@
 // - Versions: work names a version (pinned) or none (the latest). The latest is the highest
 //   version that some rank has been told to serve (its active one) and that every rank holds: so
 //   a group switches to a new version at one step, the first whose round shows it active on any
-//   rank once every rank holds it, and no step mixes two versions.
+//   rank once every rank holds it, and no step mixes two versions. A version staged on every rank
+//   and active on none cannot be pinned yet; staged versions stay out of the digest, so ranks
+//   that load one at different speeds need no extra round meanwhile.
 //
 // Bump kStepProtocol on any change to these messages, the input message or the ops' collectives.
 #ifndef SHARDSERVE_CORE_STEP_PROTOCOL_H_

@@ -212,6 +212,10 @@ TEST(StepProtocol, TheLatestVersionIsTheHighestActiveOneEveryRankHolds) {
   const auto staged1 = held({v1, v2}, 1), switched1 = held({v1, v2}, 2);
   EXPECT_EQ(resolve({staged1, switched1}, 0), 2u);
   EXPECT_EQ(resolve({staged1, switched1}, 1), 1u);  // pinned: still there
+  EXPECT_EQ(resolve({staged1, switched1}, 2), 2u);
+  // Staged everywhere, active nowhere: not servable yet, even pinned.
+  EXPECT_EQ(resolve({staged1, staged1}, 2), 0u);
+  EXPECT_EQ(resolve({staged1, staged1}, 0), 1u);
   // Rank 1 has already unloaded v1: v2 still resolves, v1 pinned does not.
   const auto only2 = held({v2}, 2);
   EXPECT_EQ(resolve({staged1, only2}, 0), 2u);

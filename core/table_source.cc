@@ -41,7 +41,9 @@ std::shared_ptr<const TableSet> TableSet::Of(std::map<std::string, Versions> tab
     set->digest = Fnv1a(absl::string_view(reinterpret_cast<const char*>(&word), 8), set->digest);
   };
   for (const auto& [name, versions] : set->tables) {
-    for (const auto& [version, table] : versions.loads) mix(TableIdentity(table->config()));
+    for (const auto& [version, table] : versions.loads) {
+      if (version <= versions.active) mix(TableIdentity(table->config()));
+    }
     mix(static_cast<int64_t>(versions.active));
   }
   return set;
@@ -50,7 +52,16 @@ std::shared_ptr<const TableSet> TableSet::Of(std::map<std::string, Versions> tab
 std::shared_ptr<ShardedTable> TableSet::Find(const std::string& name, uint64_t version) const {
   auto it = tables.find(name);
   if (it == tables.end()) return nullptr;
-  auto load = it->second.loads.find(version == 0 ? it->second.active : version);
+  const uint64_t want = version == 0 ? it->second.active : version;
+  if (want > it->second.active) return nullptr;  // staged
+  auto load = it->second.loads.find(want);
+  return load == it->second.loads.end() ? nullptr : load->second;
+}
+
+std::shared_ptr<ShardedTable> TableSet::Load(const std::string& name, uint64_t version) const {
+  auto it = tables.find(name);
+  if (it == tables.end()) return nullptr;
+  auto load = it->second.loads.find(version);
   return load == it->second.loads.end() ? nullptr : load->second;
 }
 

@@ -27,18 +27,24 @@ namespace shardserve::core {
 int64_t TableIdentity(const TableConfig& config);
 
 struct TableSet {
+  // A table's loads. Those newer than the active version are staged: being switched to, not yet
+  // served.
   struct Versions {
     std::map<uint64_t, std::shared_ptr<ShardedTable>> loads;  // by TableConfig::version
     uint64_t active = 0;  // what calls that name no version get on this rank (0: none)
   };
   std::map<std::string, Versions> tables;
-  // Of every load's identity and every table's active version: equal on ranks that hold the same
-  // tables alike.
+  // Of every table's active version and the identities of its loads up to it (staged ones left
+  // out, so that ranks loading a version at different speeds keep equal digests): equal on ranks
+  // that serve the same tables alike.
   uint64_t digest = 0;
 
   static std::shared_ptr<const TableSet> Of(std::map<std::string, Versions> tables);
-  // The load of `name` that `version` names here (0: the active one), or null.
+  // The load of `name` that `version` names here (0: the active one; a staged one is not found),
+  // or null: the same on ranks with equal digests.
   std::shared_ptr<ShardedTable> Find(const std::string& name, uint64_t version) const;
+  // The load of exactly `version` (staged too), or null: for a version the group agreed on.
+  std::shared_ptr<ShardedTable> Load(const std::string& name, uint64_t version) const;
 };
 
 class TableSource {

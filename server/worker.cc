@@ -391,7 +391,7 @@ void Worker::ReconcileLoop() {
       // Loads run on a thread of lower priority, so that a version loaded beside the serving one
       // takes the CPU the step loop leaves (a large load must not stretch steps).
       std::thread loader([&] {
-        setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
+        setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), options_.load_nice);
         kernels_->InitThread();  // tables are loaded into the device from this thread
         for (const v1::TableSpec& spec : plan.loads) {
           absl::StatusOr<std::shared_ptr<core::ShardedTable>> table = LoadShard(spec, world);
@@ -444,10 +444,25 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::
             : std::string(),
         ")"));
   }
-  SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::ShardedTable> table,
-                              core::ShardedTable::Create(config, options_.rank, *kernels_));
-  if (spec.init_case() == v1::TableSpec::kCheckpoint) {
-    SHARDSERVE_RETURN_IF_ERROR(table->LoadCheckpoint(spec.checkpoint()));
+  // At most load_bytes_per_s: after each chunk, wait until the bytes written so far are due.
+  core::LoadPace pace;
+  if (options_.load_bytes_per_s > 0) {
+    pace = [start = absl::Now(), done = int64_t{0}, rate = options_.load_bytes_per_s](
+               int64_t bytes) mutable {
+      done += bytes;
+      const absl::Time due = start + absl::Seconds(static_cast<double>(done) / rate);
+      if (const absl::Duration ahead = due - absl::Now(); ahead > absl::ZeroDuration()) {
+        absl::SleepFor(ahead);
+      }
+    };
+  }
+  // A checkpoint writes every value: its shard needs no zeroing first (half the memory traffic).
+  const bool checkpoint = spec.init_case() == v1::TableSpec::kCheckpoint;
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      std::unique_ptr<core::ShardedTable> table,
+      core::ShardedTable::Create(config, options_.rank, *kernels_, pace, !checkpoint));
+  if (checkpoint) {
+    SHARDSERVE_RETURN_IF_ERROR(table->LoadCheckpoint(spec.checkpoint(), pace));
   } else {
     SHARDSERVE_RETURN_IF_ERROR(table->LoadSeeded(spec.seed()));
   }

@@ -52,6 +52,10 @@ ABSL_FLAG(double, drain_s, 5,
 ABSL_FLAG(std::string, fail_load, "",
           "fault drill: on this worker, every load of this table's versions after the first "
           "fails (INTERNAL), as when a rank cannot read a new checkpoint");
+ABSL_FLAG(int64_t, load_mb_per_s, 256,
+          "MiB per second a table load writes at most (0: as fast as it can): loads beside a "
+          "serving version then leave serving its memory bandwidth");
+ABSL_FLAG(int, load_nice, 10, "nice value of the thread that loads tables (0-19)");
 ABSL_FLAG(int64_t, table_memory_mb, 0,
           "MiB of table shards (every version loaded) this worker may hold at once; 0: as memory "
           "allows. A load over it fails with RESOURCE_EXHAUSTED, and LoadVersion then swaps one "
@@ -151,6 +155,15 @@ int main(int argc, char** argv) {
   }
   options.table_memory_bytes = table_memory_mb << 20;
   options.fail_load = absl::GetFlag(FLAGS_fail_load);
+  const int64_t load_mb_per_s = absl::GetFlag(FLAGS_load_mb_per_s);
+  const int load_nice = absl::GetFlag(FLAGS_load_nice);
+  if (load_mb_per_s < 0 || load_nice < 0 || load_nice > 19) {
+    std::fprintf(stderr, "--load_mb_per_s: %lld must be >= 0, --load_nice: %d in [0, 19]\n",
+                 static_cast<long long>(load_mb_per_s), load_nice);
+    return 2;
+  }
+  options.load_bytes_per_s = load_mb_per_s << 20;
+  options.load_nice = load_nice;
   const std::pair<const char*, int> intervals[] = {
       {"--heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)},
       {"--collective_timeout_ms", absl::GetFlag(FLAGS_collective_timeout_ms)}};

@@ -42,8 +42,8 @@ done
 grep -q -- "--workers" <<<"$out" && fail "bag --help lists up's flags: $out"
 expect_rc 0 "$shardserve" --help
 grep -q "up | demo | create-table" <<<"$out" || fail "shardserve --help: $out"
-for cmd in up demo create-table wait tables describe drop export cluster health embedding bag \
-    linear; do
+for cmd in up demo create-table wait tables describe drop export load-version versions \
+    unload-version cluster health embedding bag linear; do
   expect_rc 0 "$shardserve" "$cmd" --help
   grep -q "^usage: shardserve $cmd" <<<"$out" || fail "$cmd --help: $out"
   grep -q -- "--coordinator\|--workers" <<<"$out" || fail "$cmd --help lists no flags: $out"
@@ -89,6 +89,27 @@ expect_rc 69 "$shardserve" drop nosuch "${c[@]}"
 expect_rc 67 "$shardserve" bag --table=t --ids='[[10]]' "${c[@]}"  # INVALID_ARGUMENT (3)
 expect_rc 0 "$shardserve" demo "${c[@]}" --world=2  # the demo's checked calls, on this cluster
 grep -q "^OK: 2-worker cluster" <<<"$out" || fail "demo: $out"
+# Versions: load-version switches (progress on stderr, the result on stdout), answers say their
+# version, a pinned call gets the kept one, and versions lists them.
+expect_rc 0 "$shardserve" load-version t "${c[@]}" --seed=7 --keep_versions=2
+grep -q 'table "t" serves version 2 (beside, switched in [0-9]* ms)' <<<"$out" ||
+  fail "load-version: $out"
+expect_rc 0 "$shardserve" bag --table=t --ids='[[1,2]]' "${c[@]}"
+grep -q '"version": 2}' <<<"$out" || fail "bag after load-version: $out"
+v2=$out
+expect_rc 0 "$shardserve" bag --table=t --ids='[[1,2]]' --table_version=1 "${c[@]}"
+grep -q '"version": 1}' <<<"$out" || fail "bag pinned to version 1: $out"
+[ "$out" != "$v2" ] || fail "versions 1 and 2 answer alike: $out"
+expect_rc 0 "$shardserve" versions t "${c[@]}"
+grep -q "^version 1 .*KEPT .*seed 1" <<<"$out" || fail "versions: $out"
+grep -q "^version 2 .*SERVING .*seed 7 .*group 0: 2 ranks serving" <<<"$out" || fail "versions: $out"
+expect_rc 0 "$shardserve" versions t "${c[@]}" --json
+python3 -c 'import json, sys; assert [v["version"] for v in json.loads(sys.argv[1])] == ["1", "2"]' \
+  "$out" || fail "versions --json: $out"
+expect_rc 0 "$shardserve" unload-version t 1 "${c[@]}"
+expect_rc 73 "$shardserve" unload-version t 2 "${c[@]}"  # the serving one: FAILED_PRECONDITION (9)
+expect_rc 2 "$shardserve" unload-version t x "${c[@]}"
+expect_rc 67 "$shardserve" load-version t "${c[@]}" --checkpoint=relative.safetensors  # INVALID_ARG.
 expect_rc 0 "$shardserve" drop t "${c[@]}" --json
 python3 -c 'import json, sys; json.loads(sys.argv[1])' "$out" || fail "drop --json: $out"
 kill "$up"

@@ -73,11 +73,16 @@ def _table_part(table: str) -> bytes:
     return b"\x0a" + _varint(len(name)) + name
 
 
-def encode_embedding(table: str, ids: np.ndarray) -> bytes:
-    """``EmbeddingRequest{table, ids}``."""
+def _version_part(key: int, version: int) -> List[bytes]:
+    """A pinned table version (``version``, a uint64 field); nothing for 0 (the latest)."""
+    return [bytes((key,)) + _varint(version)] if version else []
+
+
+def encode_embedding(table: str, ids: np.ndarray, version: int = 0) -> bytes:
+    """``EmbeddingRequest{table, ids, version}``."""
     parts, size = _tensor_parts(DTYPE_INT64, ids)
     field, _ = _len_field(0x12, parts, size)
-    return b"".join([_table_part(table)] + field)
+    return b"".join([_table_part(table)] + field + _version_part(0x18, version))
 
 
 def encode_embedding_bag(
@@ -87,9 +92,10 @@ def encode_embedding_bag(
     per_sample_weights: Optional[np.ndarray],
     mode: int,
     include_last_offset: bool,
+    version: int = 0,
 ) -> bytes:
-    """``EmbeddingBagRequest``: table, ids, offsets, per_sample_weights, mode and
-    include_last_offset."""
+    """``EmbeddingBagRequest``: table, ids, offsets, per_sample_weights, mode,
+    include_last_offset and version."""
     out: List[Any] = [_table_part(table)]
     for tag, dtype, array in (
         (0x12, DTYPE_INT64, ids),
@@ -103,14 +109,15 @@ def encode_embedding_bag(
         out.append(b"\x28" + _varint(mode))
     if include_last_offset:
         out.append(b"\x30\x01")
+    out += _version_part(0x38, version)
     return b"".join(out)
 
 
-def encode_linear(table: str, inputs: np.ndarray) -> bytes:
-    """``LinearRequest{table, input}``."""
+def encode_linear(table: str, inputs: np.ndarray, version: int = 0) -> bytes:
+    """``LinearRequest{table, input, version}``."""
     parts, size = _tensor_parts(DTYPE_FLOAT32, inputs)
     field, _ = _len_field(0x12, parts, size)
-    return b"".join([_table_part(table)] + field)
+    return b"".join([_table_part(table)] + field + _version_part(0x18, version))
 
 
 def encode_stream_request(request_id: int, op_field: int, request: bytes) -> bytes:
@@ -239,6 +246,20 @@ def decode_tensor_response(buf: bytes) -> np.ndarray:
     if dtype != DTYPE_FLOAT32:
         raise InternalError(f"answer tensor has dtype {dtype}, not FLOAT32")
     return _float_view(buf, shape, data_at, data_len)
+
+
+def response_version(buf: bytes) -> int:
+    """The table version a ``TensorResponse`` says its answer came from (0: not said)."""
+    try:
+        pos, end = 0, len(buf)
+        while pos < end:
+            key, pos = _read_varint(buf, pos)
+            if key == 0x10:
+                return _read_varint(buf, pos)[0]
+            pos = _skip(buf, pos, key & 7)
+    except IndexError:
+        raise InternalError("malformed answer: cut short") from None
+    return 0
 
 
 def decode_stream_response(buf: bytes) -> Tuple[int, int, str, Optional[np.ndarray]]:

@@ -348,6 +348,10 @@ class TableInfo:
     shards: Tuple[ShardInfo, ...]
     replicas: Tuple["ReplicaInfo", ...] = ()
     error_code: int = 0  # state "failed": the load error's google.rpc.Code number
+    version: int = 0  # the serving version (1 on creation, one more per load_version)
+    # The versions loaded, loading or last failed: {"version", "state" ("serving", "kept",
+    # "loading", "failed"), "source", "error"}, in version order.
+    versions: Tuple[Dict[str, Any], ...] = ()
     proto: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -395,8 +399,21 @@ def table_info(message: Any) -> TableInfo:
         or (ReplicaInfo(0, _STATE_NAMES.get(message.state, str(message.state)),
                         spec.generation, _shards(message.shards)),),
         error_code=message.error_code,
+        version=spec.version,
+        versions=tuple(
+            {
+                "version": v.version,
+                "state": _VERSION_STATES.get(v.state, str(v.state)),
+                "source": v.source,
+                "error": v.error,
+            }
+            for v in message.versions
+        ),
         proto=message,
     )
+
+
+_VERSION_STATES = {1: "loading", 2: "serving", 3: "kept", 4: "failed"}
 
 
 # TableInfo.state numbers a create waits on: LOADING, UNAVAILABLE.

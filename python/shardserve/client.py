@@ -154,14 +154,28 @@ class Client:
 
     # --- data calls -------------------------------------------------------------------------
 
-    def embedding(self, table: str, ids: Tensor, *, deadline: Optional[float] = None) -> Tensor:
+    def embedding(
+        self,
+        table: str,
+        ids: Tensor,
+        *,
+        version: int = 0,
+        with_version: bool = False,
+        deadline: Optional[float] = None,
+    ) -> Any:
         """``F.embedding(ids, weight, padding_idx, max_norm, norm_type)`` with the table's
         weight and settings: shape ``ids.shape + (embedding_dim,)``. ``ids``: integers, any
         shape. With ``max_norm``, the rows looked up are renormed in the stored table, as
-        ``F.embedding`` renorms its weight."""
+        ``F.embedding`` renorms its weight.
+
+        Every data call takes ``version=N`` to pin a table version (default 0: the latest
+        serving; NOT_FOUND when it is not loaded), and ``with_version=True`` to return
+        ``(result, version)``: the version the answer came from."""
         array, device = _codec.as_ids(ids, "ids")
-        answer = self._call("embedding", table, _codec.encode_embedding(table, array), deadline)
-        return _codec.Kind(device).wrap(_codec.decode_tensor_response(answer))
+        answer = self._call(
+            "embedding", table, _codec.encode_embedding(table, array, _version(version)), deadline
+        )
+        return _answer(answer, _codec.Kind(device), with_version)
 
     def embedding_bag(
         self,
@@ -172,24 +186,38 @@ class Client:
         mode: str = "mean",
         include_last_offset: bool = False,
         *,
+        version: int = 0,
+        with_version: bool = False,
         deadline: Optional[float] = None,
-    ) -> Tensor:
+    ) -> Any:
         """``F.embedding_bag(ids, weight, offsets, mode=mode, per_sample_weights=...,
         include_last_offset=..., padding_idx=<the table's>)`` (and the table's max_norm).
 
         ``ids``: 2-D (bags x ids), or 1-D with ``offsets``; ``mode``: "sum", "mean" or "max";
         ``per_sample_weights`` (ids' shape) only with "sum". Shape ``(bags, embedding_dim)``.
+        ``version``, ``with_version``: as :meth:`embedding`.
         """
-        request = _encode_bag(table, ids, offsets, per_sample_weights, mode, include_last_offset)
+        request = _encode_bag(table, ids, offsets, per_sample_weights, mode, include_last_offset,
+                              _version(version))
         answer = self._call("embedding_bag", table, request[0], deadline)
-        return request[1].wrap(_codec.decode_tensor_response(answer))
+        return _answer(answer, request[1], with_version)
 
-    def linear(self, table: str, input: Tensor, *, deadline: Optional[float] = None) -> Tensor:
+    def linear(
+        self,
+        table: str,
+        input: Tensor,
+        *,
+        version: int = 0,
+        with_version: bool = False,
+        deadline: Optional[float] = None,
+    ) -> Any:
         """``F.linear(input, weight, bias)``: ``input`` is ``(*, in_features)``; the result is
-        ``(*, out_features)``."""
+        ``(*, out_features)``. ``version``, ``with_version``: as :meth:`embedding`."""
         array, device = _codec.as_floats(input, "input")
-        answer = self._call("linear", table, _codec.encode_linear(table, array), deadline)
-        return _codec.Kind(device).wrap(_codec.decode_tensor_response(answer))
+        answer = self._call(
+            "linear", table, _codec.encode_linear(table, array, _version(version)), deadline
+        )
+        return _answer(answer, _codec.Kind(device), with_version)
 
     def stream(self, *, max_in_flight: int = 1024, deadline: Optional[float] = None) -> "Stream":
         """A pipelined batch session over the ``Stream`` RPC (see :class:`Stream`)."""
@@ -275,6 +303,45 @@ class Client:
         deadline_at = time.monotonic() + self._timeout(timeout)
         return _common.table_info(self._admin_call_until(
             "WaitTable", self._pb.WaitTableRequest(name=table), deadline_at
+        ))
+
+    def load_version(
+        self,
+        table: str,
+        *,
+        checkpoint: Optional[str] = None,
+        seed: Optional[int] = None,
+        keep_versions: int = 1,
+        allow_gap: bool = False,
+        deadline: Optional[float] = None,
+    ) -> TableInfo:
+        """Loads ``table``'s next version from ``checkpoint`` (a safetensors file every worker
+        can read) or ``seed`` while the serving version serves, and returns once every replica
+        switched to it (``info.version``), within ``deadline`` (the client's by default; when it
+        runs out first the load goes on, and ``info.versions`` shows it "loading"). Its shape and
+        sharding stay the table's. ``keep_versions``: versions kept loaded for pinned calls,
+        counting the new one. ``allow_gap``: with one replica and no room for two copies, unload
+        the serving version first (calls fail meanwhile). Raises the error of a rank that could
+        not load it (the serving version stays everywhere), RESOURCE_EXHAUSTED (no room and no
+        ``allow_gap``), FAILED_PRECONDITION (another load runs), NOT_FOUND."""
+        if (checkpoint is None) == (seed is None):
+            raise InvalidArgumentError("load_version: give exactly one of checkpoint= and seed=")
+        request = self._pb.LoadVersionRequest(
+            name=table, keep_versions=keep_versions, allow_gap=allow_gap
+        )
+        if checkpoint is not None:
+            request.checkpoint = checkpoint
+        else:
+            request.seed = seed
+        deadline_at = time.monotonic() + self._timeout(deadline)
+        return _common.table_info(self._admin_call_until("LoadVersion", request, deadline_at))
+
+    def unload_version(
+        self, table: str, version: int, *, deadline: Optional[float] = None
+    ) -> TableInfo:
+        """Unloads a kept version of ``table`` (not the serving one)."""
+        return _common.table_info(self._admin_call(
+            "UnloadVersion", self._pb.UnloadVersionRequest(name=table, version=version), deadline
         ))
 
     def drop(self, table: str, *, deadline: Optional[float] = None) -> None:
@@ -527,6 +594,7 @@ def _encode_bag(
     per_sample_weights: Optional[Tensor],
     mode: str,
     include_last_offset: bool,
+    version: int = 0,
 ) -> Any:
     """(request bytes, Kind of the result) of an embedding_bag call."""
     ids_array, device = _codec.as_ids(ids, "ids")
@@ -537,9 +605,23 @@ def _encode_bag(
         else _codec.as_floats(per_sample_weights, "per_sample_weights")[0]
     )
     request = _codec.encode_embedding_bag(
-        table, ids_array, offsets_array, weights, _codec.pool_mode(mode), bool(include_last_offset)
+        table, ids_array, offsets_array, weights, _codec.pool_mode(mode), bool(include_last_offset),
+        version,
     )
     return request, _codec.Kind(device)
+
+
+def _version(version: Any) -> int:
+    """A pinned table version, checked (0: the latest)."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 1 << 64:
+        raise InvalidArgumentError(f"version: {version!r} must be an integer >= 0 (0: the latest)")
+    return version
+
+
+def _answer(answer: bytes, kind: Any, with_version: bool) -> Any:
+    """A data call's result (and the table version it came from, ``with_version``)."""
+    result = kind.wrap(_codec.decode_tensor_response(answer))
+    return (result, _codec.response_version(answer)) if with_version else result
 
 
 def _as_kind(arrays: Mapping[str, np.ndarray], numpy: Optional[bool]) -> Dict[str, Tensor]:
