@@ -297,7 +297,11 @@ bool ControlPlane::SwitchVersion(const std::string& name, const VersionLoad& loa
   if (absl::Status s = SaveRegistry(); !s.ok()) {
     tables_[name] = old;  // a failed save changes nothing
     replica_generations_.insert(replicas.begin(), replicas.end());
-    if (kept_before.empty()) kept_.erase(name); else kept_[name] = kept_before;
+    if (kept_before.empty()) {
+      kept_.erase(name);
+    } else {
+      kept_[name] = kept_before;
+    }
     FailVersion(name, load, s);
     return false;
   }
@@ -366,8 +370,10 @@ void ControlPlane::AddVersions(const v1::TableSpec& serving, v1::TableInfo& info
     }
     return v;
   };
-  for (const v1::TableSpec& old : kept_.count(name) ? kept_.at(name) : std::vector<v1::TableSpec>{}) {
-    versions.push_back(add(old, v1::VERSION_STATE_KEPT, false));
+  if (auto kept = kept_.find(name); kept != kept_.end()) {
+    for (const v1::TableSpec& old : kept->second) {
+      versions.push_back(add(old, v1::VERSION_STATE_KEPT, false));
+    }
   }
   v1::VersionInfo now = add(serving, v1::VERSION_STATE_SERVING, true);
   if (auto s = switched_.find(name); s != switched_.end()) {

@@ -1,5 +1,9 @@
 #include "server/worker.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -7,10 +11,6 @@
 #include <deque>
 #include <random>
 #include <thread>
-
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <utility>
 
 #include "absl/functional/any_invocable.h"
@@ -440,13 +440,14 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::
         " bytes for its shard, but only ", room,
         " are available (tables held: ", tables_.HeldBytes(), " bytes",
         options_.table_memory_bytes > 0
-            ? absl::StrCat(", --table_memory_bytes ", options_.table_memory_bytes)
+            ? absl::StrCat(", --table_memory_mb ", options_.table_memory_bytes >> 20)
             : std::string(),
         ")"));
   }
-  // At most load_bytes_per_s: after each chunk, wait until the bytes written so far are due.
+  // At most load_bytes_per_s while the worker holds tables it serves (a worker that holds none,
+  // just started, loads at full speed): after each chunk, wait until the bytes so far are due.
   core::LoadPace pace;
-  if (options_.load_bytes_per_s > 0) {
+  if (options_.load_bytes_per_s > 0 && tables_.HeldBytes() > 0) {
     pace = [start = absl::Now(), done = int64_t{0}, rate = options_.load_bytes_per_s](
                int64_t bytes) mutable {
       done += bytes;

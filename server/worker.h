@@ -54,9 +54,9 @@ struct WorkerOptions {
   // Bytes of table shards (every version) this worker may hold at once; 0: as memory allows. A
   // load that would go over it, or over the memory free, fails with RESOURCE_EXHAUSTED instead.
   int64_t table_memory_bytes = 0;
-  // Loads write shards at this many bytes per second at most (0: as fast as they can), on a thread
-  // of this nice value, so that a version loaded beside the serving one leaves serving its CPU
-  // and memory bandwidth.
+  // Loads write shards at this many bytes per second at most (0: as fast as they can) while the
+  // worker holds tables, on a thread of this nice value, so that a version loaded beside the
+  // serving one leaves serving its CPU and memory bandwidth.
   int64_t load_bytes_per_s = 0;
   int load_nice = 10;
   // Fault drill: on this worker, loads of this table's versions after its first fail (INTERNAL),

@@ -53,8 +53,8 @@ ABSL_FLAG(std::string, fail_load, "",
           "fault drill: on this worker, every load of this table's versions after the first "
           "fails (INTERNAL), as when a rank cannot read a new checkpoint");
 ABSL_FLAG(int64_t, load_mb_per_s, 256,
-          "MiB per second a table load writes at most (0: as fast as it can): loads beside a "
-          "serving version then leave serving its memory bandwidth");
+          "MiB per second a table load writes at most while the worker holds other tables (0: as "
+          "fast as it can): loads beside serving tables leave them CPU and memory bandwidth");
 ABSL_FLAG(int, load_nice, 10, "nice value of the thread that loads tables (0-19)");
 ABSL_FLAG(int64_t, table_memory_mb, 0,
           "MiB of table shards (every version loaded) this worker may hold at once; 0: as memory "

@@ -20,7 +20,7 @@ import grpc.aio
 
 from . import _codec, _common, _process, _stubs
 from ._common import Options, RoutingTable, TableInfo
-from .client import _as_kind, _encode_bag, _give_up
+from .client import _answer, _as_kind, _encode_bag, _give_up, _version
 from .errors import (
     CancelledError,
     DeadlineExceededError,
@@ -112,13 +112,14 @@ class Client:
 
     # --- data calls ---------------------------------------------------------------------------
 
-    async def embedding(self, table: str, ids: Tensor, *,
-                        deadline: Optional[float] = None) -> Tensor:
+    async def embedding(self, table: str, ids: Tensor, *, version: int = 0,
+                        with_version: bool = False, deadline: Optional[float] = None) -> Any:
         """See :meth:`shardserve.Client.embedding`."""
         array, device = _codec.as_ids(ids, "ids")
-        answer = await self._call("embedding", table, _codec.encode_embedding(table, array),
-                                  deadline)
-        return _codec.Kind(device).wrap(_codec.decode_tensor_response(answer))
+        answer = await self._call(
+            "embedding", table, _codec.encode_embedding(table, array, _version(version)), deadline
+        )
+        return _answer(answer, _codec.Kind(device), with_version)
 
     async def embedding_bag(
         self,
@@ -129,20 +130,24 @@ class Client:
         mode: str = "mean",
         include_last_offset: bool = False,
         *,
+        version: int = 0,
+        with_version: bool = False,
         deadline: Optional[float] = None,
-    ) -> Tensor:
+    ) -> Any:
         """See :meth:`shardserve.Client.embedding_bag`."""
         request, kind = _encode_bag(table, ids, offsets, per_sample_weights, mode,
-                                    include_last_offset)
+                                    include_last_offset, _version(version))
         answer = await self._call("embedding_bag", table, request, deadline)
-        return kind.wrap(_codec.decode_tensor_response(answer))
+        return _answer(answer, kind, with_version)
 
-    async def linear(self, table: str, input: Tensor, *,
-                     deadline: Optional[float] = None) -> Tensor:
+    async def linear(self, table: str, input: Tensor, *, version: int = 0,
+                     with_version: bool = False, deadline: Optional[float] = None) -> Any:
         """See :meth:`shardserve.Client.linear`."""
         array, device = _codec.as_floats(input, "input")
-        answer = await self._call("linear", table, _codec.encode_linear(table, array), deadline)
-        return _codec.Kind(device).wrap(_codec.decode_tensor_response(answer))
+        answer = await self._call(
+            "linear", table, _codec.encode_linear(table, array, _version(version)), deadline
+        )
+        return _answer(answer, _codec.Kind(device), with_version)
 
     def stream(self, *, max_in_flight: int = 1024, deadline: Optional[float] = None) -> "Stream":
         """A pipelined batch session over the ``Stream`` RPC (see :class:`Stream`)."""

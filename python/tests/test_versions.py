@@ -2,13 +2,16 @@
 every answer is exactly one version's and says which (with_version), pinned versions, a kept
 version unloaded, and bad arguments refused before any call."""
 
+import asyncio
 import threading
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import shardserve
+import shardserve.aio
 from shardserve import _safetensors
 
 
@@ -55,8 +58,29 @@ def test_load_version_swaps_under_calls_and_pins(client, name, tmp_path):
     info = client.unload_version(name, 1)
     assert [v["version"] for v in info.versions] == [2]
     with pytest.raises(shardserve.errors.NotFoundError):
-        for _ in range(50):  # the workers unload it at their next heartbeat
+        for _ in range(100):  # the workers unload it at their next heartbeat
             client.embedding(name, x, version=1)
+            time.sleep(0.05)
+    client.drop(name)
+
+
+def test_the_asyncio_client_pins_and_says_versions(cluster, client, name):
+    """The asyncio client takes version= and with_version= as the blocking one does."""
+    weight = torch.randn(30, 4)
+    client.create_table(name, weight, world=2)
+    client.load_version(name, seed=5, keep_versions=2)
+    x = torch.tensor([1, 2, 29])
+
+    async def run():
+        async with shardserve.aio.Client(cluster.address) as c:
+            old, v_old = await c.embedding(name, x, version=1, with_version=True)
+            new, v_new = await c.embedding(name, x, with_version=True)
+            return old, v_old, new, v_new
+
+    old, v_old, new, v_new = asyncio.run(run())
+    assert (v_old, v_new) == (1, 2)
+    torch.testing.assert_close(old, F.embedding(x, weight), rtol=0, atol=0)
+    assert not torch.equal(new, old)
     client.drop(name)
 
 
