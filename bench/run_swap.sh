@@ -7,7 +7,11 @@
 #   1. swap: `shardserve load-version` to a second 1 GiB checkpoint (loaded beside the serving
 #      version, switched at a step every rank agrees on);
 #   2. drop + create: today's way - DropTable, then CreateTable of the same name from that
-#      checkpoint.
+#      checkpoint;
+#   3. copy (the ceiling): no change to the table; two processes outside shardserve, at the
+#      loaders' nice (10), each write 512 MiB of fresh memory at the loaders' pace (256 MiB/s, in
+#      16 MiB chunks) - the memory traffic a swap cannot avoid - to show what that alone does to
+#      the serving p99 on this machine.
 # Each run keeps every call (CSV, gzipped); each worker's resident memory (anonymous, and file
 # pages of the mapped checkpoint) is sampled every 50 ms. Targets: zero errors during the swap,
 # its p99 <= 1.5 x the steady p99; the time from LoadVersion to the switch; the workers' peak
@@ -111,9 +115,21 @@ event() {  # run, key, value
   events=$(python3 -c "import json,sys; e=json.loads(sys.argv[1]); e.setdefault(sys.argv[2], {})[sys.argv[3]] = float(sys.argv[4]); print(json.dumps(e))" "$events" "$1" "$2" "$3")
 }
 steal() { awk '/^cpu / {print $9}' /proc/stat; }
+# Writes N bytes of fresh memory at 256 MiB/s in 16 MiB chunks (what one worker's loader writes).
+copier='
+import sys, time
+n, chunk, rate = int(sys.argv[1]), 16 << 20, 256 << 20
+block = bytes(range(256)) * (chunk // 256)
+buf = bytearray()
+start = time.monotonic()
+for done in range(0, n, chunk):
+    buf += block[:min(chunk, n - done)]
+    time.sleep(max(0.0, start + (done + chunk) / rate - time.monotonic()))
+'
+
 current=v1
 for rep in $(seq "$reps"); do
-  for kind in swap drop_create; do
+  for kind in swap drop_create copy; do
     run="${kind}_$rep"
     next=$([ "$current" = v1 ] && echo v2 || echo v1)
     sleep 3
@@ -128,6 +144,14 @@ for rep in $(seq "$reps"); do
     event "$run" start_at "$(since "$t0")"
     if [ "$kind" = swap ]; then
       cli load-version bench --checkpoint="$work/$next.safetensors" --json >"$out/$run.version.json"
+    elif [ "$kind" = copy ]; then
+      copiers=()
+      for _ in 0 1; do
+        nice -n 10 python3 -c "$copier" "$((rows * cols * 2))" &
+        copiers+=($!)
+      done
+      wait "${copiers[@]}"
+      next=$current
     else
       cli drop bench >/dev/null
       event "$run" dropped_at "$(since "$t0")"

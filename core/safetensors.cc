@@ -183,6 +183,7 @@ absl::StatusOr<int> OpenRegularFile(const std::string& path, absl::string_view w
 
 SafetensorsFile::~SafetensorsFile() {
   if (map_ != nullptr) munmap(map_, size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
@@ -193,10 +194,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     return absl::InvalidArgumentError(absl::StrCat("checkpoint \"", path, "\": too short"));
   }
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->fd_ = fd;  // kept for Read; closed with the file
   file->size_ = static_cast<size_t>(st.st_size);
   file->map_ = mmap(nullptr, file->size_, PROT_READ, MAP_PRIVATE, fd, 0);
   const int mmap_errno = errno;
-  ::close(fd);
   if (file->map_ == MAP_FAILED) {
     file->map_ = nullptr;
     return absl::InternalError(
@@ -276,6 +277,24 @@ void SafetensorsFile::Release(const char* begin, int64_t bytes) const {
   const uintptr_t first = (reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page;
   const uintptr_t last = (reinterpret_cast<uintptr_t>(begin) + bytes) / page * page;
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
+absl::Status SafetensorsFile::Read(const char* begin, int64_t bytes, void* out) const {
+  const int64_t offset = begin - static_cast<const char*>(map_);
+  if (offset < 0 || bytes < 0 || offset + bytes > static_cast<int64_t>(size_)) {
+    return absl::InternalError("checkpoint read out of the file");
+  }
+  char* to = static_cast<char*>(out);
+  for (int64_t done = 0; done < bytes;) {
+    const ssize_t n = ::pread(fd_, to + done, bytes - done, offset + done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return absl::InternalError(absl::StrCat("checkpoint read failed at byte ", offset + done,
+                                              ": ", n < 0 ? std::strerror(errno) : "end of file"));
+    }
+    done += n;
+  }
+  return absl::OkStatus();
 }
 
 const SafetensorsTensor* SafetensorsFile::Find(const std::string& name) const {

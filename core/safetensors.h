@@ -44,9 +44,14 @@ class SafetensorsFile {
   // Drops the mapped pages of [begin, begin + bytes) from this process's memory (the data stays
   // readable; it is paged in again on access). Lets a reader stream a large file in bounded RSS.
   void Release(const char* begin, int64_t bytes) const;
+  // Copies the file's bytes at [begin, begin + bytes) of the mapping into `out` with pread,
+  // without touching the mapping: no page faults, so a loader that is preempted holds nothing
+  // other threads wait for (a fault holds the process's memory map). INTERNAL when it cannot.
+  absl::Status Read(const char* begin, int64_t bytes, void* out) const;
 
  private:
   SafetensorsFile() = default;
+  int fd_ = -1;
   void* map_ = nullptr;
   size_t size_ = 0;
   std::map<std::string, SafetensorsTensor> tensors_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 #include <functional>
 #include <new>
 #include <utility>
@@ -141,22 +142,29 @@ absl::Status ShardedTable::LoadCheckpoint(const std::string& path, const LoadPac
                           : absl::StrCat(", has ", weight->dtype, " [",
                                          absl::StrJoin(weight->shape, ","), "]")));
   }
-  // The file is mapped: copy this rank's slice in chunks of rows, dropping each chunk's pages
-  // once copied, so a large checkpoint passes through in bounded memory.
+  // Read in chunks of rows (pread into one reused buffer, not through the mapping: no page faults
+  // of the file, which would hold the process's memory map while a low-priority loader is
+  // preempted), each chunk's slice copied into the shard.
   const int64_t row_bytes = config_.num_cols * static_cast<int64_t>(sizeof(float));
   const char* base = weight->data + row_begin_ * row_bytes;
   const int64_t chunk_rows = std::max<int64_t>(1, kPaceChunk / row_bytes);
+  std::vector<char> buffer;
+  absl::Status read;
   SHARDSERVE_RETURN_IF_ERROR(WriteShard([&](float* shard) {
-    for (int64_t r0 = 0; r0 < shard_rows_; r0 += chunk_rows) {
+    buffer.resize(std::min(chunk_rows, shard_rows_) * row_bytes);
+    for (int64_t r0 = 0; r0 < shard_rows_ && read.ok(); r0 += chunk_rows) {
       const int64_t n = std::min(chunk_rows, shard_rows_ - r0);
-      for (int64_t r = r0; r < r0 + n; ++r) {
-        std::memcpy(shard + r * shard_cols_, base + r * row_bytes + col_begin_ * sizeof(float),
+      read = file->Read(base + r0 * row_bytes, n * row_bytes, buffer.data());
+      if (!read.ok()) return;
+      for (int64_t r = 0; r < n; ++r) {
+        std::memcpy(shard + (r0 + r) * shard_cols_,
+                    buffer.data() + r * row_bytes + col_begin_ * sizeof(float),
                     shard_cols_ * sizeof(float));
       }
-      file->Release(base + r0 * row_bytes, n * row_bytes);
       if (pace) pace(n * shard_cols_ * static_cast<int64_t>(sizeof(float)));
     }
   }));
+  SHARDSERVE_RETURN_IF_ERROR(read);
   if (!bias_.empty()) {
     const SafetensorsTensor* bias = file->Find("bias");
     if (bias == nullptr || bias->dtype != "F32" ||

@@ -340,6 +340,11 @@ std::vector<prometheus::MetricFamily> Coordinator::CollectState() const {
       GaugeFamily("shardserve_table_state", "1 for the state each table is in (by table).");
   prometheus::MetricFamily replicas = GaugeFamily(
       "shardserve_table_replicas_serving", "Replicas (groups) that serve each table.");
+  prometheus::MetricFamily version =
+      GaugeFamily("shardserve_table_version", "The version each table serves (by table).");
+  prometheus::MetricFamily loading = GaugeFamily(
+      "shardserve_table_version_loading",
+      "The version LoadVersion is loading for each table (0: none; by table).");
   std::map<v1::TableState, int> counts;
   for (const v1::TableInfo& table : *tables) {
     ++counts[table.state()];
@@ -352,11 +357,20 @@ std::vector<prometheus::MetricFamily> Coordinator::CollectState() const {
       serving += r.state() == v1::TABLE_STATE_SERVING ? 1 : 0;
     }
     AddSample(replicas, serving, {{"table", table.spec().name()}});
+    AddSample(version, static_cast<double>(table.spec().version()),
+              {{"table", table.spec().name()}});
+    uint64_t next = 0;
+    for (const v1::VersionInfo& v : table.versions()) {
+      if (v.state() == v1::VERSION_STATE_LOADING) next = v.version();
+    }
+    AddSample(loading, static_cast<double>(next), {{"table", table.spec().name()}});
   }
   for (const auto& [s, name] : kTableStates) AddSample(by_state, counts[s], {{"state", name}});
   out.push_back(std::move(by_state));
   out.push_back(std::move(table_state));
   out.push_back(std::move(replicas));
+  out.push_back(std::move(version));
+  out.push_back(std::move(loading));
   return out;
 }
 

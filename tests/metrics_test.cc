@@ -226,6 +226,8 @@ TEST(Metrics, CountTheTrafficAndPassPromtool) {
   EXPECT_EQ(Sample(c, R"(shardserve_table_state{table="t",state="serving"})"), 1);
   EXPECT_EQ(Sample(c, R"(shardserve_tables{state="serving"})"), 1);
   EXPECT_EQ(Sample(c, R"(shardserve_table_replicas_serving{table="t"})"), 1);
+  EXPECT_EQ(Sample(c, R"(shardserve_table_version{table="t"})"), 1);
+  EXPECT_EQ(Sample(c, R"(shardserve_table_version_loading{table="t"})"), 0);
   EXPECT_EQ(Sample(c, "shardserve_coordinator_learning"), 0);
   auto [rc, said] = Promtool(c);
   EXPECT_EQ(rc, 0) << said;
