@@ -1302,22 +1302,38 @@ TEST_F(ControlPlaneTest, AnExportIsPlannedOnlyForAServingTableAndAPathOutsideThe
 
 // --- Table versions ---
 
-// LoadVersion waits on another thread while the workers report: its answer.
-absl::StatusOr<v1::TableInfo> LoadAndSettle(ControlPlane& cp, std::vector<FakeWorker>& workers,
-                                            FakeClock& clock, v1::LoadVersionRequest request) {
-  absl::StatusOr<v1::TableInfo> result = absl::UnknownError("not run");
+// LoadVersion on a thread of its own; constructed once the load is registered.
+struct BackgroundLoad {
   absl::Notification done;
-  std::thread load([&] {
-    result = cp.LoadVersion(request, absl::InfiniteFuture());
-    done.Notify();
-  });
-  for (int i = 0; i < 2000 && !done.WaitForNotificationWithTimeout(absl::Milliseconds(1)); ++i) {
+  absl::StatusOr<v1::TableInfo> result = absl::UnknownError("not run");
+  std::thread thread;
+
+  BackgroundLoad(ControlPlane& cp, const v1::LoadVersionRequest& request) {
+    thread = std::thread([this, &cp, request] {
+      result = cp.LoadVersion(request, absl::InfiniteFuture());
+      done.Notify();
+    });
+    for (int i = 0; i < 1000 && !done.HasBeenNotified() &&
+                    cp.DescribeTable(request.name())->versions_size() < 2;
+         ++i) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
+  ~BackgroundLoad() { thread.join(); }
+};
+
+// LoadVersion while the workers report: its answer.
+absl::StatusOr<v1::TableInfo> LoadAndSettle(ControlPlane& cp, std::vector<FakeWorker>& workers,
+                                            FakeClock& clock, const v1::LoadVersionRequest& request) {
+  BackgroundLoad load(cp, request);
+  for (int i = 0; i < 2000 && !load.done.WaitForNotificationWithTimeout(absl::Milliseconds(1));
+       ++i) {
     for (FakeWorker& w : workers) EXPECT_TRUE(w.Report(cp).ok());
     clock.Advance(absl::Milliseconds(50));
     cp.Tick();
   }
-  load.join();
-  return result;
+  load.done.WaitForNotification();
+  return load.result;
 }
 
 v1::LoadVersionRequest SeedVersion(const std::string& name, uint64_t seed) {
@@ -1340,18 +1356,10 @@ TEST_F(ControlPlaneTest, ANewVersionLoadsBesideTheServingOneAndTheTableSwitchesO
   Serve(*cp, workers, {"t"});
   ASSERT_EQ(cp->DescribeTable("t")->spec().version(), 1u);
   workers[1].loads = false;  // rank 1 is slow to load it
-  absl::Notification done;
-  absl::StatusOr<v1::TableInfo> result;
-  std::thread load([&] {
-    result = cp->LoadVersion(SeedVersion("t", 7), absl::InfiniteFuture());
-    done.Notify();
-  });
-  for (int i = 0; i < 1000 && cp->DescribeTable("t")->versions_size() < 2; ++i) {
-    absl::SleepFor(absl::Milliseconds(1));  // the load registers
-  }
+  BackgroundLoad load(*cp, SeedVersion("t", 7));
   for (int i = 0; i < 5; ++i) Settle(*cp, workers, 1);
   // Rank 0 holds v2 beside v1; v1 serves on, and every heartbeat still names it.
-  EXPECT_FALSE(done.HasBeenNotified());
+  EXPECT_FALSE(load.done.HasBeenNotified());
   v1::TableInfo during = *cp->DescribeTable("t");
   EXPECT_EQ(during.spec().version(), 1u);
   EXPECT_EQ(during.state(), v1::TABLE_STATE_SERVING);
@@ -1369,11 +1377,12 @@ TEST_F(ControlPlaneTest, ANewVersionLoadsBesideTheServingOneAndTheTableSwitchesO
   EXPECT_EQ(cp->LoadVersion(SeedVersion("t", 8), absl::InfiniteFuture()).status().code(),
             absl::StatusCode::kFailedPrecondition);
   workers[1].loads = true;
-  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) Settle(*cp, workers, 1);
-  load.join();
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(result->spec().version(), 2u);
-  EXPECT_EQ(result->spec().seed(), 7u);
+  while (!load.done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) {
+    Settle(*cp, workers, 1);
+  }
+  ASSERT_TRUE(load.result.ok()) << load.result.status();
+  EXPECT_EQ(load.result->spec().version(), 2u);
+  EXPECT_EQ(load.result->spec().seed(), 7u);
   Settle(*cp, workers);
   EXPECT_EQ(workers[1].last.tables(0).version(), 2u);
   EXPECT_EQ(workers[1].last.other_versions_size(), 0);  // v1 is unloaded (keep_versions 1)
@@ -1440,15 +1449,7 @@ TEST_F(ControlPlaneTest, WithoutRoomForTwoCopiesReplicasSwapOneAtATimeWhileTheOt
   Serve(*cp, workers, {"t"}, 2);
   for (FakeWorker& w : workers) w.memory = 50;
   Settle(*cp, workers);
-  absl::Notification done;
-  absl::StatusOr<v1::TableInfo> result;
-  std::thread load([&] {
-    result = cp->LoadVersion(SeedVersion("t", 7), absl::InfiniteFuture());
-    done.Notify();
-  });
-  for (int i = 0; i < 1000 && cp->DescribeTable("t")->versions_size() < 2; ++i) {
-    absl::SleepFor(absl::Milliseconds(1));  // the load registers
-  }
+  BackgroundLoad load(*cp, SeedVersion("t", 7));
   // Group 0 is listed as draining first (clients move to group 1), and still holds v1.
   Settle(*cp, workers, 2);
   v1::TableInfo info = *cp->DescribeTable("t");
@@ -1459,7 +1460,7 @@ TEST_F(ControlPlaneTest, WithoutRoomForTwoCopiesReplicasSwapOneAtATimeWhileTheOt
   EXPECT_EQ(workers[0].last.other_versions_size(), 0);  // never two copies
   // After the drain, group 0 swaps while group 1 serves v1; then group 1 swaps.
   std::set<std::pair<int, int>> seen;  // (group 0's version, group 1's version) told
-  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) {
+  while (!load.done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) {
     Settle(*cp, workers, 1);
     seen.insert({static_cast<int>(workers[0].last.tables(0).version()),
                  static_cast<int>(workers[2].last.tables(0).version())});
@@ -1467,12 +1468,11 @@ TEST_F(ControlPlaneTest, WithoutRoomForTwoCopiesReplicasSwapOneAtATimeWhileTheOt
     EXPECT_EQ(now.state(), v1::TABLE_STATE_SERVING);  // some replica always serves
     for (const FakeWorker& w : workers) EXPECT_EQ(w.last.other_versions_size(), 0);
   }
-  load.join();
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(result->spec().version(), 2u);
+  ASSERT_TRUE(load.result.ok()) << load.result.status();
+  EXPECT_EQ(load.result->spec().version(), 2u);
   EXPECT_TRUE(seen.count({2, 1})) << "group 0 swapped while group 1 kept v1";
   EXPECT_FALSE(seen.count({1, 2})) << "group 1 swapped first";
-  const v1::VersionInfo* v2 = VersionOf(*result, 2);
+  const v1::VersionInfo* v2 = VersionOf(*load.result, 2);
   ASSERT_NE(v2, nullptr);
   EXPECT_EQ(v2->mode(), v1::SWAP_MODE_ONE_REPLICA_AT_A_TIME);
   EXPECT_GE(v2->load_ms(), 2 * 1500);  // each replica drained for swap_drain

@@ -179,6 +179,21 @@ class SwapCallers {
   absl::Status first_error_ ABSL_GUARDED_BY(mu_);
 };
 
+// A table "emb" of `rows` x `cols` weights in one checkpoint (its first version), another
+// checkpoint of other weights for its next, and the oracle of both.
+struct TwoVersions {
+  at::Tensor w1, w2;
+  Table first, next;
+  Oracle oracle;
+
+  TwoVersions(int64_t rows, int64_t cols, int dim, const std::vector<int>& placement)
+      : w1(at::randn({rows, cols})),
+        w2(at::randn({rows, cols})),
+        first(MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w1, dim, placement, TempDir())),
+        next(MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w2, dim, placement, TempDir())),
+        oracle({w1, w2}, rows) {}
+};
+
 v1::LoadVersionRequest FromCheckpoint(const Table& t, int keep = 1) {
   v1::LoadVersionRequest request;
   request.set_name(t.spec.name());
@@ -259,15 +274,13 @@ TEST(Versions, ALoadThatFailsOnOneRankLeavesTheServingVersionEverywhere) {
   auto cluster = Start(1, {{1, {"--fail_load=emb"}}});
   ASSERT_NE(cluster, nullptr);
   auto admin = Connect(*cluster);
-  const at::Tensor w1 = at::randn({300, 16}), w2 = at::randn({300, 16});
-  Table v1t = MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w1, 1, {0, 1}, TempDir());
-  Table v2t = MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w2, 1, {0, 1}, TempDir());
-  ASSERT_TRUE(admin->CreateTable(v1t.spec).ok());
-  const Oracle oracle({w1, w2}, 300);
+  const TwoVersions t(300, 16, 1, {0, 1});
+  ASSERT_TRUE(admin->CreateTable(t.first.spec).ok());
+  const Oracle& oracle = t.oracle;
   {
     SwapCallers callers(*cluster, oracle, "emb");
     absl::SleepFor(absl::Milliseconds(500));
-    absl::StatusOr<v1::TableInfo> failed = admin->LoadVersion(FromCheckpoint(v2t));
+    absl::StatusOr<v1::TableInfo> failed = admin->LoadVersion(FromCheckpoint(t.next));
     EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
     EXPECT_THAT(std::string(failed.status().message()),
                 HasSubstr("version 2 of table \"emb\" could not be loaded"));
@@ -299,13 +312,11 @@ TEST(Versions, ASwapDuringAWorkerRestartCompletesOnceTheGroupIsBack) {
   auto cluster = Start(1);
   ASSERT_NE(cluster, nullptr);
   auto admin = Connect(*cluster);
-  const at::Tensor w1 = at::randn({300, 16}), w2 = at::randn({300, 16});
-  Table v1t = MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w1, 0, {0, 1}, TempDir());
-  Table v2t = MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w2, 0, {0, 1}, TempDir());
-  ASSERT_TRUE(admin->CreateTable(v1t.spec).ok());
+  const TwoVersions t(300, 16, 0, {0, 1});
+  ASSERT_TRUE(admin->CreateTable(t.first.spec).ok());
   ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
   absl::SleepFor(absl::Milliseconds(800));  // the coordinator counts it gone
-  v1::LoadVersionRequest request = FromCheckpoint(v2t);
+  v1::LoadVersionRequest request = FromCheckpoint(t.next);
   request.set_timeout_ms(500);
   absl::StatusOr<v1::TableInfo> waiting = admin->LoadVersion(request);
   ASSERT_TRUE(waiting.ok()) << waiting.status();
@@ -320,7 +331,7 @@ TEST(Versions, ASwapDuringAWorkerRestartCompletesOnceTheGroupIsBack) {
                info->state() == v1::TABLE_STATE_SERVING;
       },
       absl::Seconds(30)));
-  const Oracle oracle({w1, w2}, 300);
+  const Oracle& oracle = t.oracle;
   for (int w = 0; w < 2; ++w) {
     auto stub = DataStub(cluster->worker_address(w));
     grpc::ClientContext context;
@@ -338,15 +349,13 @@ TEST(Versions, WithMemoryForOneCopyTheReplicasSwapOneAtATimeWithoutErrors) {
   auto cluster = Start(2, {}, {"--table_memory_mb=1"});
   ASSERT_NE(cluster, nullptr);
   auto admin = Connect(*cluster);
-  const at::Tensor w1 = at::randn({600, 512}), w2 = at::randn({600, 512});
-  Table v1t = MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w1, 1, {0, 1}, TempDir());
-  Table v2t = MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w2, 1, {0, 1}, TempDir());
-  ASSERT_TRUE(admin->CreateTable(v1t.spec).ok());
-  const Oracle oracle({w1, w2}, 600);
+  const TwoVersions t(600, 512, 1, {0, 1});
+  ASSERT_TRUE(admin->CreateTable(t.first.spec).ok());
+  const Oracle& oracle = t.oracle;
   {
     SwapCallers callers(*cluster, oracle, "emb", /*stream=*/false);
     absl::SleepFor(absl::Milliseconds(1500));  // the clients know both replicas
-    absl::StatusOr<v1::TableInfo> swapped = admin->LoadVersion(FromCheckpoint(v2t));
+    absl::StatusOr<v1::TableInfo> swapped = admin->LoadVersion(FromCheckpoint(t.next));
     ASSERT_TRUE(swapped.ok()) << swapped.status();
     EXPECT_EQ(swapped->spec().version(), 2u);
     EXPECT_EQ(VersionOf(*swapped, 2)->mode(), v1::SWAP_MODE_ONE_REPLICA_AT_A_TIME);
@@ -368,19 +377,17 @@ TEST(Versions, OneReplicaWithoutRoomIsRefusedUnlessTheCallerAllowsAGap) {
   auto cluster = Start(1, {}, {"--table_memory_mb=1"});
   ASSERT_NE(cluster, nullptr);
   auto admin = Connect(*cluster);
-  const at::Tensor w1 = at::randn({600, 512}), w2 = at::randn({600, 512});
-  Table v1t = MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w1, 1, {0, 1}, TempDir());
-  Table v2t = MakeTableOf("emb", v1::TABLE_KIND_EMBEDDING, w2, 1, {0, 1}, TempDir());
-  ASSERT_TRUE(admin->CreateTable(v1t.spec).ok());
+  const TwoVersions t(600, 512, 1, {0, 1});
+  ASSERT_TRUE(admin->CreateTable(t.first.spec).ok());
   absl::SleepFor(absl::Milliseconds(200));  // heartbeats report the memory the table took
-  absl::StatusOr<v1::TableInfo> refused = admin->LoadVersion(FromCheckpoint(v2t));
+  absl::StatusOr<v1::TableInfo> refused = admin->LoadVersion(FromCheckpoint(t.next));
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("allow_gap"));
-  const Oracle oracle({w1, w2}, 600);
+  const Oracle& oracle = t.oracle;
   absl::StatusOr<client::DenseTensor> still = admin->EmbeddingBag(oracle.Request("emb"));
   ASSERT_TRUE(still.ok());
   EXPECT_EQ(still->version, 1u);
-  v1::LoadVersionRequest gap = FromCheckpoint(v2t);
+  v1::LoadVersionRequest gap = FromCheckpoint(t.next);
   gap.set_allow_gap(true);
   absl::StatusOr<v1::TableInfo> swapped = admin->LoadVersion(gap);
   ASSERT_TRUE(swapped.ok()) << swapped.status();
