@@ -1,5 +1,6 @@
 #include "core/step_loop.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -980,6 +981,15 @@ double CpuSecondsWhileSleeping(absl::Duration d) {
   return (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
 }
 
+// The least of three such measurements: on a machine busy with other work (a parallel build),
+// one window can catch a periodic check's round slowed down many times over, while a loop that
+// spins would show in all three.
+double LeastCpuSecondsWhileSleeping(absl::Duration d) {
+  double least = CpuSecondsWhileSleeping(d);
+  for (int i = 0; i < 2; ++i) least = std::min(least, CpuSecondsWhileSleeping(d));
+  return least;
+}
+
 // Groups whose ranks share memory wait for rounds on doorbells; the others back off, then park on
 // sockets.
 std::vector<std::pair<std::string, GlooOptions>> ParkingKinds() {
@@ -1015,7 +1025,7 @@ TEST(StepLoop, LongIdleGroupParksAndWakesForWorkTasksAndStop) {
     for (auto& loop : f.loops) loop->Start();
     for (int episode = 0; episode < 2; ++episode) {
       absl::SleepFor(absl::Milliseconds(600));  // > park_after_idle_rounds rounds of back-off
-      const double cpu = CpuSecondsWhileSleeping(absl::Milliseconds(500));
+      const double cpu = LeastCpuSecondsWhileSleeping(absl::Milliseconds(500));
       // Backing off costs two ranks ~0.04 s of CPU in 0.5 s; parked, they wait without rounds.
       EXPECT_LT(cpu, 0.015) << "parked loops used " << cpu << " s of CPU in 0.5 s";
       const absl::Time start = absl::Now();

@@ -40,6 +40,11 @@ def test_load_version_swaps_under_calls_and_pins(client, name, tmp_path):
         t.start()
     try:
         info = client.load_version(name, checkpoint=path, keep_versions=2)
+        # The workers hear of the switch at their next heartbeat: the callers go on until one
+        # of them has an answer of version 2 (5 s at most).
+        deadline = time.monotonic() + 5
+        while 2 not in seen and not bad and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         stop.set()
         for t in threads:
