@@ -10,7 +10,7 @@
 #      checkpoint;
 #   3. copy (the ceiling): no change to the table; two processes outside shardserve, at the
 #      loaders' nice (10), each write 512 MiB of fresh memory at the loaders' pace (256 MiB/s, in
-#      16 MiB chunks) - the memory traffic a swap cannot avoid - to show what that alone does to
+#      1 MiB chunks) - the memory traffic a swap cannot avoid - to show what that alone does to
 #      the serving p99 on this machine.
 # Each run keeps every call (CSV, gzipped); each worker's resident memory (anonymous, and file
 # pages of the mapped checkpoint) is sampled every 50 ms. Targets: zero errors during the swap,
@@ -19,7 +19,8 @@
 # Each run also records the CPU time the hypervisor took from this VM (steal) as a noise gauge.
 # Results in bench/results/swap_<time>/: the runs' reports, calls, memory samples, summary.json
 # and a plot per run (p50 / p99 / max per 100 ms; calls and errors); Markdown on stdout.
-#   bench/run_swap.sh [rows] [repetitions]
+#   [LOAD_MB_PER_S=256] bench/run_swap.sh [rows] [repetitions]   (the workers' --load_mb_per_s,
+#   and the copiers' pace)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
@@ -28,6 +29,7 @@ bazel build -c opt --copt=-O3 //client:shardserve //client:shardserve-load \
 bin=.bazel/bin
 rows=${1:-2097152}
 reps=${2:-3}
+pace=${LOAD_MB_PER_S:-256}
 cols=128
 work=$(mktemp -d)
 out=bench/results/swap_$(date -u +%Y%m%dT%H%M%SZ)
@@ -74,7 +76,7 @@ pids+=($!)
 declare -A worker
 for w in 0 1; do
   $bin/server/worker_main --coordinator=127.0.0.1:$port --rank=$w --port_file="$work/w$w.port" \
-    --drain_s=0 ${WORKER_FLAGS:-} >>"$work/worker$w.log" 2>&1 &
+    --drain_s=0 --load_mb_per_s="$pace" ${WORKER_FLAGS:-} >>"$work/worker$w.log" 2>&1 &
   worker[$w]=$!
   pids+=("${worker[$w]}")
 done
@@ -110,15 +112,15 @@ create "$work/v1.safetensors"
 load capacity --concurrency=8 --warmup_s=2 --duration_s=8
 qps=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['calls_per_s'] / 2))" \
   "$out/capacity.json")
-events="{\"qps\": $qps, \"rows\": $rows, \"cols\": $cols}"
+events="{\"qps\": $qps, \"rows\": $rows, \"cols\": $cols, \"load_mb_per_s\": $pace}"
 event() {  # run, key, value
   events=$(python3 -c "import json,sys; e=json.loads(sys.argv[1]); e.setdefault(sys.argv[2], {})[sys.argv[3]] = float(sys.argv[4]); print(json.dumps(e))" "$events" "$1" "$2" "$3")
 }
 steal() { awk '/^cpu / {print $9}' /proc/stat; }
-# Writes N bytes of fresh memory at 256 MiB/s in 16 MiB chunks (what one worker's loader writes).
+# Writes N bytes of fresh memory at PACE MiB/s in 1 MiB chunks (what one worker's loader writes).
 copier='
 import sys, time
-n, chunk, rate = int(sys.argv[1]), 16 << 20, 256 << 20
+n, chunk, rate = int(sys.argv[1]), 1 << 20, int(sys.argv[2]) << 20
 block = bytes(range(256)) * (chunk // 256)
 buf = bytearray()
 start = time.monotonic()
@@ -147,7 +149,7 @@ for rep in $(seq "$reps"); do
     elif [ "$kind" = copy ]; then
       copiers=()
       for _ in 0 1; do
-        nice -n 10 python3 -c "$copier" "$((rows * cols * 2))" &
+        nice -n 10 python3 -c "$copier" "$((rows * cols * 2))" "$pace" &
         copiers+=($!)
       done
       wait "${copiers[@]}"

@@ -23,7 +23,7 @@
 
 namespace shardserve::core {
 
-// Called after each chunk a load writes (16 MiB at most) with its bytes: a loader that must not
+// Called after each chunk a load writes (1 MiB at most) with its bytes: a loader that must not
 // take the memory bandwidth and CPU serving needs paces itself there (it may sleep).
 using LoadPace = std::function<void(int64_t bytes)>;
 
