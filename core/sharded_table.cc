@@ -66,7 +66,7 @@ absl::StatusOr<std::unique_ptr<ShardedTable>> ShardedTable::Create(const TableCo
     return absl::InvalidArgumentError(absl::StrCat("rank: ", rank, " is out of range [0, ",
                                                    config.spec.world_size(), ")"));
   }
-  const int64_t bytes = ShardBytes(config, rank);
+  const int64_t bytes = config.ShardBytes(rank);
   // Every rank holds a linear layer's whole bias in host memory, however small its shard.
   std::vector<float> bias;
   if (config.kind == TableKind::kLinear && config.has_bias) {
@@ -98,13 +98,6 @@ absl::Status ShardedTable::WriteShard(const std::function<void(float* shard)>& f
   fill(staging.data());
   return kernels_.CopyFromHost(staging.data(), storage_.data(),
                                static_cast<int64_t>(staging.size() * sizeof(float)));
-}
-
-int64_t ShardedTable::ShardBytes(const TableConfig& config, int rank) {
-  const int dim = config.spec.dim();
-  const ShardLayout layout(config.spec, dim == 0 ? config.num_rows : config.num_cols);
-  const int64_t other = dim == 0 ? config.num_cols : config.num_rows;
-  return layout.SizeOfRank(rank) * other * static_cast<int64_t>(sizeof(float));
 }
 
 absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* bias) {

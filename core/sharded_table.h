@@ -36,9 +36,6 @@ class ShardedTable {
                                                               const LoadPace& pace = nullptr,
                                                               bool zero = true);
 
-  // Bytes of `rank`'s shard of a table of `config` (validated).
-  static int64_t ShardBytes(const TableConfig& config, int rank);
-
   // Copies this rank's chunk out of the full row-major weight (host memory), and the bias
   // (num_rows floats, linear only; null means zeros).
   absl::Status LoadFromFull(const float* full_weight, const float* bias);

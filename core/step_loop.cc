@@ -47,8 +47,9 @@ struct StepLoop::Step {
   std::shared_ptr<const TableSet> tables;
   std::map<WorkKey, std::vector<size_t>> mine;  // this rank's work: indices into `batch`
   std::optional<Agreement> agreement;
-  // The load each agreed key runs on (the same table version on every rank).
-  std::map<WorkKey, std::shared_ptr<ShardedTable>> loads;
+  // The load each key of the agreed work runs on, in the work's order (the same table version on
+  // every rank).
+  std::vector<std::shared_ptr<ShardedTable>> loads;
   // For the observer: when the round began, and how long the agreement took.
   absl::Time round_start;
   absl::Duration agreement_time;
@@ -494,7 +495,7 @@ void StepLoop::RunOps(Group& group, Step& step) {
       if (version) table = step.tables->Load(key.table, *version);
     }
     if (table != nullptr) {
-      step.loads[key] = std::move(table);
+      step.loads.push_back(std::move(table));
       ++it;
       continue;
     }
@@ -550,8 +551,9 @@ void StepLoop::RunOps(Group& group, Step& step) {
 // Runs the agreed work with `ops` and answers this rank's requests.
 void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
   auto& work = step.agreement->work();
+  size_t k = 0;
   for (auto& [key, inputs] : work) {
-    const std::shared_ptr<ShardedTable>& table = step.loads.at(key);
+    const std::shared_ptr<ShardedTable>& table = step.loads[k++];
     const TableConfig& config = table->config();
     // Ranks without work for this key sent no input: theirs is the empty one.
     std::vector<int64_t> empty;

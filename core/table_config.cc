@@ -48,4 +48,10 @@ absl::Status TableConfig::Validate() {
   return absl::OkStatus();
 }
 
+int64_t TableConfig::ShardBytes(int rank) const {
+  const ShardLayout layout(spec, spec.dim() == 0 ? num_rows : num_cols);
+  return layout.SizeOfRank(rank) * (spec.dim() == 0 ? num_cols : num_rows) *
+         static_cast<int64_t>(sizeof(float));
+}
+
 }  // namespace shardserve::core

@@ -37,6 +37,8 @@ struct TableConfig {
 
   // INVALID_ARGUMENT naming the field, value and bound. Normalises padding_idx.
   absl::Status Validate();
+  // Bytes of `rank`'s shard (validated configs only).
+  int64_t ShardBytes(int rank) const;
 };
 
 }  // namespace shardserve::core

@@ -8,7 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/sharding_spec.h"
 #include "core/status_macros.h"
 #include "glog/logging.h"
 #include "server/control_plane.h"
@@ -28,14 +27,6 @@ std::string SourceOf(const v1::TableSpec& spec) {
 bool SameSource(const v1::TableSpec& a, const v1::TableSpec& b) {
   return a.init_case() == b.init_case() && a.seed() == b.seed() &&
          a.checkpoint() == b.checkpoint();
-}
-
-// Bytes of `rank`'s shard of a table of `config`.
-int64_t ShardBytes(const core::TableConfig& config, int rank) {
-  const int dim = config.spec.dim();
-  const core::ShardLayout layout(config.spec, dim == 0 ? config.num_rows : config.num_cols);
-  return layout.SizeOfRank(rank) * (dim == 0 ? config.num_cols : config.num_rows) *
-         static_cast<int64_t>(sizeof(float));
 }
 
 }  // namespace
@@ -106,7 +97,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::LoadVersion(const v1::LoadVersionReq
       load.order.push_back(g);
       for (int r = 0; r < options_.world_size && short_of.empty(); ++r) {
         const Member& m = groups_[g].members[r];
-        const int64_t need = ShardBytes(config, r);
+        const int64_t need = config.ShardBytes(r);
         if (m.memory_available >= 0 && need > m.memory_available) {
           short_of = absl::StrCat(options_.groups > 1 ? absl::StrCat("group ", g, " ") : "",
                                   "rank ", r, " needs ", need, " bytes beside the serving version",

@@ -432,7 +432,7 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::
     return absl::InternalError(absl::StrCat("--fail_load drill: version ", spec.version(),
                                             " of table \"", spec.name(), "\" not loaded"));
   }
-  const int64_t need = core::ShardedTable::ShardBytes(config, options_.rank);
+  const int64_t need = config.ShardBytes(options_.rank);
   const int64_t room = MemoryAvailable();
   if (room >= 0 && need > room) {
     return absl::ResourceExhaustedError(absl::StrCat(
