@@ -380,7 +380,10 @@ absl::StatusOr<DenseTensor> Client::CallData(const Request& request, const char*
     return absl::InternalError(absl::StrCat("cannot parse the answer: ", s.error_message()));
   }
   absl::StatusOr<DenseTensor> dense = ToDense(response.output());
-  if (dense.ok()) dense->version = response.version();
+  if (dense.ok()) {
+    dense->version = response.version();
+    dense->sequence = response.sequence();
+  }
   return dense;
 }
 
@@ -394,6 +397,45 @@ absl::StatusOr<DenseTensor> Client::EmbeddingBag(const v1::EmbeddingBagRequest& 
 
 absl::StatusOr<DenseTensor> Client::Linear(const v1::LinearRequest& request) {
   return CallData(request, "/shardserve.v1.DataService/Linear");
+}
+
+absl::StatusOr<v1::UpdateRowsResponse> Client::UpdateRows(const v1::UpdateRowsRequest& request) {
+  SHARDSERVE_ASSIGN_OR_RETURN(v1::TableInfo info, DescribeTable(request.table()));
+  if (info.replicas_size() > 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "table \"", request.table(), "\" is placed on ", info.replicas_size(),
+        " replica groups: updates to replicated tables are not supported yet (place it on one "
+        "group, CreateTable's groups)"));
+  }
+  std::string address;
+  for (const v1::ShardInfo& shard : info.shards()) {
+    if (!shard.address().empty()) {
+      address = shard.address();
+      break;
+    }
+  }
+  if (address.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("table \"", request.table(), "\" has no worker serving it"));
+  }
+  std::shared_ptr<v1::DataService::Stub> stub;
+  {
+    absl::MutexLock lock(&update_mu_);
+    auto& s = update_stubs_[address];
+    if (s == nullptr) {
+      s = v1::DataService::NewStub(server::CreateChannel(address, options_.security));
+    }
+    stub = s;
+  }
+  // Sent once, never retried or hedged: after an error the call may or may not have been applied
+  // (all of it or none), and an ADD sent again would add twice.
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+  v1::UpdateRowsResponse response;
+  if (grpc::Status s = stub->UpdateRows(&context, request, &response); !s.ok()) {
+    return FromGrpcStatus(s);
+  }
+  return response;
 }
 
 }  // namespace shardserve::client

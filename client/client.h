@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/shardserve.grpc.pb.h"
 #include "server/replica_caller.h"
@@ -40,6 +42,7 @@ struct DenseTensor {
   std::vector<int64_t> shape;
   std::vector<float> values;
   uint64_t version = 0;  // the table version it came from (0: not said)
+  uint64_t sequence = 0;  // that version's update sequence it reflects
 };
 
 v1::Tensor Int64Tensor(const std::vector<int64_t>& shape, const std::vector<int64_t>& values);
@@ -91,6 +94,12 @@ class Client {
   absl::StatusOr<DenseTensor> Embedding(const v1::EmbeddingRequest& request);
   absl::StatusOr<DenseTensor> EmbeddingBag(const v1::EmbeddingBagRequest& request);
   absl::StatusOr<DenseTensor> Linear(const v1::LinearRequest& request);
+  // Changes rows of the table's serving version (ASSIGN or ADD; DESIGN.md "Serving lifecycle"),
+  // on a worker of its group: answered once every rank has the update in its log (when the
+  // workers run with --data_dir). Never retried: after an error the update may or may not have
+  // been applied (all of it or none of it). FAILED_PRECONDITION for a table on several replica
+  // groups (not supported yet).
+  absl::StatusOr<v1::UpdateRowsResponse> UpdateRows(const v1::UpdateRowsRequest& request);
 
  private:
   Client(std::string coordinator, ClientOptions options);
@@ -108,6 +117,9 @@ class Client {
   const std::string coordinator_;
   const ClientOptions options_;
   std::unique_ptr<v1::AdminService::Stub> admin_;
+  absl::Mutex update_mu_;
+  std::map<std::string, std::shared_ptr<v1::DataService::Stub>> update_stubs_
+      ABSL_GUARDED_BY(update_mu_);
   std::unique_ptr<server::ReplicaRouter> router_;
   std::unique_ptr<server::ReplicaCaller> caller_;  // (destroyed first: it uses the router)
 };

@@ -64,6 +64,11 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(LocalClusterOp
   ::mkdir(options.work_dir.c_str(), 0755);
   if (options.state_dir.empty()) options.state_dir = options.work_dir + "/state";
   ::mkdir(options.state_dir.c_str(), 0755);
+  // Workers want an absolute --data_dir (they may run elsewhere than this process's directory).
+  if (char* real = ::realpath(options.state_dir.c_str(), nullptr); real != nullptr) {
+    options.state_dir = real;
+    std::free(real);
+  }
   if (options.tls && options.tls_dir.empty()) {
     options.tls_dir = options.work_dir + "/certs";
     const std::string command = absl::StrCat("'", options.server_dir, "/make_certs' '",
@@ -238,7 +243,11 @@ absl::Status LocalCluster::StartWorker(int rank) {
                                    "--listen=127.0.0.1:0", "--port_file=" + port_file,
                                    "--drain_s=0",  // stopped at once (flags below may say else)
                                    "--metrics_listen=127.0.0.1:0",
-                                   "--metrics_port_file=" + port_file + ".metrics"};
+                                   "--metrics_port_file=" + port_file + ".metrics",
+                                   // Update logs and snapshots, kept with the registry.
+                                   absl::StrCat("--data_dir=", options_.state_dir, "/worker-g",
+                                                rank / options_.workers, "-r",
+                                                rank % options_.workers)};
   const std::vector<std::string> tls = TlsFlags("worker", absl::StrCat("worker", rank));
   args.insert(args.end(), tls.begin(), tls.end());
   if (options_.internal_ports) args.push_back("--internal_listen=127.0.0.1:0");

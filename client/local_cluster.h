@@ -29,7 +29,7 @@ struct LocalClusterOptions {
   int port = 0;            // coordinator port; 0 = any free port
   std::string work_dir;    // port files, logs and (by default) the coordinator's state; empty: a
                            // temporary directory, removed when the cluster is destroyed
-  std::string state_dir;   // empty: work_dir/state
+  std::string state_dir;   // the registry, and every worker's update logs; empty: work_dir/state
   std::vector<std::string> coordinator_flags;
   std::vector<std::string> worker_flags;
   std::map<int, std::vector<std::string>> rank_flags;  // more flags for one worker (by number)

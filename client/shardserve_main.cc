@@ -121,6 +121,9 @@ ABSL_FLAG(std::string, weights, "", "per_sample_weights as a JSON array");
 ABSL_FLAG(std::string, mode, "mean", "bag mode: sum | mean | max");
 ABSL_FLAG(bool, include_last_offset, false, "offsets end with the number of ids");
 ABSL_FLAG(std::string, input, "", "linear input as a JSON array");
+ABSL_FLAG(std::string, op, "", "update: assign (set the rows) or add (add deltas to them)");
+ABSL_FLAG(std::string, values, "", "update: the rows (or deltas) as a JSON array [k][num_cols]");
+ABSL_FLAG(std::string, bias, "", "update of a linear layer: its bias at the ids, JSON [k]");
 ABSL_FLAG(std::string, input_file, "", "file with the linear input as a JSON array");
 ABSL_FLAG(std::string, output, "", "write the result here instead of stdout");
 // export
@@ -195,7 +198,8 @@ int PrintResult(const absl::StatusOr<DenseTensor>& result) {
   const std::string json = absl::StrCat(
       "{\"shape\": [", absl::StrJoin(result->shape, ", "), "], \"values\": ",
       FormatJsonArray(result->shape, result->values),
-      result->version != 0 ? absl::StrCat(", \"version\": ", result->version) : "", "}\n");
+      result->version != 0 ? absl::StrCat(", \"version\": ", result->version) : "",
+      result->sequence != 0 ? absl::StrCat(", \"sequence\": ", result->sequence) : "", "}\n");
   if (const std::string path = absl::GetFlag(FLAGS_output); !path.empty()) {
     std::ofstream(path) << json;
   } else {
@@ -720,7 +724,7 @@ int Up(const std::string& argv0) {
 
 constexpr char kCommands[] =
     "up | demo | create-table | wait | tables | describe | drop | export | load-version | "
-    "versions | unload-version | cluster | health | embedding | bag | linear";
+    "versions | unload-version | cluster | health | embedding | bag | linear | update";
 
 // grpc.health.v1 Check of one server, over the caller's TLS: exit 0 when it says SERVING, 1
 // otherwise (a probe that needs TLS, where Kubernetes' gRPC probe has none).
@@ -837,6 +841,15 @@ server::Usage UsageOf(const std::vector<std::string>& args) {
   if (command == "linear") {
     return {"shardserve linear --table=T --input=JSON [flags]", "F.linear of the input rows.",
             with(data, {"input", "input_file"})};
+  }
+  if (command == "update") {
+    return {"shardserve update --table=T --op=assign|add --ids=JSON --values=JSON [flags]",
+            "Changes rows of T's serving version online: sets them (assign; duplicate ids: the "
+            "last wins) or adds deltas (add; duplicates summed). Prints the version and its "
+            "update sequence after the call; never retried (exit 64 + code: it may or may not "
+            "have been applied, all of it or none).",
+            with({"coordinator", "deadline_ms", "table", "ids", "values", "op", "bias"},
+                 server::CallerSecurityFlags())};
   }
   return {absl::StrCat("shardserve <", kCommands, "> [flags]"),
           "The command-line client of a shardserve cluster, and `up`, a local cluster. "
@@ -1036,6 +1049,34 @@ int Main(int argc, char** argv) {
     request.set_version(table_version);
     *request.mutable_input() = FloatsTensor(*input);
     return PrintResult(c.Linear(request));
+  }
+  if (command == "update") {
+    const std::string op = absl::GetFlag(FLAGS_op);
+    if (op != "assign" && op != "add") {
+      return BadUsage(absl::InvalidArgumentError("update: --op must be assign or add"));
+    }
+    absl::StatusOr<JsonArray> ids = ArrayFlag(absl::GetFlag(FLAGS_ids), "", "ids");
+    if (!ids.ok()) return BadUsage(ids.status());
+    absl::StatusOr<JsonArray> values = ArrayFlag(absl::GetFlag(FLAGS_values), "", "values");
+    if (!values.ok()) return BadUsage(values.status());
+    v1::UpdateRowsRequest request;
+    request.set_table(table);
+    request.set_op(op == "assign" ? v1::ASSIGN : v1::ADD);
+    absl::StatusOr<v1::Tensor> t = IdTensor(*ids, "ids");
+    if (!t.ok()) return BadUsage(t.status());
+    *request.mutable_ids() = *t;
+    *request.mutable_values() = FloatsTensor(*values);
+    if (const std::string b = absl::GetFlag(FLAGS_bias); !b.empty()) {
+      absl::StatusOr<JsonArray> bias = ArrayFlag(b, "", "bias");
+      if (!bias.ok()) return BadUsage(bias.status());
+      *request.mutable_bias() = FloatsTensor(*bias);
+    }
+    absl::StatusOr<v1::UpdateRowsResponse> r = c.UpdateRows(request);
+    if (!r.ok()) return Fail(r.status());
+    std::printf("{\"version\": %llu, \"sequence\": %llu}\n",
+                static_cast<unsigned long long>(r->version()),
+                static_cast<unsigned long long>(r->sequence()));
+    return 0;
   }
   return server::UsageError("shardserve", absl::StrCat("unknown command \"", command,
                                                        "\"; the commands: ", kCommands));

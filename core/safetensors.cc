@@ -337,7 +337,7 @@ std::string SafetensorsHeader(const std::vector<SafetensorsEntry>& entries) {
 }
 
 absl::Status WriteSafetensors(const std::string& path,
-                              const std::vector<SafetensorsEntry>& entries) {
+                              const std::vector<SafetensorsEntry>& entries, bool durable) {
   SHARDSERVE_RETURN_IF_ERROR(CheckOutputPath(path));
   const std::string header = SafetensorsHeader(entries);
   std::vector<std::pair<const char*, int64_t>> pieces = {
@@ -366,6 +366,7 @@ absl::Status WriteSafetensors(const std::string& path,
       if (n > 0) done += n;
     }
   }
+  if (durable && error == 0 && ::fsync(fd) != 0) error = errno;
   if (::close(fd) != 0 && error == 0) error = errno;
   if (error == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) error = errno;
   if (error != 0) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/row_updates.h"
 #include "core/status_macros.h"
 
 namespace shardserve::core {
@@ -229,8 +230,10 @@ absl::Status ShardedOps::RenormLookedUpRows(ShardedTable& table, const GatheredI
       scales.push_back(static_cast<float>(max_norm / (static_cast<double>(norm) + 1e-7)));
     }
   }
-  return kernels_.ScaleRows(table.shard(), rows.data(), static_cast<int64_t>(rows.size()),
-                            scales.data());
+  SHARDSERVE_RETURN_IF_ERROR(kernels_.ScaleRows(table.shard(), rows.data(),
+                                                static_cast<int64_t>(rows.size()), scales.data()));
+  LogRenorm(table, rows, scales);  // a renorm changes the stored table: logged like an update
+  return absl::OkStatus();
 }
 
 absl::Status ShardedOps::LeaveGroup(const absl::Status& status) {

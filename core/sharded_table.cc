@@ -100,6 +100,39 @@ absl::Status ShardedTable::WriteShard(const std::function<void(float* shard)>& f
                                static_cast<int64_t>(staging.size() * sizeof(float)));
 }
 
+absl::Status ShardedTable::WriteRow(int64_t local_row, bool add, const float* values) {
+  if (shard_cols_ == 0) return absl::OkStatus();
+  if (kernels_.host_accessible()) {
+    float* row = storage_.floats() + local_row * shard_cols_;
+    if (add) {
+      for (int64_t c = 0; c < shard_cols_; ++c) row[c] += values[c];
+    } else {
+      std::copy(values, values + shard_cols_, row);
+    }
+    return absl::OkStatus();
+  }
+  // Device memory: one row through the host (updates are a few rows per call).
+  const int64_t bytes = shard_cols_ * static_cast<int64_t>(sizeof(float));
+  float* row = storage_.floats() + local_row * shard_cols_;
+  std::vector<float> staging(values, values + shard_cols_);
+  if (add) {
+    std::vector<float> old(shard_cols_);
+    SHARDSERVE_RETURN_IF_ERROR(kernels_.CopyToHost(row, old.data(), bytes));
+    for (int64_t c = 0; c < shard_cols_; ++c) staging[c] = old[c] + values[c];
+  }
+  return kernels_.CopyFromHost(staging.data(), row, bytes);
+}
+
+absl::Status ShardedTable::ScaleRows(const int64_t* local_rows, int64_t n, const float* scales) {
+  return kernels_.ScaleRows(shard(), local_rows, n, scales);
+}
+
+absl::Status ShardedTable::LoadShard(const float* rows) {
+  return WriteShard([&](float* shard) {
+    std::copy(rows, rows + shard_rows_ * shard_cols_, shard);
+  });
+}
+
 absl::Status ShardedTable::LoadFromFull(const float* full_weight, const float* bias) {
   SHARDSERVE_RETURN_IF_ERROR(WriteShard([&](float* shard) {
     for (int64_t r = 0; shard_cols_ > 0 && r < shard_rows_; ++r) {

@@ -8,6 +8,7 @@
 #ifndef SHARDSERVE_CORE_SHARDED_TABLE_H_
 #define SHARDSERVE_CORE_SHARDED_TABLE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,6 +27,8 @@ namespace shardserve::core {
 // Called after each chunk a load writes (1 MiB at most) with its bytes: a loader that must not
 // take the memory bandwidth and CPU serving needs paces itself there (it may sleep).
 using LoadPace = std::function<void(int64_t bytes)>;
+
+class UpdateLog;  // row_updates.h
 
 class ShardedTable {
  public:
@@ -56,6 +59,26 @@ class ShardedTable {
   int64_t col_begin() const { return col_begin_; }
   const std::vector<float>& bias() const { return bias_; }  // empty when the layer has none
 
+  // Row updates (row_updates.h), on the executor thread. Sets (or adds `values` to) shard row
+  // `local_row`: shard_cols floats.
+  absl::Status WriteRow(int64_t local_row, bool add, const float* values);
+  // Scales shard rows `local_rows` (a renorm's, replayed from the log).
+  absl::Status ScaleRows(const int64_t* local_rows, int64_t n, const float* scales);
+  // Overwrites the whole shard with `rows` (shard_rows x shard_cols, row-major host memory).
+  absl::Status LoadShard(const float* rows);
+  std::vector<float>& mutable_bias() { return bias_; }
+  // Update calls applied to this load (the sequence answers report), and records logged (calls
+  // and renorms); both start at 0 with the load's base and are alike on every rank of a group.
+  uint64_t seq() const { return seq_.load(std::memory_order_acquire); }
+  uint64_t lsn() const { return lsn_; }
+  void SetPosition(uint64_t lsn, uint64_t seq) {
+    lsn_ = lsn;
+    seq_.store(seq, std::memory_order_release);
+  }
+  // The load's write-ahead log (null: updates are kept in memory only).
+  UpdateLog* log() const { return log_.get(); }
+  void SetLog(std::shared_ptr<UpdateLog> log) { log_ = std::move(log); }
+
  private:
   ShardedTable(const TableConfig& config, int rank, LocalKernels& kernels, DeviceBuffer storage);
   // Runs `fill` on the shard's rows (row-major, shard_rows_ x shard_cols_): in place where the host
@@ -72,6 +95,9 @@ class ShardedTable {
   int64_t shard_cols_ = 0;
   DeviceBuffer storage_;
   std::vector<float> bias_;
+  uint64_t lsn_ = 0;
+  std::atomic<uint64_t> seq_{0};  // read by other threads (reports)
+  std::shared_ptr<UpdateLog> log_;
 };
 
 }  // namespace shardserve::core

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/input_message.h"
+#include "core/row_updates.h"
 #include "core/sharded_ops.h"
 #include "core/status_macros.h"
 #include "core/step_protocol.h"
@@ -53,8 +54,12 @@ struct StepLoop::Step {
   // For the observer: when the round began, and how long the agreement took.
   absl::Time round_start;
   absl::Duration agreement_time;
-  // Tables whose rows this rank may hold renormed unlike its peers, should the step fail.
+  // Tables whose rows this rank may hold renormed or updated unlike its peers, should the step
+  // fail.
   std::vector<std::shared_ptr<ShardedTable>> renorm_unsure;
+  // This rank's update requests the step applied: answered once every rank has them durably.
+  std::vector<size_t> updated;
+  bool has_updates = false;  // the agreed work updates some table (the same on every rank)
   absl::Status broken;  // the group failed
 
   std::vector<StepRequest*> Requests(const std::vector<size_t>& indices) const {
@@ -540,12 +545,88 @@ void StepLoop::RunOps(Group& group, Step& step) {
   Collectives& data = group.timed_data ? *group.timed_data : *t.data;
   ShardedOps ops(control, data, kernels_, OpOptions{options_.collective_timeout, options_.limits});
   RunWork(group, step, ops);
+  if (step.broken.ok()) Commit(group, step, control);
   if (observer == nullptr || !step.broken.ok()) return;
   stats.agreement = step.agreement_time;
   stats.exchange = group.timed_data->Take();
   if (group.timed_control != group.timed_data) stats.exchange += group.timed_control->Take();
   stats.compute = std::max(absl::Now() - ops_start - stats.exchange, absl::ZeroDuration());
   observer->StepDone(stats);
+}
+
+// Applies every rank's update calls for one table in rank order (each rank its part of the rows),
+// logging them; this rank's are answered in Commit.
+void StepLoop::RunUpdates(Group& group, Step& step, const WorkKey& key,
+                          std::vector<absl::Span<const char>>& inputs,
+                          const std::shared_ptr<ShardedTable>& table) {
+  step.has_updates = true;
+  const std::vector<int64_t> empty = EmptyUpdateMessage();
+  for (absl::Span<const char>& input : inputs) {
+    if (input.data() == nullptr) input = AsBytes(empty);
+  }
+  auto m = step.mine.find(key);
+  const std::vector<size_t> none;
+  const std::vector<size_t>& indices = m != step.mine.end() ? m->second : none;
+  absl::StatusOr<std::vector<std::vector<UpdateCall>>> calls =
+      DecodeUpdates(table->config(), inputs);
+  if (!calls.ok()) {  // every rank read the same messages: every rank fails them alike
+    for (size_t i : indices) Answer(step.batch[i], calls.status());
+    return;
+  }
+  const int me = group.transports.channel->rank();
+  step.renorm_unsure.push_back(table);  // should the step fail before every rank has them
+  for (int q = 0; q < static_cast<int>(calls->size()); ++q) {
+    const std::vector<UpdateCall>& theirs = (*calls)[q];
+    for (size_t c = 0; c < theirs.size(); ++c) {
+      if (absl::Status applied = ApplyUpdate(*table, theirs[c]); !applied.ok()) {
+        step.broken = absl::UnavailableError(
+            absl::StrCat("rank ", me, " could not apply an update: ", applied.message()));
+        return;
+      }
+      if (q != me || c >= indices.size()) continue;
+      StepRequest& r = *step.batch[indices[c]];
+      r.served_version = table->config().version;
+      r.served_seq = table->seq();
+      step.updated.push_back(indices[c]);
+    }
+  }
+}
+
+// Makes the step's updates and renorms durable: each load's log is synced once (group commit),
+// then - when the step updated tables - the ranks tell each other that theirs are, and only then
+// are this rank's updates answered: an acknowledged update is on every rank's disk.
+void StepLoop::Commit(Group& group, Step& step, Collectives& control) {
+  absl::Status synced;
+  for (const std::shared_ptr<ShardedTable>& table : step.loads) {
+    UpdateLog* log = table->log();
+    if (log == nullptr || !log->pending()) continue;
+    if (absl::Status s = log->Commit(); !s.ok() && synced.ok()) synced = s;
+  }
+  if (!step.has_updates) return;
+  int64_t failed = synced.ok() ? 0 : 1;
+  if (absl::Status s = control.AllReduce(&failed, 1, ReduceOp::kMax, options_.collective_timeout);
+      !s.ok()) {
+    step.broken = s;
+    return;
+  }
+  if (failed != 0) {
+    step.broken = absl::UnavailableError(absl::StrCat(
+        "a rank could not make the step's updates durable",
+        synced.ok() ? std::string() : absl::StrCat(" (this rank: ", synced.message(), ")")));
+    return;
+  }
+  for (const std::shared_ptr<ShardedTable>& table : step.loads) {
+    UpdateLog* log = table->log();
+    if (log == nullptr) continue;
+    log->Acknowledge(table->lsn());
+    // Between steps; a failed snapshot leaves the log as it is, to be tried again.
+    log->MaybeSnapshot(*table).IgnoreError();
+  }
+  std::vector<size_t> updated;
+  updated.swap(step.updated);
+  for (size_t i : updated) Answer(step.batch[i], DenseResult{});
+  // Only tables whose renorms may differ stay unsure from here.
+  step.renorm_unsure.clear();
 }
 
 // Runs the agreed work with `ops` and answers this rank's requests.
@@ -555,6 +636,11 @@ void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
   for (auto& [key, inputs] : work) {
     const std::shared_ptr<ShardedTable>& table = step.loads[k++];
     const TableConfig& config = table->config();
+    if (key.op == StepRequest::Op::kUpdate) {
+      RunUpdates(group, step, key, inputs, table);
+      if (!step.broken.ok()) return;
+      continue;
+    }
     // Ranks without work for this key sent no input: theirs is the empty one.
     std::vector<int64_t> empty;
     for (absl::Span<const char>& input : inputs) {
@@ -565,7 +651,10 @@ void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
     auto m = step.mine.find(key);
     const std::vector<size_t> none;
     const std::vector<size_t>& indices = m != step.mine.end() ? m->second : none;
-    for (size_t i : indices) step.batch[i]->served_version = config.version;
+    for (size_t i : indices) {
+      step.batch[i]->served_version = config.version;
+      step.batch[i]->served_seq = table->seq();
+    }
     absl::StatusOr<DenseResult> result = [&]() -> absl::StatusOr<DenseResult> {
       SHARDSERVE_ASSIGN_OR_RETURN(GatheredInputs gathered,
                                   DecodeInputs(key.kind(), config, inputs));
@@ -575,6 +664,7 @@ void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
         case StepRequest::Op::kEmbeddingBag:
           return ops.EmbeddingBag(*table, gathered);
         case StepRequest::Op::kLinear:
+        case StepRequest::Op::kUpdate:
           break;
       }
       return ops.Linear(*table, gathered);
@@ -609,6 +699,7 @@ void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
           answer.shape = {rows};
           break;
         case StepRequest::Op::kLinear:
+        case StepRequest::Op::kUpdate:
           answer.shape.assign(r.shape.begin(), r.shape.end() - 1);
           break;
       }
@@ -636,6 +727,9 @@ void StepLoop::FailGroup(Group& group, Step& step) {
     if (r != nullptr) Answer(r, status);
   }
   step.batch.clear();
+  for (const std::shared_ptr<ShardedTable>& table : step.loads) {
+    if (table->log() != nullptr) table->log()->Discard();  // never written: never acknowledged
+  }
   {
     absl::MutexLock lock(&mu_);
     active_group_ = StepGroup();

@@ -47,6 +47,7 @@
 namespace shardserve::core {
 
 class ShardedOps;
+struct WorkKey;
 
 // Where a StepLoop's answers go (the serving process implements it).
 class ResponseSink {
@@ -148,6 +149,10 @@ class StepLoop {
   bool Idle(Group& group, Step& step);  // true: on to the next iteration
   void RunOps(Group& group, Step& step);
   void RunWork(Group& group, Step& step, ShardedOps& ops);
+  void RunUpdates(Group& group, Step& step, const WorkKey& key,
+                  std::vector<absl::Span<const char>>& inputs,
+                  const std::shared_ptr<ShardedTable>& table);
+  void Commit(Group& group, Step& step, Collectives& control);
   void FailGroup(Group& group, Step& step);
 
   // Delivers `request`'s answer unless BreakGroup did, and frees it.

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/row_updates.h"
 
 namespace shardserve::core {
 namespace {
@@ -86,12 +87,6 @@ absl::Status CheckHellos(absl::Span<const absl::Span<const char>> hellos,
 AgreementWriter::AgreementWriter(uint64_t digest) : words_{static_cast<int64_t>(digest)} {}
 
 void AgreementWriter::Add(const WorkKey& key, absl::Span<StepRequest* const> requests) {
-  const InputKind kind = key.kind();
-  int64_t num = 0, bags = 0;
-  for (const StepRequest* r : requests) {
-    num += static_cast<int64_t>(kind == InputKind::kRows ? r->values.size() : r->ids.size());
-    if (kind == InputKind::kBags) bags += static_cast<int64_t>(r->offsets.size()) - 1;
-  }
   const int64_t name_bytes = static_cast<int64_t>(key.table.size());
   const size_t entry = words_.size();
   words_.resize(entry + kEntryHeaderWords + NameWords(name_bytes), 0);
@@ -101,6 +96,22 @@ void AgreementWriter::Add(const WorkKey& key, absl::Span<StepRequest* const> req
   words_[entry + 3] = static_cast<int64_t>(key.version);
   std::memcpy(words_.data() + entry + kEntryHeaderWords, key.table.data(), name_bytes);
   const size_t at = words_.size();
+  if (key.op == StepRequest::Op::kUpdate) {
+    AppendUpdateMessage(requests, words_);
+    words_[entry + 2] = static_cast<int64_t>(words_.size() - at);
+    return;
+  }
+  AddInput(key, requests, entry, at);
+}
+
+void AgreementWriter::AddInput(const WorkKey& key, absl::Span<StepRequest* const> requests,
+                               size_t entry, size_t at) {
+  const InputKind kind = key.kind();
+  int64_t num = 0, bags = 0;
+  for (const StepRequest* r : requests) {
+    num += static_cast<int64_t>(kind == InputKind::kRows ? r->values.size() : r->ids.size());
+    if (kind == InputKind::kBags) bags += static_cast<int64_t>(r->offsets.size()) - 1;
+  }
   const InputLayout l = AppendInputMessage(kind, num, bags, key.has_weights, key.mode, words_);
   words_[entry + 2] = l.words;
   int64_t* const message = words_.data() + at;
@@ -147,8 +158,11 @@ absl::StatusOr<Agreement> Agreement::Read(absl::Span<const absl::Span<const char
       if (n - at < kEntryHeaderWords) return Malformed(q, "ends inside an entry");
       const int64_t k = words[at], name_bytes = words[at + 1], message_words = words[at + 2];
       const int64_t op = k & 0xff, mode = (k >> 8) & 0xff, weights = k >> 16;
-      if (op > 2 || mode > 2 || weights > 1 || k < 0 || name_bytes < 0 ||
-          name_bytes > kMaxNameBytes || message_words < InputLayout::kHeaderWords ||
+      const int64_t least = op == static_cast<int64_t>(StepRequest::Op::kUpdate)
+                                ? 1
+                                : InputLayout::kHeaderWords;
+      if (op > 3 || mode > 2 || weights > 1 || k < 0 || name_bytes < 0 ||
+          name_bytes > kMaxNameBytes || message_words < least ||
           message_words > n - at - kEntryHeaderWords - NameWords(name_bytes)) {
         return Malformed(q, "has an entry that does not hold what it says");
       }

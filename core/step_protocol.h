@@ -19,6 +19,8 @@
 //   rank once every rank holds it, and no step mixes two versions. A version staged on every rank
 //   and active on none cannot be pinned yet; staged versions stay out of the digest, so ranks
 //   that load one at different speeds need no extra round meanwhile.
+// - Updates (op kUpdate, row_updates.h) are work like any other: their key names the table, their
+//   message every call of the rank whole, and every rank applies every rank's calls in order.
 //
 // Bump kStepProtocol on any change to these messages, the input message or the ops' collectives.
 #ifndef SHARDSERVE_CORE_STEP_PROTOCOL_H_
@@ -41,7 +43,7 @@
 
 namespace shardserve::core {
 
-inline constexpr int64_t kStepProtocol = 5;
+inline constexpr int64_t kStepProtocol = 6;
 
 // Requests that can share one sharded op call: same table, op, pool mode and weights-or-not.
 struct WorkKey {
@@ -73,6 +75,9 @@ class AgreementWriter {
   absl::Span<const char> bytes() const;
 
  private:
+  // A lookup's input message (input_message.h), after its entry header at `entry`.
+  void AddInput(const WorkKey& key, absl::Span<StepRequest* const> requests, size_t entry,
+                size_t at);
   std::vector<int64_t> words_;
 };
 

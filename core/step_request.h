@@ -16,8 +16,11 @@
 
 namespace shardserve::core {
 
+// What an update call (op kUpdate) does to its rows; kScale is a renorm's, logged only.
+enum class UpdateKind : int64_t { kAssign = 0, kAdd = 1, kScale = 2 };
+
 struct StepRequest {
-  enum class Op { kEmbedding, kEmbeddingBag, kLinear };
+  enum class Op { kEmbedding, kEmbeddingBag, kLinear, kUpdate };
   Op op = Op::kEmbedding;
   std::string table;
   std::vector<int64_t> shape;    // ids' (embedding, bag) or the input's (linear) shape
@@ -26,9 +29,12 @@ struct StepRequest {
   std::vector<float> weights;    // bag: per-sample weights, or empty
   bool has_weights = false;
   PoolMode mode = PoolMode::kMean;
-  std::vector<float> values;     // linear input rows
+  std::vector<float> values;     // linear input rows; update: k x num_cols new rows or deltas
+  UpdateKind update = UpdateKind::kAssign;  // update
+  std::vector<float> bias;       // update of a linear layer: k bias values, or empty
   uint64_t version = 0;          // of the table: pinned, or 0 for the latest the group serves
   uint64_t served_version = 0;   // the version the step ran it on (set by the step loop)
+  uint64_t served_seq = 0;       // that version's update sequence the answer reflects (likewise)
   absl::Time deadline = absl::InfiniteFuture();
   // When the call arrived (InfinitePast: not known), for the queue wait StepObserver is told.
   absl::Time received = absl::InfinitePast();
@@ -55,6 +61,11 @@ struct StepRequest {
 absl::Status PrepareRequest(const TableConfig& table, const InputLimits& limits,
                             StepRequest& request, absl::Span<const int64_t> raw_offsets,
                             bool has_offsets, bool include_last_offset);
+
+// An update request's check (op kUpdate; PrepareRequest calls it): ids in [0, num_rows), values
+// k x num_cols finite floats, a bias (k floats) only for a linear layer that has one.
+absl::Status ValidateUpdate(const TableConfig& table, const InputLimits& limits,
+                            const StepRequest& request);
 
 }  // namespace shardserve::core
 

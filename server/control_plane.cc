@@ -25,6 +25,7 @@ std::string SpecDifference(v1::TableSpec registered, v1::TableSpec asked) {
   for (v1::TableSpec* spec : {&registered, &asked}) {
     spec->clear_generation();
     spec->clear_version();
+    spec->clear_created();
     if (!spec->has_norm_type()) spec->set_norm_type(2.0);
     if (spec->dtype() == v1::DTYPE_UNSPECIFIED) spec->set_dtype(v1::FLOAT32);
   }
@@ -155,6 +156,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   stored.set_dtype(v1::FLOAT32);
   stored.clear_generation();  // output only
   stored.clear_version();
+  stored.clear_created();
   if (config.padding_idx) stored.set_padding_idx(*config.padding_idx);  // normalised
   bool registered = false;  // a retry: the same spec is registered under the name
   {
@@ -204,6 +206,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   }
   stored.set_generation(last_generation_ + 1);
   stored.set_version(1);
+  stored.set_created(stored.generation());  // unique per creation: names its update logs
   const uint64_t generation = stored.generation();
   tables_[name] = std::move(stored);
   last_generation_ = generation;

@@ -33,8 +33,20 @@ CallMetrics::Method MetricsMethod(core::StepRequest::Op op) {
       return CallMetrics::Method::kEmbeddingBag;
     case core::StepRequest::Op::kLinear:
       break;
+    case core::StepRequest::Op::kUpdate:
+      return CallMetrics::Method::kUpdateRows;
   }
   return CallMetrics::Method::kLinear;
+}
+
+// The version a request pins (updates always go to the serving version).
+template <typename Request>
+uint64_t PinnedVersion(const Request& request) {
+  return request.version();
+}
+template <>
+uint64_t PinnedVersion(const v1::UpdateRowsRequest&) {
+  return 0;
 }
 
 }  // namespace
@@ -81,6 +93,9 @@ class DataService::UnaryCall final : public Tag, public Caller {
       case Method::kLinear:
         service.RequestLinear(&context_, &request_, &responder_, cq, cq, AsTag());
         break;
+      case Method::kUpdateRows:
+        service.RequestUpdateRows(&context_, &request_, &responder_, cq, cq, AsTag());
+        break;
     }
   }
 
@@ -103,6 +118,9 @@ class DataService::UnaryCall final : public Tag, public Caller {
       case Method::kLinear:
         step = service_.PrepareRaw<v1::LinearRequest>(request_, table_);
         break;
+      case Method::kUpdateRows:
+        step = service_.PrepareRaw<v1::UpdateRowsRequest>(request_, table_);
+        break;
     }
     request_.Clear();
     if (!step.ok()) {
@@ -123,8 +141,11 @@ class DataService::UnaryCall final : public Tag, public Caller {
   void Answer(const core::StepRequest& request,
               absl::StatusOr<core::DenseResult> answer) override {
     grpc::Status status;
-    if (answer.ok()) {
-      response_ = EncodeTensorResponse(*std::move(answer), request.served_version);
+    if (answer.ok() && request.op == core::StepRequest::Op::kUpdate) {
+      response_ = EncodeUpdateResponse(request.served_version, request.served_seq);
+    } else if (answer.ok()) {
+      response_ = EncodeTensorResponse(*std::move(answer), request.served_version,
+                                       request.served_seq);
     } else {
       status = ToGrpcStatus(answer.status());
     }
@@ -178,7 +199,11 @@ class DataService::StreamCall final : public Caller {
               absl::StatusOr<core::DenseResult> answer) override {
     const int code = static_cast<int>(answer.status().code());
     grpc::ByteBuffer response =
-        EncodeStreamResponse(request.caller_id, std::move(answer), request.served_version);
+        answer.ok() && request.op == core::StepRequest::Op::kUpdate
+            ? EncodeStreamUpdateResponse(request.caller_id, request.served_version,
+                                         request.served_seq)
+            : EncodeStreamResponse(request.caller_id, std::move(answer), request.served_version,
+                                   request.served_seq);
     service_.Queue([this, response = std::move(response), reserved = request.answer_bytes,
                     method = MetricsMethod(request.op), table = request.table, code,
                     received = request.received, rows = request.Rows()]() mutable {
@@ -226,7 +251,8 @@ class DataService::StreamCall final : public Caller {
     std::string table;
     CallMetrics::Method method = CallMetrics::Method::kEmbedding;
     absl::StatusOr<std::unique_ptr<core::StepRequest>> step =
-        absl::InvalidArgumentError("stream request: set one of embedding, embedding_bag, linear");
+        absl::InvalidArgumentError(
+            "stream request: set one of embedding, embedding_bag, linear, update_rows");
     switch (parsed.ok() ? request.op_case() : v1::StreamRequest::OP_NOT_SET) {
       case v1::StreamRequest::kEmbedding:
         step = service_.Prepare(request.embedding(), table);
@@ -238,6 +264,10 @@ class DataService::StreamCall final : public Caller {
       case v1::StreamRequest::kLinear:
         method = CallMetrics::Method::kLinear;
         step = service_.Prepare(request.linear(), table);
+        break;
+      case v1::StreamRequest::kUpdateRows:
+        method = CallMetrics::Method::kUpdateRows;
+        step = service_.Prepare(request.update_rows(), table);
         break;
       default:
         break;
@@ -379,7 +409,8 @@ DataService::~DataService() = default;
 
 void DataService::Start() {
   for (int i = 0; i < kCallsAwaited; ++i) {
-    for (Method m : {Method::kEmbedding, Method::kEmbeddingBag, Method::kLinear}) {
+    for (Method m :
+         {Method::kEmbedding, Method::kEmbeddingBag, Method::kLinear, Method::kUpdateRows}) {
       new UnaryCall(*this, m);
     }
   }
@@ -428,7 +459,7 @@ template <typename Request>
 absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Request& request,
                                                                         std::string& label) {
   absl::StatusOr<std::shared_ptr<const core::TableConfig>> table =
-      tables_.Admit(request.table(), loop_->GroupStatus(), request.version());
+      tables_.Admit(request.table(), loop_->GroupStatus(), PinnedVersion(request));
   if (!absl::IsNotFound(table.status())) label = request.table();  // a table it knows
   if (!table.ok()) return table.status();
   SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::StepRequest> step,

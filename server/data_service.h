@@ -43,7 +43,8 @@ namespace shardserve::server {
 
 using AsyncRawDataService = v1::DataService::WithRawMethod_Embedding<
     v1::DataService::WithRawMethod_EmbeddingBag<v1::DataService::WithRawMethod_Linear<
-        v1::DataService::WithRawMethod_Stream<v1::DataService::Service>>>>;
+        v1::DataService::WithRawMethod_Stream<
+            v1::DataService::WithRawMethod_UpdateRows<v1::DataService::Service>>>>>;
 
 // What a worker's memory holds for clients that are slow to read is these bounds plus gRPC's
 // buffers: each stream's receive window of requests not read yet (BDP probing grows it to several
@@ -79,7 +80,7 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   void Flush() override;
 
  private:
-  enum class Method { kEmbedding, kEmbeddingBag, kLinear };
+  enum class Method { kEmbedding, kEmbeddingBag, kLinear, kUpdateRows };  // CallMetrics'
   static constexpr int kCallsAwaited = 8;  // per method: calls gRPC may hand over at once
   static constexpr int64_t kWindow = 1024;  // stream requests read ahead of the answers taken
 

@@ -31,7 +31,7 @@ namespace {
 using prometheus::ClientMetric;
 using prometheus::MetricFamily;
 
-const char* const kMethodNames[] = {"Embedding", "EmbeddingBag", "Linear"};
+const char* const kMethodNames[] = {"Embedding", "EmbeddingBag", "Linear", "UpdateRows"};
 
 // process_* as the Prometheus client libraries export them, from /proc/self.
 std::vector<MetricFamily> ProcessFamilies() {
@@ -326,7 +326,7 @@ CallMetrics::CallMetrics(prometheus::Registry& registry)
                       .Name("shardserve_data_call_duration_seconds")
                       .Help("Data calls from arrival to answer, by method and api.")
                       .Register(registry);
-  for (int m = 0; m < 3; ++m) {
+  for (int m = 0; m < 4; ++m) {
     for (int stream = 0; stream < 2; ++stream) {
       latency_[m * 2 + stream] = &latency.Add(
           {{"method", kMethodNames[m]}, {"api", stream ? "stream" : "unary"}}, LatencyBuckets());

@@ -83,7 +83,7 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets();
 // thread).
 class CallMetrics {
  public:
-  enum class Method { kEmbedding, kEmbeddingBag, kLinear };
+  enum class Method { kEmbedding, kEmbeddingBag, kLinear, kUpdateRows };
   explicit CallMetrics(prometheus::Registry& registry);
 
   // A call of `method` ended with `code`, `took` after it arrived. `table` is
@@ -97,13 +97,13 @@ class CallMetrics {
   // A table's counters, made on first use: a call costs one lookup of the table's name.
   struct TableCounters {
     prometheus::Counter* rows = nullptr;
-    std::array<prometheus::Counter*, 3 * 2 * 17> calls{};  // method x api x code
+    std::array<prometheus::Counter*, 4 * 2 * 17> calls{};  // method x api x code
   };
   TableCounters& For(const std::string& table);
 
   prometheus::Family<prometheus::Counter>& calls_;
   prometheus::Family<prometheus::Counter>& rows_;
-  std::array<prometheus::Histogram*, 6> latency_;  // by method x api
+  std::array<prometheus::Histogram*, 8> latency_;  // by method x api
   absl::flat_hash_map<std::string, TableCounters> tables_;
 };
 

@@ -140,13 +140,78 @@ std::string VarintField(int field, uint64_t value) {
 
 }  // namespace
 
-grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result, uint64_t version) {
+grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result, uint64_t version,
+                                      uint64_t sequence) {
   return EncodeWithTensor("", v1::TensorResponse::kOutputFieldNumber, std::move(result),
-                          VarintField(v1::TensorResponse::kVersionFieldNumber, version));
+                          VarintField(v1::TensorResponse::kVersionFieldNumber, version) +
+                              VarintField(v1::TensorResponse::kSequenceFieldNumber, sequence));
+}
+
+namespace {
+grpc::ByteBuffer Serialized(const google::protobuf::MessageLite& message) {
+  grpc::Slice only(message.SerializeAsString());
+  return grpc::ByteBuffer(&only, 1);
+}
+}  // namespace
+
+grpc::ByteBuffer EncodeUpdateResponse(uint64_t version, uint64_t sequence) {
+  v1::UpdateRowsResponse response;
+  response.set_version(version);
+  response.set_sequence(sequence);
+  return Serialized(response);
+}
+
+grpc::ByteBuffer EncodeStreamUpdateResponse(uint64_t id, uint64_t version, uint64_t sequence) {
+  v1::StreamResponse response;
+  response.set_id(id);
+  response.set_version(version);
+  response.set_sequence(sequence);
+  return Serialized(response);
+}
+
+absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
+    const v1::UpdateRowsRequest& request, const core::TableConfig& table,
+    const core::InputLimits& limits) {
+  auto r = std::make_unique<core::StepRequest>();
+  r->op = core::StepRequest::Op::kUpdate;
+  r->table = request.table();
+  switch (request.op()) {
+    case v1::ASSIGN:
+      r->update = core::UpdateKind::kAssign;
+      break;
+    case v1::ADD:
+      r->update = core::UpdateKind::kAdd;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("op: ", request.op(), " is not one of ASSIGN, ADD"));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
+  if (r->shape.size() != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ids.shape: must be 1-D (k), has ", r->shape.size(), " dims"));
+  }
+  std::vector<int64_t> shape;
+  SHARDSERVE_RETURN_IF_ERROR(DecodeFloat(request.values(), "values", &r->values, &shape));
+  const int64_t k = r->shape[0];
+  if (shape != std::vector<int64_t>{k, table.num_cols}) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("values.shape: [", absl::StrJoin(shape, ", "), "] must be [", k, ", ",
+                     table.num_cols, "] (one row of ", table.num_cols, " per id)"));
+  }
+  if (request.has_bias()) {
+    SHARDSERVE_RETURN_IF_ERROR(DecodeFloat(request.bias(), "bias", &r->bias, &shape));
+    if (shape != std::vector<int64_t>{k}) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bias.shape: [", absl::StrJoin(shape, ", "), "] must be [", k, "] (one per id)"));
+    }
+  }
+  SHARDSERVE_RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
+  return r;
 }
 
 grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result,
-                                      uint64_t version) {
+                                      uint64_t version, uint64_t sequence) {
   v1::StreamResponse head;  // the fields before `output`, or the whole error answer
   head.set_id(id);
   if (!result.ok()) {
@@ -157,7 +222,8 @@ grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseRes
   }
   return EncodeWithTensor(head.SerializeAsString(), v1::StreamResponse::kOutputFieldNumber,
                           *std::move(result),
-                          VarintField(v1::StreamResponse::kVersionFieldNumber, version));
+                          VarintField(v1::StreamResponse::kVersionFieldNumber, version) +
+                              VarintField(v1::StreamResponse::kSequenceFieldNumber, sequence));
 }
 
 absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message) {

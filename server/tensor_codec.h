@@ -38,7 +38,12 @@ using RawDataService = v1::DataService::WithRawCallbackMethod_Embedding<
 // TensorResponse::SerializeAsString() gives), with the values referenced where they lie, not
 // copied: the buffer owns them and frees them once gRPC has sent them.
 // `version`: the table version the answer came from (0: not said).
-grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result, uint64_t version = 0);
+// `sequence`: that version's update sequence it reflects.
+grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result, uint64_t version = 0,
+                                      uint64_t sequence = 0);
+// An UpdateRows answer, unary and in a Stream.
+grpc::ByteBuffer EncodeUpdateResponse(uint64_t version, uint64_t sequence);
+grpc::ByteBuffer EncodeStreamUpdateResponse(uint64_t id, uint64_t version, uint64_t sequence);
 
 // The table a raw Embedding, EmbeddingBag or Linear request names (their field 1), read without
 // parsing the rest: where the coordinator forwards it. The first occurrence counts (serializers
@@ -48,7 +53,7 @@ absl::StatusOr<std::string> TableOfRequest(const grpc::ByteBuffer& request,
                                            absl::string_view type);
 // The same for a StreamResponse: `id`, and the result or the error's code and message.
 grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result,
-                                      uint64_t version = 0);
+                                      uint64_t version = 0, uint64_t sequence = 0);
 
 // Parses a request that arrived as raw bytes: INVALID_ARGUMENT if they are not a `message`.
 absl::Status ParseRaw(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message);
@@ -62,6 +67,9 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
     const core::InputLimits& limits);
 absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
     const v1::LinearRequest& request, const core::TableConfig& table,
+    const core::InputLimits& limits);
+absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
+    const v1::UpdateRowsRequest& request, const core::TableConfig& table,
     const core::InputLimits& limits);
 
 }  // namespace shardserve::server

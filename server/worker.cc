@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "core/fault_injecting_collectives.h"
 #include "core/host_memory.h"
+#include "core/row_updates.h"
 #include "core/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -466,6 +467,21 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::
     SHARDSERVE_RETURN_IF_ERROR(table->LoadCheckpoint(spec.checkpoint(), pace));
   } else {
     SHARDSERVE_RETURN_IF_ERROR(table->LoadSeeded(spec.seed()));
+  }
+  if (!options_.data_dir.empty()) {
+    // The base, then what the log holds since: every update this rank had made durable. Named by
+    // the table's creation, so a table created again under the name starts from its own base.
+    const std::string dir = absl::StrCat(options_.data_dir, "/", spec.name(), ".", spec.created(),
+                                         "/v", spec.version());
+    SHARDSERVE_ASSIGN_OR_RETURN(
+        std::shared_ptr<core::UpdateLog> log,
+        core::UpdateLog::Open(dir, *table, core::UpdateLog::Options{options_.snapshot_bytes}));
+    if (table->lsn() > 0) {
+      LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank << ": table \""
+                << spec.name() << "\" version " << spec.version() << " recovered to update "
+                << table->seq() << " (log record " << table->lsn() << ") from " << dir;
+    }
+    table->SetLog(std::move(log));
   }
   return std::shared_ptr<core::ShardedTable>(std::move(table));
 }

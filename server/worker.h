@@ -62,6 +62,11 @@ struct WorkerOptions {
   // Fault drill: on this worker, loads of this table's versions after its first fail (INTERNAL),
   // as a rank that cannot read a new checkpoint would. Empty: never.
   std::string fail_load;
+  // Where this worker keeps each table version's update log and snapshots (row_updates.h): an
+  // update is answered once it is synced there on every rank, and a restarted worker loads its
+  // shards from there (snapshot + log) before it serves. Empty: updates live in memory only.
+  std::string data_dir;
+  int64_t snapshot_bytes = int64_t{64} << 20;  // a log's size that triggers a snapshot
   SecurityOptions security;  // TLS and access control of its port, and of its coordinator calls
 };
 

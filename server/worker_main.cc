@@ -55,6 +55,13 @@ ABSL_FLAG(std::string, fail_load, "",
 ABSL_FLAG(int64_t, load_mb_per_s, 256,
           "MiB per second a table load writes at most while the worker holds other tables (0: as "
           "fast as it can): loads beside serving tables leave them CPU and memory bandwidth");
+ABSL_FLAG(std::string, data_dir, "",
+          "directory of this worker's update logs and snapshots (absolute; created if missing): "
+          "UpdateRows is answered once synced there on every rank, and a restarted worker "
+          "rebuilds its shards from it. Empty: updates are kept in memory only");
+ABSL_FLAG(int64_t, snapshot_mb, 64,
+          "MiB a table's update log grows to before the worker snapshots the shard and empties "
+          "it");
 ABSL_FLAG(int, load_nice, 10, "nice value of the thread that loads tables (0-19)");
 ABSL_FLAG(int64_t, table_memory_mb, 0,
           "MiB of table shards (every version loaded) this worker may hold at once; 0: as memory "
@@ -163,6 +170,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.load_bytes_per_s = load_mb_per_s << 20;
+  options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  const int64_t snapshot_mb = absl::GetFlag(FLAGS_snapshot_mb);
+  if ((!options.data_dir.empty() && options.data_dir[0] != '/') || snapshot_mb < 0) {
+    std::fprintf(stderr, "--data_dir: \"%s\" must be an absolute path, --snapshot_mb: %lld >= 0\n",
+                 options.data_dir.c_str(), static_cast<long long>(snapshot_mb));
+    return 2;
+  }
+  options.snapshot_bytes = snapshot_mb << 20;
   options.load_nice = load_nice;
   const std::pair<const char*, int> intervals[] = {
       {"--heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)},

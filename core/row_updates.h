@@ -1,0 +1,108 @@
+// Row updates (UpdateRows): how an update call travels through a step and lands in every rank's
+// shard and write-ahead log (DESIGN.md "Serving lifecycle").
+//
+// - An update is a step request of op kUpdate. Its input message (one per rank per step, in the
+//   agreement round) carries each of the rank's calls whole: kind, ids, full rows of values and
+//   an optional bias. Every rank reads every rank's calls in rank order and applies each to its
+//   part of the table - its columns of each row (col-wise), or the rows it owns (row-wise), and
+//   all of a linear layer's bias - so the group's ranks apply the same calls in the same order.
+// - Each applied call advances the load's update sequence (ShardedTable::seq) and, where the
+//   load has an UpdateLog, appends a record of what this rank applied; so does each renorm of a
+//   max_norm lookup (ShardedTable::lsn counts both). The step commits each log once (one fsync
+//   for all its calls: group commit) before any update is answered.
+// - UpdateLog: records (a checksummed header, then the payload) appended to `dir`/wal; a snapshot
+//   of the shard (`dir`/snapshot.safetensors, with the log position it reflects) once the log
+//   grows past its bound, after which the log starts again empty. A torn tail (a crash in a
+//   write) is cut off when the log is opened, so each call is in the log whole or not at all.
+//
+// Thread-compatible: the step loop's thread owns a load's log.
+#ifndef SHARDSERVE_CORE_ROW_UPDATES_H_
+#define SHARDSERVE_CORE_ROW_UPDATES_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/sharded_table.h"
+#include "core/step_request.h"
+#include "core/table_config.h"
+
+namespace shardserve::core {
+
+// Appends the update message of `requests` (this rank's update calls for one table, in order).
+void AppendUpdateMessage(absl::Span<StepRequest* const> requests, std::vector<int64_t>& out);
+std::vector<int64_t> EmptyUpdateMessage();
+
+// One call as every rank reads it: views into its rank's message.
+struct UpdateCall {
+  UpdateKind kind = UpdateKind::kAssign;
+  int64_t k = 0;
+  const int64_t* ids = nullptr;   // k
+  const float* values = nullptr;  // k x num_cols
+  const float* bias = nullptr;    // k, or null
+};
+
+// Every rank's calls, in rank order; INTERNAL for a message that does not hold what it says or
+// names a row outside the table (every rank reads the same messages, so every rank fails alike).
+absl::StatusOr<std::vector<std::vector<UpdateCall>>> DecodeUpdates(
+    const TableConfig& table, absl::Span<const absl::Span<const char>> messages);
+
+// Applies `call` to this rank's part of `table` (duplicate ids in order: ASSIGN keeps the last,
+// ADD sums), logs it (pending until the log's Commit) and advances the table's sequence.
+absl::Status ApplyUpdate(ShardedTable& table, const UpdateCall& call);
+// Logs a renorm the lookup applied: shard rows `local_rows` scaled by `scales`.
+void LogRenorm(ShardedTable& table, absl::Span<const int64_t> local_rows,
+               absl::Span<const float> scales);
+
+class UpdateLog {
+ public:
+  struct Options {
+    int64_t snapshot_bytes = int64_t{64} << 20;  // the log's size that triggers a snapshot
+  };
+  // Opens the log of a load in `dir` (created if missing) and brings `table` (freshly loaded
+  // from its base) to what the directory holds: its snapshot, then every whole record after it.
+  // A torn or corrupt tail is cut off. With `max_lsn`, records past it are cut off too (a group
+  // whose ranks logged different tails agrees on the shortest; none of it was acknowledged).
+  static absl::StatusOr<std::shared_ptr<UpdateLog>> Open(const std::string& dir,
+                                                          ShardedTable& table, Options options,
+                                                          uint64_t max_lsn = ~uint64_t{0});
+  ~UpdateLog();
+
+  const std::string& dir() const { return dir_; }
+  bool pending() const { return !pending_.empty(); }
+  int64_t bytes() const { return bytes_; }  // of the log file, committed records only
+  // The last lsn every rank of the group has durably (this process's knowledge; 0: none known).
+  uint64_t acknowledged() const { return acknowledged_; }
+  void Acknowledge(uint64_t lsn) { acknowledged_ = lsn; }
+
+  // Appends a record (pending: in memory until Commit).
+  void Append(uint64_t lsn, uint64_t seq, UpdateKind kind, absl::Span<const int64_t> ids,
+              absl::Span<const float> values, absl::Span<const float> bias);
+  // Writes the pending records and syncs them to disk: INTERNAL (naming the file) if it cannot,
+  // and the pending records are dropped either way.
+  absl::Status Commit();
+  void Discard() { pending_.clear(); }
+  // Writes a snapshot of `table` when the log has grown past its bound, then empties the log.
+  absl::Status MaybeSnapshot(const ShardedTable& table);
+  absl::Status Snapshot(const ShardedTable& table);
+
+ private:
+  UpdateLog(std::string dir, Options options, int fd);
+  std::string dir_;
+  Options options_;
+  int fd_ = -1;
+  int64_t bytes_ = 0;
+  uint64_t acknowledged_ = 0;
+  std::vector<char> pending_;
+};
+
+// Removes a load's log directory (the table was dropped): OK when there is none.
+absl::Status RemoveUpdateLog(const std::string& dir);
+
+}  // namespace shardserve::core
+
+#endif  // SHARDSERVE_CORE_ROW_UPDATES_H_
