@@ -27,7 +27,8 @@ ABSL_FLAG(bool, load, false, "store the table (seeded values) and exit");
 ABSL_FLAG(int64_t, rows, 100000, "rows");
 ABSL_FLAG(int64_t, dim, 128, "floats per row");
 ABSL_FLAG(std::string, op, "embedding_bag",
-          "embedding_bag (MGET + client-side sum) | embedding (MGET)");
+          "embedding_bag (MGET + client-side sum) | embedding (MGET) | mset (writes: MSET of "
+          "--batch rows of new values, the do-it-yourself UpdateRows)");
 ABSL_FLAG(int64_t, batch, 512, "bags (or id rows) per call");
 ABSL_FLAG(int64_t, bag, 20, "ids per bag");
 ABSL_FLAG(int, concurrency, 1, "connections, one caller each");
@@ -79,6 +80,7 @@ int main(int argc, char** argv) {
   const int64_t rows = absl::GetFlag(FLAGS_rows), dim = absl::GetFlag(FLAGS_dim);
   const int64_t batch = absl::GetFlag(FLAGS_batch), bag = absl::GetFlag(FLAGS_bag);
   const bool pool = absl::GetFlag(FLAGS_op) == "embedding_bag";
+  const bool mset = absl::GetFlag(FLAGS_op) == "mset";
   const absl::Time start = absl::Now();
   const absl::Time measure_from = start + absl::Seconds(absl::GetFlag(FLAGS_warmup_s));
   const absl::Time end = measure_from + absl::Seconds(absl::GetFlag(FLAGS_duration_s));
@@ -95,6 +97,35 @@ int main(int argc, char** argv) {
       std::vector<const char*> argv(n + 1);
       std::vector<size_t> lens(n + 1);
       std::vector<float> out(pool ? batch * dim : n * dim);
+      if (mset) {  // --batch rows per MSET (--bag does not apply)
+        std::uniform_real_distribution<float> value(-1, 1);
+        std::vector<std::string> keys(batch), values(batch);
+        std::vector<const char*> argv(2 * batch + 1);
+        std::vector<size_t> lens(2 * batch + 1);
+        std::vector<float> row(dim);
+        while (absl::Now() < end) {
+          argv[0] = "MSET";
+          lens[0] = 4;
+          for (int64_t i = 0; i < batch; ++i) {
+            keys[i] = absl::StrCat("e:", id(rng));
+            for (float& v : row) v = value(rng);
+            values[i].assign(reinterpret_cast<const char*>(row.data()), dim * sizeof(float));
+            argv[2 * i + 1] = keys[i].data();
+            lens[2 * i + 1] = keys[i].size();
+            argv[2 * i + 2] = values[i].data();
+            lens[2 * i + 2] = values[i].size();
+          }
+          const absl::Time sent = absl::Now();
+          auto* reply = static_cast<redisReply*>(
+              redisCommandArgv(c, 2 * batch + 1, argv.data(), lens.data()));
+          const int code = reply != nullptr && reply->type == REDIS_REPLY_STATUS ? 0 : 14;
+          if (reply) freeReplyObject(reply);
+          if (code) ++bad;
+          stats.Record(sent, absl::Now(), code, batch);
+        }
+        redisFree(c);
+        return;
+      }
       while (absl::Now() < end) {
         argv[0] = "MGET";
         lens[0] = 4;
@@ -144,7 +175,7 @@ int main(int argc, char** argv) {
   for (auto& t : threads) t.join();
   const double seconds = absl::ToDoubleSeconds(end - measure_from);
   const auto p = stats.Overall();
-  const char* items = pool ? "bags" : "ids";
+  const char* items = pool ? "bags" : mset ? "rows" : "ids";
   std::printf("redis %s: %.0f calls/s, %.0f %s/s; latency p50 %.0f us, p99 %.0f us (errors %lld)\n",
               absl::GetFlag(FLAGS_op).c_str(), stats.calls() / seconds, stats.items() / seconds,
               items, p.p50_us, p.p99_us, static_cast<long long>(bad.load()));

@@ -29,6 +29,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -50,12 +51,19 @@ ABSL_FLAG(std::string, target, "", "send to this address only (skips the placeme
 ABSL_FLAG(bool, via_coordinator, false, "send data calls to the coordinator (it forwards)");
 ABSL_FLAG(std::string, table, "", "embedding table (embedding, embedding_bag)");
 ABSL_FLAG(std::string, linear_table, "", "linear layer (linear)");
-ABSL_FLAG(std::string, op, "embedding_bag", "embedding | embedding_bag | linear | mix");
+ABSL_FLAG(std::string, op, "embedding_bag",
+          "embedding | embedding_bag | linear | update | mix");
 ABSL_FLAG(std::string, mix, "embedding_bag=0.8,embedding=0.1,linear=0.1",
           "op weights for --op=mix");
 ABSL_FLAG(int64_t, batch, 512,
           "bags (embedding_bag), id rows (embedding) or input rows (linear) per call");
 ABSL_FLAG(int64_t, bag, 20, "ids per bag / per embedding row");
+ABSL_FLAG(double, update_fraction, 0,
+          "the share of calls that are UpdateRows (ADD of random deltas to --update_rows random "
+          "rows of --table), added to the --op/--mix read calls; with updates, calls are never "
+          "hedged nor retried (an ADD sent twice would add twice)");
+ABSL_FLAG(int64_t, update_rows, 512, "rows per UpdateRows call");
+ABSL_FLAG(int64_t, dim, 0, "with --target: the embedding table's embedding_dim (for updates)");
 ABSL_FLAG(std::string, mode, "sum", "bag mode: sum | mean | max");
 ABSL_FLAG(std::string, dist, "uniform", "ids: uniform | zipf");
 ABSL_FLAG(double, zipf, 1.1, "Zipf exponent for --dist=zipf");
@@ -89,7 +97,7 @@ namespace {
 
 using server::Delayer;
 
-enum class Op { kEmbedding, kBag, kLinear };
+enum class Op { kEmbedding, kBag, kLinear, kUpdate };
 
 // A caller's wait before its next call: none while calls succeed; after a failure
 // --backoff_ms, doubling with each failure in a row up to --max_backoff_ms.
@@ -139,6 +147,7 @@ struct Workload {
   static const char* Method(Op op) {
     return op == Op::kEmbedding ? "/shardserve.v1.DataService/Embedding"
            : op == Op::kBag     ? "/shardserve.v1.DataService/EmbeddingBag"
+           : op == Op::kUpdate  ? "/shardserve.v1.DataService/UpdateRows"
                                 : "/shardserve.v1.DataService/Linear";
   }
   static std::string Table(Op op) {
@@ -146,6 +155,7 @@ struct Workload {
   }
   int64_t Items(Op op) const {
     const int64_t b = absl::GetFlag(FLAGS_batch);
+    if (op == Op::kUpdate) return absl::GetFlag(FLAGS_update_rows);
     return op == Op::kEmbedding ? b * absl::GetFlag(FLAGS_bag) : b;
   }
 };
@@ -280,12 +290,14 @@ class StreamCaller final : public grpc::ClientBidiReactor<v1::StreamRequest, v1:
   Backoff backoff_ ABSL_GUARDED_BY(mu_);
 };
 
-absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
+absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features, int64_t dim) {
   Workload w;
   std::map<Op, double> weights;
   const std::string op = absl::GetFlag(FLAGS_op);
-  const std::map<std::string, Op> names = {
-      {"embedding", Op::kEmbedding}, {"embedding_bag", Op::kBag}, {"linear", Op::kLinear}};
+  const std::map<std::string, Op> names = {{"embedding", Op::kEmbedding},
+                                           {"embedding_bag", Op::kBag},
+                                           {"linear", Op::kLinear},
+                                           {"update", Op::kUpdate}};
   if (op == "mix") {
     for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_mix), ',')) {
       std::vector<std::string> kv = absl::StrSplit(part, '=');
@@ -299,10 +311,21 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
   } else if (names.count(op)) {
     weights[names.at(op)] = 1;
   } else {
-    return absl::InvalidArgumentError("--op must be embedding, embedding_bag, linear or mix");
+    return absl::InvalidArgumentError(
+        "--op must be embedding, embedding_bag, linear, update or mix");
+  }
+  if (const double f = absl::GetFlag(FLAGS_update_fraction); f > 0) {
+    if (f >= 1) return absl::InvalidArgumentError("--update_fraction must be in [0, 1)");
+    double reads = 0;
+    for (const auto& [o, weight] : weights) reads += weight;
+    weights[Op::kUpdate] += reads * f / (1 - f);
+  }
+  if (weights.count(Op::kUpdate) && (dim <= 0 || absl::GetFlag(FLAGS_update_rows) <= 0)) {
+    return absl::InvalidArgumentError(
+        "updates need --table's embedding_dim (--dim with --target) and --update_rows >= 1");
   }
   for (const auto& [o, weight] : weights) {
-    for (int k = 0; k < static_cast<int>(std::lround(weight * 20)); ++k) w.schedule.push_back(o);
+    for (int k = 0; k < static_cast<int>(std::lround(weight * 100)); ++k) w.schedule.push_back(o);
   }
   if (w.schedule.empty()) return absl::InvalidArgumentError("--mix: all weights are zero");
   std::shuffle(w.schedule.begin(), w.schedule.end(), std::mt19937(absl::GetFlag(FLAGS_seed)));
@@ -316,7 +339,18 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
   for (const auto& [o, weight] : weights) {
     for (int k = 0; k < kPool; ++k) {
       v1::StreamRequest r;
-      if (o == Op::kLinear) {
+      if (o == Op::kUpdate) {
+        const int64_t n = absl::GetFlag(FLAGS_update_rows);
+        std::vector<int64_t> id(n);
+        for (int64_t& v : id) v = ids.Next();
+        std::vector<float> delta(n * dim);
+        for (float& v : delta) v = value(rng) * 1e-3f;  // a trainer's small scaled gradient
+        v1::UpdateRowsRequest* u = r.mutable_update_rows();
+        u->set_table(absl::GetFlag(FLAGS_table));
+        u->set_op(v1::ADD);
+        *u->mutable_ids() = Int64Tensor({n}, id);
+        *u->mutable_values() = FloatTensor({n, dim}, delta);
+      } else if (o == Op::kLinear) {
         std::vector<float> x(batch * in_features);
         for (float& v : x) v = value(rng);
         r.mutable_linear()->set_table(absl::GetFlag(FLAGS_linear_table));
@@ -338,7 +372,8 @@ absl::StatusOr<Workload> BuildWorkload(int64_t rows, int64_t in_features) {
       grpc::ByteBuffer bytes;
       bool own = false;
       const google::protobuf::Message& m =
-          o == Op::kLinear      ? static_cast<const google::protobuf::Message&>(r.linear())
+          o == Op::kUpdate      ? static_cast<const google::protobuf::Message&>(r.update_rows())
+          : o == Op::kLinear    ? static_cast<const google::protobuf::Message&>(r.linear())
           : o == Op::kEmbedding ? static_cast<const google::protobuf::Message&>(r.embedding())
                                 : static_cast<const google::protobuf::Message&>(r.embedding_bag());
       if (!grpc::SerializationTraits<google::protobuf::Message>::Serialize(m, &bytes, &own).ok()) {
@@ -372,6 +407,7 @@ int Main(int argc, char** argv) {
   std::vector<std::string> addresses;
   std::unique_ptr<Client> admin;  // reads the placement maps
   int64_t rows = absl::GetFlag(FLAGS_rows), in_features = absl::GetFlag(FLAGS_cols);
+  int64_t dim = absl::GetFlag(FLAGS_dim);
   if (!absl::GetFlag(FLAGS_target).empty()) {
     addresses.push_back(absl::GetFlag(FLAGS_target));
   } else {
@@ -395,6 +431,7 @@ int Main(int argc, char** argv) {
         in_features = info->spec().num_cols();
       } else {
         rows = info->spec().num_rows();
+        dim = info->spec().num_cols();
       }
       auto add = [&](const v1::ShardInfo& s) {
         if (std::find(addresses.begin(), addresses.end(), s.address()) == addresses.end()) {
@@ -425,10 +462,17 @@ int Main(int argc, char** argv) {
   server::ReplicaCallerOptions call_options;
   call_options.hedge_after = absl::Milliseconds(absl::GetFlag(FLAGS_hedge_ms));
   call_options.max_attempts = std::max(1, absl::GetFlag(FLAGS_max_attempts));
+  const std::string op = absl::GetFlag(FLAGS_op);
+  if (op == "update" || absl::GetFlag(FLAGS_update_fraction) > 0 ||
+      (op == "mix" && absl::StrContains(absl::GetFlag(FLAGS_mix), "update"))) {
+    // An update is sent once: a second ADD would add twice.
+    call_options.hedge_after = absl::ZeroDuration();
+    call_options.max_attempts = 1;
+  }
   call_options.security = *channels;
   call_options.channel_args = {{"grpc.use_local_subchannel_pool", 1}};
   server::ReplicaCaller caller(router, call_options);
-  absl::StatusOr<Workload> workload = BuildWorkload(rows, in_features);
+  absl::StatusOr<Workload> workload = BuildWorkload(rows, in_features, dim);
   if (!workload.ok()) {
     std::fprintf(stderr, "shardserve-load: %s\n", workload.status().ToString().c_str());
     return 2;
@@ -538,6 +582,7 @@ int Main(int argc, char** argv) {
   const std::string item_name = absl::GetFlag(FLAGS_op) == "embedding_bag" ? "bags"
                                 : absl::GetFlag(FLAGS_op) == "embedding"   ? "ids"
                                 : absl::GetFlag(FLAGS_op) == "linear"      ? "rows"
+                                : absl::GetFlag(FLAGS_op) == "update"      ? "rows"
                                                                             : "items";
   const Percentiles p = stats.Overall();
   const double seconds = absl::ToDoubleSeconds(end - measure_from);

@@ -19,11 +19,11 @@ constexpr int64_t kCallHeaderWords = 3;  // kind, k, has_bias
 int64_t Packed(int64_t floats) { return (floats + 1) / 2; }
 
 // A log record: kRecordMagic, the payload's bytes, its FNV-1a hash, then the payload - lsn, seq,
-// kind, k, values, bias (six words), the ids (k words), the values and the bias as floats, padded
-// to whole words.
+// agreed (the load's position after it), kind, k, values, bias (seven words), the ids (k words),
+// the values and the bias as floats, padded to whole words.
 constexpr uint64_t kRecordMagic = 0x31304c4157535353;  // "SSSWAL01"
 constexpr int64_t kRecordHeaderBytes = 24;
-constexpr int64_t kPayloadHeaderWords = 6;
+constexpr int64_t kPayloadHeaderWords = 7;
 
 uint64_t Fnv1a(const char* data, int64_t bytes) {
   uint64_t h = 0xcbf29ce484222325;
@@ -104,7 +104,7 @@ absl::Status ReadSnapshot(const std::string& dir, ShardedTable& table) {
   const SafetensorsTensor* position = file->Find("position");
   const MatrixView view = table.shard();
   if (shard == nullptr || shard->dtype != "F32" || position == nullptr ||
-      position->dtype != "I64" || position->bytes != 16 ||
+      position->dtype != "I64" || position->bytes != 24 ||
       shard->bytes != view.rows * view.cols * static_cast<int64_t>(sizeof(float))) {
     return absl::DataLossError(absl::StrCat("update log: snapshot \"", path,
                                             "\" does not hold this rank's shard of ",
@@ -121,9 +121,10 @@ absl::Status ReadSnapshot(const std::string& dir, ShardedTable& table) {
     }
     SHARDSERVE_RETURN_IF_ERROR(file->Read(bias->data, bias->bytes, b.data()));
   }
-  int64_t at[2];
-  SHARDSERVE_RETURN_IF_ERROR(file->Read(position->data, 16, at));
-  table.SetPosition(static_cast<uint64_t>(at[0]), static_cast<uint64_t>(at[1]));
+  int64_t at[3];
+  SHARDSERVE_RETURN_IF_ERROR(file->Read(position->data, 24, at));
+  table.SetPosition(static_cast<uint64_t>(at[0]), static_cast<uint64_t>(at[1]),
+                    static_cast<uint64_t>(at[2]));
   return absl::OkStatus();
 }
 
@@ -199,8 +200,7 @@ absl::Status ApplyUpdate(ShardedTable& table, const UpdateCall& call) {
   const int64_t shard_cols = table.shard().cols;
   SHARDSERVE_RETURN_IF_ERROR(ApplyRows(table, call.kind, call.ids, call.k,
                                        call.values + table.col_begin(), cols, false, call.bias));
-  const uint64_t lsn = table.lsn() + 1, seq = table.seq() + 1;
-  table.SetPosition(lsn, seq);
+  table.SetPosition(table.lsn() + 1, table.seq() + 1, table.agreed() + 1);
   if (UpdateLog* log = table.log(); log != nullptr) {
     std::vector<float> mine;  // this rank's part of the rows: what it logs
     for (int64_t i = 0; i < call.k; ++i) {
@@ -208,7 +208,7 @@ absl::Status ApplyUpdate(ShardedTable& table, const UpdateCall& call) {
       const float* row = call.values + i * cols + table.col_begin();
       mine.insert(mine.end(), row, row + shard_cols);
     }
-    log->Append(lsn, seq, call.kind, absl::MakeConstSpan(call.ids, call.k), mine,
+    log->Append(table, call.kind, absl::MakeConstSpan(call.ids, call.k), mine,
                 call.bias ? absl::MakeConstSpan(call.bias, call.k) : absl::Span<const float>());
   }
   return absl::OkStatus();
@@ -218,8 +218,9 @@ void LogRenorm(ShardedTable& table, absl::Span<const int64_t> local_rows,
                absl::Span<const float> scales) {
   UpdateLog* log = table.log();
   if (log == nullptr || local_rows.empty()) return;
-  table.SetPosition(table.lsn() + 1, table.seq());
-  log->Append(table.lsn(), table.seq(), UpdateKind::kScale, local_rows, scales, {});
+  const bool alike = table.config().spec.dim() == 1;  // every rank renorms the same rows
+  table.SetPosition(table.lsn() + 1, table.seq(), table.agreed() + (alike ? 1 : 0));
+  log->Append(table, UpdateKind::kScale, local_rows, scales, {});
 }
 
 UpdateLog::UpdateLog(std::string dir, Options options, int fd)
@@ -231,7 +232,7 @@ UpdateLog::~UpdateLog() {
 
 absl::StatusOr<std::shared_ptr<UpdateLog>> UpdateLog::Open(const std::string& dir,
                                                             ShardedTable& table, Options options,
-                                                            uint64_t max_lsn) {
+                                                            uint64_t max_agreed) {
   SHARDSERVE_RETURN_IF_ERROR(MakeDirs(dir));
   SHARDSERVE_RETURN_IF_ERROR(ReadSnapshot(dir, table));
   const std::string path = LogPath(dir);
@@ -265,12 +266,12 @@ absl::StatusOr<std::shared_ptr<UpdateLog>> UpdateLog::Open(const std::string& di
     if (Fnv1a(payload, bytes) != head[2]) break;
     std::vector<int64_t> words(bytes / 8);
     std::memcpy(words.data(), payload, words.size() * 8);
-    const uint64_t lsn = words[0], seq = words[1];
-    const auto kind = static_cast<UpdateKind>(words[2]);
-    const int64_t k = words[3], num_values = words[4], num_bias = words[5];
+    const uint64_t lsn = words[0], seq = words[1], agreed = words[2];
+    const auto kind = static_cast<UpdateKind>(words[3]);
+    const int64_t k = words[4], num_values = words[5], num_bias = words[6];
     const int64_t need = kPayloadHeaderWords + k + Packed(num_values) + Packed(num_bias);
     if (k < 0 || num_values < 0 || num_bias < 0 || need * 8 != bytes) break;
-    if (lsn > max_lsn) break;
+    if (agreed > max_agreed) break;
     const int64_t* ids = words.data() + kPayloadHeaderWords;
     const auto* values = reinterpret_cast<const float*>(ids + k);
     const auto* bias = reinterpret_cast<const float*>(ids + k + Packed(num_values));
@@ -305,20 +306,19 @@ absl::StatusOr<std::shared_ptr<UpdateLog>> UpdateLog::Open(const std::string& di
       SHARDSERVE_RETURN_IF_ERROR(ApplyRows(table, kind, ids, k, values, shard.cols, true,
                                            num_bias ? bias : nullptr));
     }
-    table.SetPosition(lsn, seq);
+    table.SetPosition(lsn, seq, agreed);
     good += kRecordHeaderBytes + bytes;
   }
-  if (good != size) {  // a torn or corrupt tail, or records past max_lsn: never acknowledged
+  if (good != size) {  // a torn or corrupt tail, or records past max_agreed: never acknowledged
     if (::ftruncate(fd, good) != 0 || ::fsync(fd) != 0) return Errno("cut the tail of", path);
   }
   log->bytes_ = good;
-  log->acknowledged_ = table.lsn();
+  log->recovered_ = table.agreed();
   return log;
 }
 
-void UpdateLog::Append(uint64_t lsn, uint64_t seq, UpdateKind kind,
-                       absl::Span<const int64_t> ids, absl::Span<const float> values,
-                       absl::Span<const float> bias) {
+void UpdateLog::Append(const ShardedTable& table, UpdateKind kind, absl::Span<const int64_t> ids,
+                       absl::Span<const float> values, absl::Span<const float> bias) {
   const int64_t k = static_cast<int64_t>(ids.size());
   const int64_t nv = static_cast<int64_t>(values.size());
   const int64_t nb = static_cast<int64_t>(bias.size());
@@ -326,9 +326,13 @@ void UpdateLog::Append(uint64_t lsn, uint64_t seq, UpdateKind kind,
   const size_t at = pending_.size();
   pending_.resize(at + kRecordHeaderBytes + words * 8, 0);
   char* payload = pending_.data() + at + kRecordHeaderBytes;
-  const int64_t header[kPayloadHeaderWords] = {static_cast<int64_t>(lsn),
-                                               static_cast<int64_t>(seq),
-                                               static_cast<int64_t>(kind), k, nv, nb};
+  const int64_t header[kPayloadHeaderWords] = {static_cast<int64_t>(table.lsn()),
+                                               static_cast<int64_t>(table.seq()),
+                                               static_cast<int64_t>(table.agreed()),
+                                               static_cast<int64_t>(kind),
+                                               k,
+                                               nv,
+                                               nb};
   std::memcpy(payload, header, sizeof(header));
   std::memcpy(payload + sizeof(header), ids.data(), k * 8);
   std::memcpy(payload + sizeof(header) + k * 8, values.data(), nv * sizeof(float));
@@ -362,12 +366,13 @@ absl::Status UpdateLog::MaybeSnapshot(const ShardedTable& table) {
 absl::Status UpdateLog::Snapshot(const ShardedTable& table) {
   SHARDSERVE_ASSIGN_OR_RETURN(std::vector<float> shard, table.ReadShard());
   const MatrixView view = table.shard();
-  const int64_t position[2] = {static_cast<int64_t>(table.lsn()),
-                               static_cast<int64_t>(table.seq())};
+  const int64_t position[3] = {static_cast<int64_t>(table.lsn()),
+                               static_cast<int64_t>(table.seq()),
+                               static_cast<int64_t>(table.agreed())};
   std::vector<SafetensorsEntry> entries = {
       {"shard", "F32", {view.rows, view.cols}, shard.data(),
        static_cast<int64_t>(shard.size() * sizeof(float))},
-      {"position", "I64", {2}, position, 16}};
+      {"position", "I64", {3}, position, 24}};
   if (!table.bias().empty()) {
     entries.push_back({"bias", "F32", {static_cast<int64_t>(table.bias().size())},
                        table.bias().data(),

@@ -19,6 +19,7 @@
 #ifndef SHARDSERVE_CORE_ROW_UPDATES_H_
 #define SHARDSERVE_CORE_ROW_UPDATES_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -65,22 +66,27 @@ class UpdateLog {
   };
   // Opens the log of a load in `dir` (created if missing) and brings `table` (freshly loaded
   // from its base) to what the directory holds: its snapshot, then every whole record after it.
-  // A torn or corrupt tail is cut off. With `max_lsn`, records past it are cut off too (a group
-  // whose ranks logged different tails agrees on the shortest; none of it was acknowledged).
+  // A torn or corrupt tail is cut off. With `max_agreed`, records past that agreed position
+  // (ShardedTable::agreed) are cut off too: a group whose ranks logged different tails agrees on
+  // the shortest (none of it was acknowledged).
   static absl::StatusOr<std::shared_ptr<UpdateLog>> Open(const std::string& dir,
                                                           ShardedTable& table, Options options,
-                                                          uint64_t max_lsn = ~uint64_t{0});
+                                                          uint64_t max_agreed = ~uint64_t{0});
   ~UpdateLog();
 
   const std::string& dir() const { return dir_; }
   bool pending() const { return !pending_.empty(); }
   int64_t bytes() const { return bytes_; }  // of the log file, committed records only
-  // The last lsn every rank of the group has durably (this process's knowledge; 0: none known).
-  uint64_t acknowledged() const { return acknowledged_; }
-  void Acknowledge(uint64_t lsn) { acknowledged_ = lsn; }
+  // The agreed position every rank of the group has durably, as far as this process knows (0 after
+  // a restart: a recovered tail may hold a step's records some peer never wrote). Thread-safe.
+  uint64_t acknowledged() const { return acknowledged_.load(std::memory_order_acquire); }
+  void Acknowledge(uint64_t agreed) { acknowledged_.store(agreed, std::memory_order_release); }
+  // The agreed position Open recovered the load to: a load still there has run no step since.
+  uint64_t recovered() const { return recovered_; }
 
-  // Appends a record (pending: in memory until Commit).
-  void Append(uint64_t lsn, uint64_t seq, UpdateKind kind, absl::Span<const int64_t> ids,
+  // Appends a record of what was just applied to `table`, at its position (pending: in memory
+  // until Commit).
+  void Append(const ShardedTable& table, UpdateKind kind, absl::Span<const int64_t> ids,
               absl::Span<const float> values, absl::Span<const float> bias);
   // Writes the pending records and syncs them to disk: INTERNAL (naming the file) if it cannot,
   // and the pending records are dropped either way.
@@ -96,7 +102,8 @@ class UpdateLog {
   Options options_;
   int fd_ = -1;
   int64_t bytes_ = 0;
-  uint64_t acknowledged_ = 0;
+  std::atomic<uint64_t> acknowledged_{0};
+  uint64_t recovered_ = 0;
   std::vector<char> pending_;
 };
 

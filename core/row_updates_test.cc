@@ -196,10 +196,10 @@ TEST(RowUpdates, DecodeRefusesMessagesThatDoNotHoldWhatTheySay) {
 // One rank's shard with a log in `dir`, from the seeded base.
 std::unique_ptr<ShardedTable> Opened(const TableConfig& config, int rank, CpuKernels& kernels,
                                      const std::string& dir, int64_t snapshot_bytes = 1 << 20,
-                                     uint64_t max_lsn = ~uint64_t{0}) {
+                                     uint64_t max_agreed = ~uint64_t{0}) {
   auto shard = *ShardedTable::Create(config, rank, kernels);
   EXPECT_TRUE(shard->LoadSeeded(7).ok());
-  auto log = UpdateLog::Open(dir, *shard, UpdateLog::Options{snapshot_bytes}, max_lsn);
+  auto log = UpdateLog::Open(dir, *shard, UpdateLog::Options{snapshot_bytes}, max_agreed);
   EXPECT_TRUE(log.ok()) << log.status();
   if (log.ok()) shard->SetLog(*log);
   return shard;
@@ -312,7 +312,7 @@ TEST(UpdateLog, SnapshotsBoundTheLogAndRecoverAlike) {
   ASSERT_TRUE(WriteSafetensors(dir + "/snapshot.safetensors",
                                {{"shard", "F32", {one[0]->shard().rows, 5}, last.data(),
                                  static_cast<int64_t>(last.size() * 4)},
-                                {"position", "I64", {2}, std::vector<int64_t>{21, 21}.data(), 16}})
+                                {"position", "I64", {3}, std::vector<int64_t>{21, 21, 21}.data(), 24}})
                   .ok());
   EXPECT_EQ(*Opened(config, 1, kernels, dir, 400)->ReadShard(), last);
 }
@@ -330,7 +330,7 @@ TEST(UpdateLog, RecoveryUpToAPositionCutsTheRest) {
     ASSERT_TRUE(shards[0]->log()->Commit().ok());
     if (step == 1) at2 = *shards[0]->ReadShard();
   }
-  auto cut = Opened(config, 1, kernels, dir, 1 << 20, /*max_lsn=*/2);
+  auto cut = Opened(config, 1, kernels, dir, 1 << 20, /*max_agreed=*/2);
   EXPECT_EQ(*cut->ReadShard(), at2);
   EXPECT_EQ(Opened(config, 1, kernels, dir)->seq(), 2u);  // the rest is gone from the log
 }

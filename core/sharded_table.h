@@ -67,13 +67,18 @@ class ShardedTable {
   // Overwrites the whole shard with `rows` (shard_rows x shard_cols, row-major host memory).
   absl::Status LoadShard(const float* rows);
   std::vector<float>& mutable_bias() { return bias_; }
-  // Update calls applied to this load (the sequence answers report), and records logged (calls
-  // and renorms); both start at 0 with the load's base and are alike on every rank of a group.
+  // Where the load is, counted from its base (0): update calls applied (`seq`, the sequence
+  // answers report), records logged (`lsn`: calls and renorms), and `agreed`, what is alike on
+  // every rank of a group - calls, and the renorms of a column-sharded table (every rank renorms
+  // its columns of the same rows in the same step; a row-sharded table's renorms are one rank's
+  // own). Thread-safe reads.
   uint64_t seq() const { return seq_.load(std::memory_order_acquire); }
-  uint64_t lsn() const { return lsn_; }
-  void SetPosition(uint64_t lsn, uint64_t seq) {
-    lsn_ = lsn;
+  uint64_t lsn() const { return lsn_.load(std::memory_order_acquire); }
+  uint64_t agreed() const { return agreed_.load(std::memory_order_acquire); }
+  void SetPosition(uint64_t lsn, uint64_t seq, uint64_t agreed) {
+    lsn_.store(lsn, std::memory_order_release);
     seq_.store(seq, std::memory_order_release);
+    agreed_.store(agreed, std::memory_order_release);
   }
   // The load's write-ahead log (null: updates are kept in memory only).
   UpdateLog* log() const { return log_.get(); }
@@ -95,8 +100,9 @@ class ShardedTable {
   int64_t shard_cols_ = 0;
   DeviceBuffer storage_;
   std::vector<float> bias_;
-  uint64_t lsn_ = 0;
-  std::atomic<uint64_t> seq_{0};  // read by other threads (reports)
+  std::atomic<uint64_t> lsn_{0};  // read by other threads (reports)
+  std::atomic<uint64_t> seq_{0};
+  std::atomic<uint64_t> agreed_{0};
   std::shared_ptr<UpdateLog> log_;
 };
 

@@ -618,7 +618,7 @@ void StepLoop::Commit(Group& group, Step& step, Collectives& control) {
   for (const std::shared_ptr<ShardedTable>& table : step.loads) {
     UpdateLog* log = table->log();
     if (log == nullptr) continue;
-    log->Acknowledge(table->lsn());
+    log->Acknowledge(table->agreed());
     // Between steps; a failed snapshot leaves the log as it is, to be tried again.
     log->MaybeSnapshot(*table).IgnoreError();
   }

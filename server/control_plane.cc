@@ -536,7 +536,25 @@ bool ControlPlane::TableReady(const std::string& name, int group) const {
   for (const Member& m : groups_[group].members) {
     if (!Holds(m, spec)) return false;
   }
-  return true;
+  return !RollBackTarget(spec, group).has_value();
+}
+
+std::optional<uint64_t> ControlPlane::RollBackTarget(const v1::TableSpec& spec, int group) const {
+  // Only positions of this epoch's members, of loads no step has run on: a departed process's
+  // last report, or a serving load's (steps run between heartbeats), says nothing of its log.
+  const Group& g = groups_[group];
+  uint64_t least = ~uint64_t{0}, most = 0;
+  for (const Member& m : g.members) {
+    auto p = m.positions.find({spec.name(), spec.version()});
+    if (g.epoch == 0 || m.epoch != g.epoch || !Alive(m) || p == m.positions.end() ||
+        !p->second.second) {
+      return std::nullopt;
+    }
+    least = std::min(least, p->second.first);
+    most = std::max(most, p->second.first);
+  }
+  if (least == most) return std::nullopt;
+  return least;
 }
 
 bool ControlPlane::TableServing(const std::string& name, int group) const {

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <memory>
 #include <set>
 #include <string>
@@ -214,6 +215,9 @@ class ControlPlane {
     // does not say: then `loaded`).
     std::map<std::pair<std::string, uint64_t>, v1::TableSpec> loaded_specs;
     int64_t memory_available = -1;  // bytes of tables it could still load (-1: not known)
+    // Where its loads' update logs end, by (table, version), and whether the load is as
+    // recovered (no step has run on it since); loads without a log: none.
+    std::map<std::pair<std::string, uint64_t>, std::pair<uint64_t, bool>> positions;
     std::vector<std::string> serving;  // tables the worker accepts calls for
     // Tables it could not load: the generation of the spec that failed, and why.
     std::map<std::string, std::pair<uint64_t, absl::Status>> load_errors;
@@ -321,6 +325,12 @@ class ControlPlane {
   // Why a worker could not load the table as its group holds `spec` (null: none could not).
   const absl::Status* LoadError(const v1::TableSpec& spec) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Loaded on every rank of formed group `group`: its workers may start accepting calls for it.
+  // The position a group's ranks must roll their logs of `spec`'s load back to before the group
+  // serves it: set when every rank has joined the group's epoch and reports its load as recovered
+  // from its log and untouched since, and the logs end at different places (a crash after some
+  // ranks logged a step's updates). Otherwise none.
+  std::optional<uint64_t> RollBackTarget(const v1::TableSpec& spec, int group) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool TableReady(const std::string& name, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Ready, and every worker of the group has acknowledged that it accepts calls for it.
   bool TableServing(const std::string& name, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

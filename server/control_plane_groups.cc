@@ -83,6 +83,10 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     m.loaded_specs[{spec.name(), spec.version()}] = spec;
   }
   m.memory_available = request.memory_available_bytes();
+  m.positions.clear();
+  for (const v1::internal::TablePosition& p : request.positions()) {
+    m.positions[{p.table(), p.version()}] = {p.lsn(), p.fresh()};
+  }
   m.serving.assign(request.serving_tables().begin(), request.serving_tables().end());
   m.load_errors.clear();
   for (const v1::internal::TableLoadError& e : request.load_errors()) {
@@ -131,6 +135,20 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
       for (const v1::TableSpec& old : kept->second) *response.add_other_versions() = old;
     }
     if (TableReady(name, g)) response.add_serving_tables(name);
+    const v1::TableSpec replica = SpecFor(spec, g);
+    if (const std::optional<uint64_t> target = RollBackTarget(replica, g)) {
+      auto mine = m.positions.find({name, replica.version()});
+      if (mine != m.positions.end() && mine->second.first > *target) {
+        LOG(INFO) << absl::StrFormat(
+            "coordinator: group %d rank %d: table \"%s\" version %d: its update log ends at "
+            "record %d, a peer's at %d: rolling back to %d",
+            g, request.rank(), name, replica.version(), mine->second.first, *target, *target);
+        v1::internal::TablePosition* back = response.add_roll_back();
+        back->set_table(name);
+        back->set_version(replica.version());
+        back->set_lsn(*target);
+      }
+    }
     if (unserved_.count(name)) response.add_creating_tables(name);
     if (const absl::Status* error = LoadError(spec)) {
       (*response.mutable_load_errors())[name] = std::string(error->message());

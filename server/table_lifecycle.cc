@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/row_updates.h"
 #include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 
@@ -107,6 +108,21 @@ void TableLifecycle::Want(const v1::internal::HeartbeatResponse& response) {
   for (const std::string& name : response.serving_tables()) records_[name].serving = true;
   for (const std::string& name : response.creating_tables()) records_[name].creating = true;
   for (const auto& [name, error] : response.load_errors()) records_[name].group_error = error;
+  for (const v1::internal::TablePosition& p : response.roll_back()) {
+    auto r = records_.find(p.table());
+    if (r == records_.end()) continue;
+    auto load = r->second.loads.find(p.version());
+    if (load == r->second.loads.end() || load->second.phase != Phase::kLoaded) continue;
+    const core::ShardedTable& shard = *load->second.shard;
+    // Only a load as recovered from its log, that no step has touched since (a serving one's
+    // position may be ahead of what a peer last reported), and never below what this process
+    // knows every rank had.
+    const core::UpdateLog* log = shard.log();
+    if (log != nullptr && shard.agreed() > p.lsn() && shard.agreed() == log->recovered() &&
+        log->acknowledged() <= p.lsn()) {
+      load->second.roll_back = p.lsn();
+    }
+  }
   // A switch to a version this rank holds already: the step loop sees it at once.
   bool switched = false;
   for (const auto& [name, r] : records_) {
@@ -127,6 +143,13 @@ void TableLifecycle::Report(v1::internal::HeartbeatRequest& request) const {
       switch (load.phase) {
         case Phase::kLoaded:
           *request.add_loaded_specs() = load.spec;
+          if (load.shard->log() != nullptr) {
+            v1::internal::TablePosition* p = request.add_positions();
+            p->set_table(name);
+            p->set_version(version);
+            p->set_lsn(load.shard->agreed());
+            p->set_fresh(load.shard->agreed() == load.shard->log()->recovered());
+          }
           break;
         case Phase::kRenormUnsure:
           *request.add_renorm_unsure() = load.spec;
@@ -171,6 +194,10 @@ TableLifecycle::Plan TableLifecycle::NextPlan() {
       if (held == r.loads.end() ||
           !google::protobuf::util::MessageDifferencer::Equals(held->second.spec, *spec)) {
         plan.loads.push_back(*spec);
+      } else if (held->second.roll_back) {
+        plan.loads.push_back(*spec);
+        plan.roll_back[{name, version}] = *held->second.roll_back;
+        held->second.roll_back.reset();
       }
     }
   }
@@ -195,6 +222,7 @@ void TableLifecycle::Loaded(const v1::TableSpec& spec, std::shared_ptr<core::Sha
   load.shard = std::move(shard);
   load.error = absl::OkStatus();
   load.phase = Phase::kLoaded;
+  load.roll_back.reset();
   PublishLocked();
 }
 

@@ -46,6 +46,9 @@ class TableLifecycle : public core::TableSource {
   struct Plan {
     std::vector<std::pair<std::string, uint64_t>> drops;  // (table, version)
     std::vector<v1::TableSpec> loads;
+    // Loads to rebuild from their logs up to a position (a peer's log ends there), by table and
+    // version: in `loads` too.
+    std::map<std::pair<std::string, uint64_t>, uint64_t> roll_back;
   };
 
   explicit TableLifecycle(int rank);
@@ -96,6 +99,7 @@ class TableLifecycle : public core::TableSource {
     std::shared_ptr<core::ShardedTable> shard;        // kLoaded
     std::shared_ptr<const core::TableConfig> config;  // kLoaded
     absl::Status error;                               // kFailed
+    std::optional<uint64_t> roll_back;  // to be reloaded from its log up to this position
   };
   struct Record {
     // From the coordinator.

@@ -395,7 +395,15 @@ void Worker::ReconcileLoop() {
         setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), options_.load_nice);
         kernels_->InitThread();  // tables are loaded into the device from this thread
         for (const v1::TableSpec& spec : plan.loads) {
-          absl::StatusOr<std::shared_ptr<core::ShardedTable>> table = LoadShard(spec, world);
+          const auto roll_back = plan.roll_back.find({spec.name(), spec.version()});
+          if (roll_back != plan.roll_back.end()) {
+            LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank
+                      << ": table \"" << spec.name() << "\" version " << spec.version()
+                      << ": a peer's update log ends at record " << roll_back->second
+                      << "; reloading up to there (what follows was never acknowledged)";
+          }
+          absl::StatusOr<std::shared_ptr<core::ShardedTable>> table = LoadShard(
+              spec, world, roll_back == plan.roll_back.end() ? ~uint64_t{0} : roll_back->second);
           if (!table.ok()) {
             tables_.LoadFailed(spec, table.status());
             continue;
@@ -427,7 +435,8 @@ int64_t Worker::MemoryAvailable() const {
 }
 
 absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::TableSpec& spec,
-                                                                      int world) {
+                                                                      int world,
+                                                                      uint64_t max_agreed) {
   SHARDSERVE_ASSIGN_OR_RETURN(core::TableConfig config, ConfigFromSpec(spec, world));
   if (!options_.fail_load.empty() && spec.name() == options_.fail_load && spec.version() > 1) {
     return absl::InternalError(absl::StrCat("--fail_load drill: version ", spec.version(),
@@ -475,7 +484,8 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::
                                          "/v", spec.version());
     SHARDSERVE_ASSIGN_OR_RETURN(
         std::shared_ptr<core::UpdateLog> log,
-        core::UpdateLog::Open(dir, *table, core::UpdateLog::Options{options_.snapshot_bytes}));
+        core::UpdateLog::Open(dir, *table, core::UpdateLog::Options{options_.snapshot_bytes},
+                              max_agreed));
     if (table->lsn() > 0) {
       LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank << ": table \""
                 << spec.name() << "\" version " << spec.version() << " recovered to update "

@@ -105,8 +105,10 @@ class Worker {
   // the host memory available for a CPU worker.
   int64_t MemoryAvailable() const;
   // Loads `spec`'s shard of this rank, after checking there is room for it.
-  absl::StatusOr<std::shared_ptr<core::ShardedTable>> LoadShard(const v1::TableSpec& spec,
-                                                                int world);
+  // `max_agreed`: recover its update log up to that agreed position, cutting the rest (a peer's
+  // log ends there).
+  absl::StatusOr<std::shared_ptr<core::ShardedTable>> LoadShard(
+      const v1::TableSpec& spec, int world, uint64_t max_agreed = ~uint64_t{0});
   // The heartbeat this worker sends now.
   v1::internal::HeartbeatRequest HeartbeatNow() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

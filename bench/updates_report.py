@@ -1,0 +1,32 @@
+"""Summarises a bench/run_updates.sh run: medians over rounds, and the ratios the targets name."""
+import json
+import statistics
+import sys
+
+runs = {}
+for line in open(sys.argv[1]):
+    entry = json.loads(line)
+    runs.setdefault(entry["case"], []).append(entry["report"])
+
+
+def med(case, key, sub=None):
+    values = [r[sub][key] if sub else r[key] for r in runs.get(case, [])]
+    return statistics.median(values) if values else float("nan")
+
+
+ours = med("update", "rows_per_s")
+redis = med("redis_mset", "rows_per_s")
+print(f"durable updates, 512 rows/call: shardserve {ours:,.0f} rows/s "
+      f"(p50 {med('update', 'p50_us', 'latency'):,.0f} us, p99 {med('update', 'p99_us', 'latency'):,.0f} us)"
+      f" vs Redis appendfsync always {redis:,.0f} rows/s "
+      f"(p50 {med('redis_mset', 'p50_us', 'latency'):,.0f} us, p99 {med('redis_mset', 'p99_us', 'latency'):,.0f} us)"
+      f": {ours / redis:.2f}x (target >= 5x)")
+alone = med("reads", "bags_per_s")
+mixed = med("reads_with_updates", "bags_per_s")
+p99_alone = med("reads", "p99_us", "latency")
+p99_mixed = med("reads_with_updates", "p99_us", "latency")
+print(f"lookups alone {alone:,.0f} bags/s (p99 {p99_alone:,.0f} us); with updates at 20 %: "
+      f"{mixed:,.0f} bags/s (p99 {p99_mixed:,.0f} us): {mixed / alone:.0%} of the read-only rate "
+      f"(target >= 70 %), p99 {p99_mixed / p99_alone:.2f}x (target <= 2x); updates then "
+      f"{med('updates_at_20pct', 'rows_per_s'):,.0f} rows/s, "
+      f"errors {sum(r['errors'] if isinstance(r.get('errors'), int) else 0 for r in runs.get('updates_at_20pct', []))}")

@@ -1,0 +1,407 @@
+// Online updates (UpdateRows) on real clusters: read-your-writes on every rank and path against
+// LibTorch's index_put_ on the full weight, updates in a Stream, durability across SIGKILL (every
+// acknowledged update, max_norm renorms), all-or-nothing per call when a worker dies in the
+// middle of a batch, and bad updates that change nothing.
+#include <signal.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "client/client.h"
+#include "client/local_cluster.h"
+#include "core/cpu_kernels.h"
+#include "core/row_updates.h"
+#include "core/safetensors.h"
+#include "core/sharded_table.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "grpcpp/client_context.h"
+#include "tests/cluster_fixture.h"
+
+namespace shardserve::tests {
+namespace {
+
+using client::Client;
+using client::LocalCluster;
+using client::LocalClusterOptions;
+using ::testing::HasSubstr;
+
+std::unique_ptr<LocalCluster> Start(const std::string& state_dir = "") {
+  LocalClusterOptions options = ClusterOptions(2);
+  options.state_dir = state_dir;
+  absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  if (!cluster.ok()) return nullptr;
+  EXPECT_TRUE(WaitUntilGroupsServe(**cluster));
+  return *std::move(cluster);
+}
+
+v1::UpdateRowsRequest Request(const std::string& table, v1::UpdateOp op,
+                              const std::vector<int64_t>& ids, const at::Tensor& values) {
+  v1::UpdateRowsRequest r;
+  r.set_table(table);
+  r.set_op(op);
+  *r.mutable_ids() = client::Int64Tensor({static_cast<int64_t>(ids.size())}, ids);
+  *r.mutable_values() = ToProto(values.contiguous());
+  return r;
+}
+
+// What the update does to the reference weight: ASSIGN in order (the last of duplicate ids
+// wins), ADD as index_put_(accumulate=True).
+void ApplyReference(at::Tensor& w, v1::UpdateOp op, const std::vector<int64_t>& ids,
+                    const at::Tensor& values) {
+  if (op == v1::ADD) {
+    w.index_put_({at::tensor(ids)}, values, /*accumulate=*/true);
+    return;
+  }
+  for (size_t i = 0; i < ids.size(); ++i) w[ids[i]].copy_(values[i]);
+}
+
+// The table as exported (the coordinator reads every shard between steps).
+at::Tensor Exported(Client& c, const std::string& table, const std::string& dir) {
+  const std::string path = absl::StrCat(dir, "/", table, ".export");
+  absl::StatusOr<int64_t> bytes = c.ExportTo(table, path);
+  EXPECT_TRUE(bytes.ok()) << bytes.status();
+  if (!bytes.ok()) return at::Tensor();
+  auto file = core::SafetensorsFile::Open(path);
+  EXPECT_TRUE(file.ok());
+  const core::SafetensorsTensor* w = (*file)->Find("weight");
+  return at::from_blob(const_cast<char*>(w->data), w->shape, at::kFloat).clone();
+}
+
+absl::StatusOr<client::DenseTensor> Lookup(const std::string& address, const std::string& table,
+                                           const std::vector<int64_t>& ids, uint64_t* sequence) {
+  auto stub = DataStub(address);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::EmbeddingRequest request;
+  request.set_table(table);
+  *request.mutable_ids() = client::Int64Tensor({static_cast<int64_t>(ids.size())}, ids);
+  v1::TensorResponse response;
+  grpc::Status s = stub->Embedding(&context, request, &response);
+  if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  if (sequence != nullptr) *sequence = response.sequence();
+  return client::ToDense(response.output());
+}
+
+TEST(Updates, ReadYourWritesOnEveryRankAndPath) {
+  auto cluster = Start();
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  for (int dim : {1, 0}) {
+    Table t = MakeTable(absl::StrCat("emb", dim), v1::TABLE_KIND_EMBEDDING, 40, 6, dim, {1, 0},
+                        dir);
+    ASSERT_TRUE(c->CreateTable(t.spec).ok());
+    at::Tensor w = t.weight.clone();
+    std::mt19937 rng(dim + 1);
+    uint64_t last = 0;
+    for (int i = 0; i < 30; ++i) {
+      const v1::UpdateOp op = i % 3 == 0 ? v1::ASSIGN : v1::ADD;
+      std::vector<int64_t> ids;
+      for (int k = 0; k < 7; ++k) ids.push_back(static_cast<int64_t>(rng() % 12));  // duplicates
+      const at::Tensor values = at::randn({7, 6});
+      absl::StatusOr<v1::UpdateRowsResponse> r =
+          c->UpdateRows(Request(t.spec.name(), op, ids, values));
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->version(), 1u);
+      EXPECT_EQ(r->sequence(), last + 1);
+      last = r->sequence();
+      ApplyReference(w, op, ids, values);
+      // Every rank answers with it at once, and says it reflects it.
+      for (int rank : {0, 1}) {
+        uint64_t seq = 0;
+        absl::StatusOr<client::DenseTensor> got =
+            Lookup(cluster->worker_address(rank), t.spec.name(), ids, &seq);
+        ASSERT_TRUE(got.ok()) << got.status();
+        EXPECT_TRUE(at::equal(FromDense(*got), w.index_select(0, at::tensor(ids))))
+            << "update " << i << " rank " << rank;
+        EXPECT_EQ(seq, last);
+      }
+    }
+    // Through the coordinator, and every op on the updated weight.
+    auto via = Connect(*cluster, /*direct=*/false);
+    absl::StatusOr<client::DenseTensor> got = via->Embedding([&] {
+      v1::EmbeddingRequest r;
+      r.set_table(t.spec.name());
+      *r.mutable_ids() = client::Int64Tensor({40}, [] {
+        std::vector<int64_t> all(40);
+        for (int i = 0; i < 40; ++i) all[i] = i;
+        return all;
+      }());
+      return r;
+    }());
+    ASSERT_TRUE(got.ok());
+    EXPECT_TRUE(at::equal(FromDense(*got), w));
+    EXPECT_EQ(got->sequence, last);
+    EXPECT_TRUE(at::equal(Exported(*c, t.spec.name(), dir), w));
+  }
+
+  // A linear layer, row-wise (each output row on one rank), its bias updated too.
+  Table lin = MakeTable("lin", v1::TABLE_KIND_LINEAR, 9, 5, 0, {0, 1}, dir);
+  ASSERT_TRUE(c->CreateTable(lin.spec).ok());
+  at::Tensor w = lin.weight.clone(), b = lin.bias.clone();
+  v1::UpdateRowsRequest r = Request("lin", v1::ADD, {8, 0, 8}, at::randn({3, 5}));
+  *r.mutable_bias() = ToProto(at::tensor({1.5f, -2.0f, 0.25f}));
+  ASSERT_TRUE(c->UpdateRows(r).ok());
+  ApplyReference(w, v1::ADD, {8, 0, 8}, FromDense(*client::ToDense(r.values())));
+  b.index_put_({at::tensor(std::vector<int64_t>{8, 0, 8})}, at::tensor({1.5f, -2.0f, 0.25f}),
+               true);
+  const at::Tensor x = at::randn({4, 5});
+  Answer answer = LinearOf(*c, Table{lin.spec, w, b}, x);
+  EXPECT_TRUE(answer.Right());
+}
+
+TEST(Updates, InAStreamInOrderWithLookups) {
+  auto cluster = Start();
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table t = MakeTable("s", v1::TABLE_KIND_EMBEDDING, 20, 4, 1, {0, 1}, dir);
+  ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  auto stub = DataStub(cluster->worker_address(1));
+  grpc::ClientContext context;
+  auto stream = stub->Stream(&context);
+  at::Tensor w = t.weight.clone();
+  for (uint64_t id = 1; id <= 20; ++id) {
+    const at::Tensor values = at::randn({2, 4});
+    const std::vector<int64_t> ids = {static_cast<int64_t>(id % 20), 3};
+    v1::StreamRequest request;
+    request.set_id(id);
+    *request.mutable_update_rows() = Request("s", v1::ADD, ids, values);
+    ASSERT_TRUE(stream->Write(request));
+    ApplyReference(w, v1::ADD, ids, values);
+    v1::StreamResponse response;
+    ASSERT_TRUE(stream->Read(&response));
+    EXPECT_EQ(response.code(), 0) << response.message();
+    EXPECT_EQ(response.sequence(), id);
+    EXPECT_FALSE(response.has_output());
+  }
+  v1::StreamRequest bad;
+  bad.set_id(99);
+  *bad.mutable_update_rows() = Request("s", v1::ADD, {20}, at::randn({1, 4}));
+  ASSERT_TRUE(stream->Write(bad));
+  v1::StreamResponse refused;
+  ASSERT_TRUE(stream->Read(&refused));
+  EXPECT_EQ(refused.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_THAT(refused.message(), HasSubstr("ids[0]: 20 is out of range [0, 20)"));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_TRUE(at::equal(Exported(*c, "s", dir), w));
+}
+
+TEST(Updates, BadUpdatesChangeNothing) {
+  auto cluster = Start();
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table t = MakeTable("b", v1::TABLE_KIND_EMBEDDING, 10, 3, 1, {0, 1}, dir);
+  ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  auto code = [&](v1::UpdateRowsRequest r) { return c->UpdateRows(r).status().code(); };
+  at::Tensor nan = at::randn({2, 3});
+  nan[1][2] = std::nanf("");
+  EXPECT_EQ(code(Request("b", v1::ADD, {1, -1}, at::randn({2, 3}))),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(Request("b", v1::ADD, {1, 2}, at::randn({2, 4}))),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(Request("b", v1::ADD, {1, 2}, nan)), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(Request("b", v1::UPDATE_OP_UNSPECIFIED, {1}, at::randn({1, 3}))),
+            absl::StatusCode::kInvalidArgument);
+  v1::UpdateRowsRequest with_bias = Request("b", v1::ASSIGN, {1}, at::randn({1, 3}));
+  *with_bias.mutable_bias() = ToProto(at::tensor({1.0f}));
+  EXPECT_EQ(code(with_bias), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(Request("none", v1::ADD, {1}, at::randn({1, 3}))), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(at::equal(Exported(*c, "b", dir), t.weight));
+  uint64_t seq = 7;
+  ASSERT_TRUE(Lookup(cluster->worker_address(0), "b", {1}, &seq).ok());
+  EXPECT_EQ(seq, 0u);
+}
+
+// Kills both workers (SIGKILL: no flush, no goodbye) and starts them again on their logs.
+void CrashAndRestart(LocalCluster& cluster) {
+  for (int rank : {0, 1}) ASSERT_TRUE(cluster.KillWorker(rank, SIGKILL).ok());
+  for (int rank : {0, 1}) ASSERT_TRUE(cluster.StartWorker(rank).ok());
+}
+
+bool Serves(Client& c, const std::string& table) {
+  absl::StatusOr<v1::TableInfo> info = c.DescribeTable(table);
+  return info.ok() && info->state() == v1::TABLE_STATE_SERVING;
+}
+
+TEST(Updates, EveryAcknowledgedUpdateSurvivesSigkill) {
+  const std::string state = TempDir();
+  auto cluster = Start(state);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table t = MakeTable("d", v1::TABLE_KIND_EMBEDDING, 300, 8, 1, {0, 1}, dir);
+  ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  at::Tensor w = t.weight.clone();
+  std::mt19937 rng(3);
+  for (int i = 0; i < 60; ++i) {
+    std::vector<int64_t> ids;
+    for (int k = 0; k < 16; ++k) ids.push_back(static_cast<int64_t>(rng() % 300));
+    const at::Tensor values = at::randn({16, 8});
+    const v1::UpdateOp op = i % 2 ? v1::ADD : v1::ASSIGN;
+    ASSERT_TRUE(c->UpdateRows(Request("d", op, ids, values)).ok());
+    ApplyReference(w, op, ids, values);
+  }
+  CrashAndRestart(*cluster);
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "d"); }, absl::Seconds(30)));
+  EXPECT_TRUE(at::equal(Exported(*c, "d", dir), w));
+  uint64_t seq = 0;
+  ASSERT_TRUE(Lookup(cluster->worker_address(1), "d", {0}, &seq).ok());
+  EXPECT_EQ(seq, 60u);
+
+  // The whole local cluster, coordinator too, started again on the same state directory.
+  cluster.reset();
+  cluster = Start(state);
+  ASSERT_NE(cluster, nullptr);
+  c = Connect(*cluster);
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "d"); }, absl::Seconds(30)));
+  EXPECT_TRUE(at::equal(Exported(*c, "d", dir), w));
+}
+
+TEST(Updates, MaxNormRenormsSurviveARestart) {
+  auto cluster = Start();
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table t = MakeTableOf("m", v1::TABLE_KIND_EMBEDDING, at::randn({30, 6}) * 3, 1, {0, 1}, dir);
+  t.spec.set_max_norm(1.0);
+  ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  v1::EmbeddingRequest lookup;
+  lookup.set_table("m");
+  *lookup.mutable_ids() = client::Int64Tensor({5}, {2, 7, 11, 2, 29});
+  ASSERT_TRUE(c->Embedding(lookup).ok());  // renorms those rows in the stored table
+  const at::Tensor renormed = Exported(*c, "m", dir);
+  ASSERT_FALSE(at::equal(renormed, t.weight));
+  CrashAndRestart(*cluster);
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "m"); }, absl::Seconds(30)));
+  EXPECT_TRUE(at::equal(Exported(*c, "m", dir), renormed));
+}
+
+// Callers update distinct rows (call n assigns n to every column of row n) while a worker is
+// killed: afterwards every row holds its call's value in all its columns - on both ranks - or
+// its old values in all, never a mix, and every acknowledged call is there.
+TEST(Updates, AWorkerKilledInABatchLeavesEachCallWholeOrAbsent) {
+  const std::string state = TempDir();
+  auto cluster = Start(state);
+  ASSERT_NE(cluster, nullptr);
+  const std::string dir = TempDir();
+  constexpr int kRows = 4000, kCols = 8;
+  Table t = MakeTable("k", v1::TABLE_KIND_EMBEDDING, kRows, kCols, 1, {0, 1}, dir);
+  {
+    auto c = Connect(*cluster);
+    ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  }
+  std::atomic<int> next{0};
+  absl::Mutex mu;
+  std::vector<int> acknowledged;
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 4; ++i) {
+    callers.emplace_back([&] {
+      auto c = ConnectOnce(*cluster, absl::Seconds(5));
+      while (!stop) {
+        const int row = next++;
+        if (row >= kRows) return;
+        const at::Tensor values = at::full({1, kCols}, static_cast<float>(row + 1000));
+        if (c->UpdateRows(Request("k", v1::ASSIGN, {row}, values)).ok()) {
+          absl::MutexLock lock(&mu);
+          acknowledged.push_back(row);
+        }
+      }
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(700));
+  ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  absl::SleepFor(absl::Milliseconds(300));
+  stop = true;
+  for (std::thread& caller : callers) caller.join();
+  ASSERT_TRUE(cluster->StartWorker(1).ok());
+  auto c = Connect(*cluster);
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "k"); }, absl::Seconds(30)));
+  const at::Tensor got = Exported(*c, "k", dir);
+  ASSERT_GT(acknowledged.size(), 10u);
+  for (int row : acknowledged) {
+    EXPECT_TRUE(at::equal(got[row], at::full({kCols}, static_cast<float>(row + 1000))))
+        << "acknowledged row " << row;
+  }
+  int applied = 0;
+  for (int row = 0; row < kRows; ++row) {
+    const bool updated = at::equal(got[row], at::full({kCols}, static_cast<float>(row + 1000)));
+    applied += updated;
+    EXPECT_TRUE(updated || at::equal(got[row], t.weight[row])) << "row " << row << " is mixed";
+  }
+  EXPECT_GE(applied, static_cast<int>(acknowledged.size()));
+}
+
+// A crash after one rank logged a step's update and before its peer did: the ranks' logs end at
+// different places. The group serves the table only once the longer log is rolled back to the
+// shorter (nothing there was acknowledged: that takes every rank's log).
+TEST(Updates, ALogTailOnlyOneRankWroteIsRolledBack) {
+  const std::string state = TempDir();
+  auto cluster = Start(state);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table t = MakeTable("r", v1::TABLE_KIND_EMBEDDING, 50, 4, 1, {0, 1}, dir);
+  ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  at::Tensor w = t.weight.clone();
+  for (int i = 0; i < 5; ++i) {
+    const at::Tensor values = at::randn({2, 4});
+    ASSERT_TRUE(c->UpdateRows(Request("r", v1::ADD, {i, 40}, values)).ok());
+    ApplyReference(w, v1::ADD, {i, 40}, values);
+  }
+  absl::StatusOr<v1::TableInfo> info = c->DescribeTable("r");
+  ASSERT_TRUE(info.ok());
+  for (int rank : {0, 1}) ASSERT_TRUE(cluster->KillWorker(rank, SIGKILL).ok());
+
+  // Rank 0's log gets one more update, as if it had synced a step its peer never wrote.
+  core::TableConfig config;
+  config.name = "r";
+  config.num_rows = 50;
+  config.num_cols = 4;
+  config.spec = core::ShardingSpec::Contiguous(1, 2);
+  ASSERT_TRUE(config.Validate().ok());
+  core::CpuKernels kernels;
+  auto shard = *core::ShardedTable::Create(config, 0, kernels);
+  const std::string log_dir =
+      absl::StrCat(state, "/worker-g0-r0/r.", info->spec().created(), "/v1");
+  auto log = core::UpdateLog::Open(log_dir, *shard, {});
+  ASSERT_TRUE(log.ok()) << log.status();
+  ASSERT_EQ(shard->seq(), 5u);
+  shard->SetLog(*log);
+  const std::vector<int64_t> ids = {7};
+  const std::vector<float> values = {9, 9, 9, 9};
+  ASSERT_TRUE(core::ApplyUpdate(*shard, {core::UpdateKind::kAssign, 1, ids.data(), values.data()})
+                  .ok());
+  ASSERT_TRUE(shard->log()->Commit().ok());
+  shard.reset();
+
+  for (int rank : {0, 1}) ASSERT_TRUE(cluster->StartWorker(rank).ok());
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "r"); }, absl::Seconds(30)));
+  EXPECT_TRUE(at::equal(Exported(*c, "r", dir), w));
+  uint64_t seq = 0;
+  ASSERT_TRUE(Lookup(cluster->worker_address(0), "r", {7}, &seq).ok());
+  EXPECT_EQ(seq, 5u);
+  // And the group goes on from there alike.
+  const at::Tensor more = at::randn({1, 4});
+  absl::StatusOr<v1::UpdateRowsResponse> r = c->UpdateRows(Request("r", v1::ASSIGN, {7}, more));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sequence(), 6u);
+  ApplyReference(w, v1::ASSIGN, {7}, more);
+  EXPECT_TRUE(at::equal(Exported(*c, "r", dir), w));
+}
+
+}  // namespace
+}  // namespace shardserve::tests
