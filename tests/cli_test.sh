@@ -43,7 +43,7 @@ grep -q -- "--workers" <<<"$out" && fail "bag --help lists up's flags: $out"
 expect_rc 0 "$shardserve" --help
 grep -q "up | demo | create-table" <<<"$out" || fail "shardserve --help: $out"
 for cmd in up demo create-table wait tables describe drop export load-version versions \
-    unload-version cluster health embedding bag linear; do
+    unload-version cluster health embedding bag linear update; do
   expect_rc 0 "$shardserve" "$cmd" --help
   grep -q "^usage: shardserve $cmd" <<<"$out" || fail "$cmd --help: $out"
   grep -q -- "--coordinator\|--workers" <<<"$out" || fail "$cmd --help lists no flags: $out"
@@ -110,6 +110,19 @@ expect_rc 0 "$shardserve" unload-version t 1 "${c[@]}"
 expect_rc 73 "$shardserve" unload-version t 2 "${c[@]}"  # the serving one: FAILED_PRECONDITION (9)
 expect_rc 2 "$shardserve" unload-version t x "${c[@]}"
 expect_rc 67 "$shardserve" load-version t "${c[@]}" --checkpoint=relative.safetensors  # INVALID_ARG.
+# Updates: assign then add (duplicates summed); lookups see them and say the sequence.
+expect_rc 0 "$shardserve" update --table=t --op=assign --ids='[1,1]' \
+  --values='[[9,9,9,9],[1,2,3,4]]' "${c[@]}"
+[ "$out" = '{"version": 2, "sequence": 1}' ] || fail "update assign: $out"
+expect_rc 0 "$shardserve" update --table=t --op=add --ids='[1,1]' \
+  --values='[[0.5,0.5,0.5,0.5],[1,1,1,1]]' "${c[@]}"
+[ "$out" = '{"version": 2, "sequence": 2}' ] || fail "update add: $out"
+expect_rc 0 "$shardserve" embedding --table=t --ids='[1]' "${c[@]}"
+grep -q '"values": \[\[2.5, 3.5, 4.5, 5.5\]\], "version": 2, "sequence": 2}' <<<"$out" ||
+  fail "embedding after updates: $out"
+expect_rc 67 "$shardserve" update --table=t --op=add --ids='[10]' --values='[[1,1,1,1]]' "${c[@]}"
+grep -q "ids\[0\]: 10 is out of range" <<<"$out" || fail "bad update: $out"
+expect_rc 2 "$shardserve" update --table=t --op=set --ids='[1]' --values='[[1,1,1,1]]' "${c[@]}"
 expect_rc 0 "$shardserve" drop t "${c[@]}" --json
 python3 -c 'import json, sys; json.loads(sys.argv[1])' "$out" || fail "drop --json: $out"
 kill "$up"

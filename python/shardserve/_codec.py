@@ -120,6 +120,38 @@ def encode_linear(table: str, inputs: np.ndarray, version: int = 0) -> bytes:
     return b"".join([_table_part(table)] + field + _version_part(0x18, version))
 
 
+def encode_update_rows(
+    table: str, ids: np.ndarray, values: np.ndarray, op: int, bias: Optional[np.ndarray]
+) -> bytes:
+    """``UpdateRowsRequest{table, ids, values, bias, op}``."""
+    out: List[Any] = [_table_part(table)]
+    for tag, dtype, array in ((0x12, DTYPE_INT64, ids), (0x1A, DTYPE_FLOAT32, values),
+                              (0x22, DTYPE_FLOAT32, bias)):
+        if array is not None:
+            parts, size = _tensor_parts(dtype, array)
+            out += _len_field(tag, parts, size)[0]
+    out.append(b"\x28" + _varint(op))
+    return b"".join(out)
+
+
+def decode_update_response(buf: bytes) -> Tuple[int, int]:
+    """``UpdateRowsResponse``: (version, sequence)."""
+    version = sequence = 0
+    try:
+        pos, end = 0, len(buf)
+        while pos < end:
+            key, pos = _read_varint(buf, pos)
+            if key == 0x08:
+                version, pos = _read_varint(buf, pos)
+            elif key == 0x10:
+                sequence, pos = _read_varint(buf, pos)
+            else:
+                pos = _skip(buf, pos, key & 7)
+    except IndexError:
+        raise InternalError("malformed answer: cut short") from None
+    return version, sequence
+
+
 def encode_stream_request(request_id: int, op_field: int, request: bytes) -> bytes:
     """``StreamRequest{id, <op>}`` around an encoded Embedding/EmbeddingBag/Linear request."""
     return b"".join(

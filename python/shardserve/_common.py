@@ -47,6 +47,7 @@ DATA_METHODS = {
     "linear": "/shardserve.v1.DataService/Linear",
 }
 STREAM_METHOD = "/shardserve.v1.DataService/Stream"
+UPDATE_METHOD = "/shardserve.v1.DataService/UpdateRows"  # workers only; never retried
 
 
 def channel_options(extra: Optional[Sequence[Tuple[str, Any]]],

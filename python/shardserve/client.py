@@ -29,6 +29,7 @@ from .errors import (
     CancelledError,
     DeadlineExceededError,
     Error,
+    FailedPreconditionError,
     InvalidArgumentError,
     UnavailableError,
     code_from_number,
@@ -50,6 +51,7 @@ class _Endpoint:
         self.unary = {
             name: channel.unary_unary(path) for name, path in _common.DATA_METHODS.items()
         }
+        self.unary["update_rows"] = channel.unary_unary(_common.UPDATE_METHOD)
         self.stream = channel.stream_stream(_common.STREAM_METHOD)
 
 
@@ -218,6 +220,46 @@ class Client:
             "linear", table, _codec.encode_linear(table, array, _version(version)), deadline
         )
         return _answer(answer, _codec.Kind(device), with_version)
+
+    def update_rows(
+        self,
+        table: str,
+        ids: Tensor,
+        values: Tensor,
+        *,
+        op: str = "add",
+        bias: Optional[Tensor] = None,
+        deadline: Optional[float] = None,
+    ) -> Tuple[int, int]:
+        """Changes rows of the table's serving version online (``UpdateRows``): ``op="assign"``
+        sets them (duplicate ids: the last wins), ``op="add"`` adds ``values`` to them (duplicates
+        summed, as ``index_put_(accumulate=True)``). ``ids`` is ``(k,)``, ``values``
+        ``(k, num_cols)``, ``bias`` (a linear layer's, optional) ``(k,)``. Returns ``(version,
+        sequence)``: the version updated and its update sequence after the call. Sent once, never
+        retried: after an error it was applied whole or not at all (an ``add`` sent again would
+        add twice). FailedPreconditionError for a table on several replica groups (not supported
+        yet)."""
+        code = {"assign": 1, "add": 2}.get(op)
+        if code is None:
+            raise InvalidArgumentError(f'op: "{op}" is not "assign" or "add"')
+        id_array, _ = _codec.as_ids(ids, "ids")
+        value_array, _ = _codec.as_floats(values, "values")
+        bias_array = None if bias is None else _codec.as_floats(bias, "bias")[0]
+        request = _codec.encode_update_rows(table, id_array, value_array, code, bias_array)
+        deadline_at = time.monotonic() + self._timeout(deadline)
+        info = _common.table_info(self._admin_call_until(
+            "DescribeTable", self._pb.DescribeTableRequest(name=table), deadline_at))
+        if len(info.replicas) > 1:
+            raise FailedPreconditionError(
+                f'table "{table}" is placed on {len(info.replicas)} replica groups: updates to '
+                "replicated tables are not supported yet")
+        address, _, _ = self.route(table, False, deadline_at)
+        try:
+            answer = self._endpoint(address).unary["update_rows"](
+                request, timeout=max(deadline_at - time.monotonic(), 1e-3))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return _codec.decode_update_response(answer)
 
     def stream(self, *, max_in_flight: int = 1024, deadline: Optional[float] = None) -> "Stream":
         """A pipelined batch session over the ``Stream`` RPC (see :class:`Stream`)."""
