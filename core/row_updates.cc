@@ -18,18 +18,23 @@ namespace {
 constexpr int64_t kCallHeaderWords = 3;  // kind, k, has_bias
 int64_t Packed(int64_t floats) { return (floats + 1) / 2; }
 
-// A log record: kRecordMagic, the payload's bytes, its FNV-1a hash, then the payload - lsn, seq,
+// A log record: kRecordMagic, the payload's bytes, its checksum (Checksum), then the payload - lsn, seq,
 // agreed (the load's position after it), kind, k, values, bias (seven words), the ids (k words),
 // the values and the bias as floats, padded to whole words.
 constexpr uint64_t kRecordMagic = 0x31304c4157535353;  // "SSSWAL01"
 constexpr int64_t kRecordHeaderBytes = 24;
 constexpr int64_t kPayloadHeaderWords = 7;
 
-uint64_t Fnv1a(const char* data, int64_t bytes) {
-  uint64_t h = 0xcbf29ce484222325;
-  for (int64_t i = 0; i < bytes; ++i) {
-    h ^= static_cast<unsigned char>(data[i]);
-    h *= 0x100000001b3;
+// A record's checksum: a multiply-xorshift hash of its payload's words (payloads are whole words).
+// Not cryptographic: it finds a torn or corrupt tail, at memory speed (a byte-wise hash took a
+// quarter of an update's time).
+uint64_t Checksum(const char* data, int64_t bytes) {
+  uint64_t h = 0x9e3779b97f4a7c15 ^ static_cast<uint64_t>(bytes);
+  for (int64_t i = 0; i + 8 <= bytes; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, data + i, 8);
+    h = (h ^ w) * 0xff51afd7ed558ccd;
+    h ^= h >> 29;
   }
   return h;
 }
@@ -202,14 +207,20 @@ absl::Status ApplyUpdate(ShardedTable& table, const UpdateCall& call) {
                                        call.values + table.col_begin(), cols, false, call.bias));
   table.SetPosition(table.lsn() + 1, table.seq() + 1, table.agreed() + 1);
   if (UpdateLog* log = table.log(); log != nullptr) {
-    std::vector<float> mine;  // this rank's part of the rows: what it logs
-    for (int64_t i = 0; i < call.k; ++i) {
-      if (LocalRow(table, call.ids[i]) < 0) continue;
-      const float* row = call.values + i * cols + table.col_begin();
-      mine.insert(mine.end(), row, row + shard_cols);
-    }
-    log->Append(table, call.kind, absl::MakeConstSpan(call.ids, call.k), mine,
-                call.bias ? absl::MakeConstSpan(call.bias, call.k) : absl::Span<const float>());
+    // This rank's part of the rows is what it logs, copied straight into the record.
+    int64_t owned = 0;
+    for (int64_t i = 0; i < call.k; ++i) owned += LocalRow(table, call.ids[i]) >= 0 ? 1 : 0;
+    log->Append(
+        table, call.kind, absl::MakeConstSpan(call.ids, call.k), owned * shard_cols,
+        [&](float* out) {
+          for (int64_t i = 0; i < call.k; ++i) {
+            if (LocalRow(table, call.ids[i]) < 0) continue;
+            const float* row = call.values + i * cols + table.col_begin();
+            std::memcpy(out, row, shard_cols * sizeof(float));
+            out += shard_cols;
+          }
+        },
+        call.bias ? absl::MakeConstSpan(call.bias, call.k) : absl::Span<const float>());
   }
   return absl::OkStatus();
 }
@@ -263,7 +274,7 @@ absl::StatusOr<std::shared_ptr<UpdateLog>> UpdateLog::Open(const std::string& di
       break;
     }
     const char* payload = data.data() + good + kRecordHeaderBytes;
-    if (Fnv1a(payload, bytes) != head[2]) break;
+    if (Checksum(payload, bytes) != head[2]) break;
     std::vector<int64_t> words(bytes / 8);
     std::memcpy(words.data(), payload, words.size() * 8);
     const uint64_t lsn = words[0], seq = words[1], agreed = words[2];
@@ -319,8 +330,15 @@ absl::StatusOr<std::shared_ptr<UpdateLog>> UpdateLog::Open(const std::string& di
 
 void UpdateLog::Append(const ShardedTable& table, UpdateKind kind, absl::Span<const int64_t> ids,
                        absl::Span<const float> values, absl::Span<const float> bias) {
+  Append(table, kind, ids, static_cast<int64_t>(values.size()),
+         [&](float* out) { std::memcpy(out, values.data(), values.size() * sizeof(float)); },
+         bias);
+}
+
+void UpdateLog::Append(const ShardedTable& table, UpdateKind kind, absl::Span<const int64_t> ids,
+                       int64_t nv, absl::FunctionRef<void(float*)> fill,
+                       absl::Span<const float> bias) {
   const int64_t k = static_cast<int64_t>(ids.size());
-  const int64_t nv = static_cast<int64_t>(values.size());
   const int64_t nb = static_cast<int64_t>(bias.size());
   const int64_t words = kPayloadHeaderWords + k + Packed(nv) + Packed(nb);
   const size_t at = pending_.size();
@@ -335,20 +353,23 @@ void UpdateLog::Append(const ShardedTable& table, UpdateKind kind, absl::Span<co
                                                nb};
   std::memcpy(payload, header, sizeof(header));
   std::memcpy(payload + sizeof(header), ids.data(), k * 8);
-  std::memcpy(payload + sizeof(header) + k * 8, values.data(), nv * sizeof(float));
+  fill(reinterpret_cast<float*>(payload + sizeof(header) + k * 8));
   std::memcpy(payload + sizeof(header) + (k + Packed(nv)) * 8, bias.data(), nb * sizeof(float));
   const uint64_t head[3] = {kRecordMagic, static_cast<uint64_t>(words * 8),
-                            Fnv1a(payload, words * 8)};
+                            Checksum(payload, words * 8)};
   std::memcpy(pending_.data() + at, head, sizeof(head));
 }
 
 absl::Status UpdateLog::Commit() {
   if (pending_.empty()) return absl::OkStatus();
-  std::vector<char> records;
-  records.swap(pending_);
-  const int64_t total = static_cast<int64_t>(records.size());
+  // The buffer keeps its capacity for the next step's records; they are dropped either way.
+  struct Clear {
+    ~Clear() { pending.clear(); }
+    std::vector<char>& pending;
+  } clear{pending_};
+  const int64_t total = static_cast<int64_t>(pending_.size());
   for (int64_t done = 0; done < total;) {
-    const ssize_t n = ::pwrite(fd_, records.data() + done, total - done, bytes_ + done);
+    const ssize_t n = ::pwrite(fd_, pending_.data() + done, total - done, bytes_ + done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return Errno("append to", LogPath(dir_));
     done += n;

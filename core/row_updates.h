@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -88,6 +89,10 @@ class UpdateLog {
   // until Commit).
   void Append(const ShardedTable& table, UpdateKind kind, absl::Span<const int64_t> ids,
               absl::Span<const float> values, absl::Span<const float> bias);
+  // The same with `num_values` floats that `fill` writes in place.
+  void Append(const ShardedTable& table, UpdateKind kind, absl::Span<const int64_t> ids,
+              int64_t num_values, absl::FunctionRef<void(float*)> fill,
+              absl::Span<const float> bias);
   // Writes the pending records and syncs them to disk: INTERNAL (naming the file) if it cannot,
   // and the pending records are dropped either way.
   absl::Status Commit();
