@@ -98,6 +98,8 @@ absl::Status ApplyRows(ShardedTable& table, UpdateKind kind, const int64_t* ids,
 
 std::string SnapshotPath(const std::string& dir) { return dir + "/snapshot.safetensors"; }
 std::string LogPath(const std::string& dir) { return dir + "/wal"; }
+// The log a snapshot is being written from (the current one starts empty beside it).
+std::string OldLogPath(const std::string& dir) { return dir + "/wal.old"; }
 
 // Brings `table` to `dir`'s snapshot, if it has one.
 absl::Status ReadSnapshot(const std::string& dir, ShardedTable& table) {
@@ -131,6 +133,85 @@ absl::Status ReadSnapshot(const std::string& dir, ShardedTable& table) {
   table.SetPosition(static_cast<uint64_t>(at[0]), static_cast<uint64_t>(at[1]),
                     static_cast<uint64_t>(at[2]));
   return absl::OkStatus();
+}
+
+// Replays the whole records of the log file `fd` (`path`) that follow `table`'s position, up to
+// `max_agreed`, and cuts the file after the last one kept (a torn or corrupt tail, or records
+// past max_agreed: never acknowledged), setting `cut`. Returns the bytes kept.
+absl::StatusOr<int64_t> Replay(int fd, const std::string& path, ShardedTable& table,
+                               uint64_t max_agreed, bool* cut) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return Errno("read", path);
+  std::vector<char> data(static_cast<size_t>(st.st_size));
+  for (int64_t done = 0; done < st.st_size;) {
+    const ssize_t n = ::pread(fd, data.data() + done, st.st_size - done, done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Errno("read", path);
+    done += n;
+  }
+  const MatrixView shard = table.shard();
+  int64_t good = 0;  // bytes of whole records kept
+  const int64_t size = st.st_size;
+  while (size - good >= kRecordHeaderBytes) {
+    uint64_t head[3];
+    std::memcpy(head, data.data() + good, sizeof(head));
+    const int64_t bytes = static_cast<int64_t>(head[1]);
+    if (head[0] != kRecordMagic || bytes < kPayloadHeaderWords * 8 ||
+        bytes > size - good - kRecordHeaderBytes) {
+      break;
+    }
+    const char* payload = data.data() + good + kRecordHeaderBytes;
+    if (Checksum(payload, bytes) != head[2]) break;
+    std::vector<int64_t> words(bytes / 8);
+    std::memcpy(words.data(), payload, words.size() * 8);
+    const uint64_t lsn = words[0], seq = words[1], agreed = words[2];
+    const auto kind = static_cast<UpdateKind>(words[3]);
+    const int64_t k = words[4], num_values = words[5], num_bias = words[6];
+    const int64_t need = kPayloadHeaderWords + k + Packed(num_values) + Packed(num_bias);
+    if (k < 0 || num_values < 0 || num_bias < 0 || need * 8 != bytes) break;
+    if (agreed > max_agreed) break;
+    const int64_t* ids = words.data() + kPayloadHeaderWords;
+    const auto* values = reinterpret_cast<const float*>(ids + k);
+    const auto* bias = reinterpret_cast<const float*>(ids + k + Packed(num_values));
+    if (lsn <= table.lsn()) {  // in the snapshot already
+      good += kRecordHeaderBytes + bytes;
+      continue;
+    }
+    if (lsn != table.lsn() + 1) {
+      return absl::DataLossError(absl::StrCat("update log \"", path, "\": record ", lsn,
+                                              " follows record ", table.lsn()));
+    }
+    bool fits = true;
+    for (int64_t i = 0; i < k && fits; ++i) {
+      fits = kind == UpdateKind::kScale ? ids[i] >= 0 && ids[i] < shard.rows
+                                        : ids[i] >= 0 && ids[i] < table.config().num_rows;
+    }
+    if (!fits || (kind == UpdateKind::kScale && num_values != k) ||
+        (num_bias != 0 && (num_bias != k || table.bias().empty()))) {
+      return absl::DataLossError(
+          absl::StrCat("update log \"", path, "\": record ", lsn, " does not fit this shard"));
+    }
+    if (kind == UpdateKind::kScale) {
+      // The kernel the renorm ran, so the bytes come out the same.
+      SHARDSERVE_RETURN_IF_ERROR(table.ScaleRows(ids, k, values));
+    } else {
+      int64_t owned = 0;
+      for (int64_t i = 0; i < k; ++i) owned += LocalRow(table, ids[i]) >= 0 ? 1 : 0;
+      if (owned * shard.cols != num_values) {
+        return absl::DataLossError(absl::StrCat("update log \"", path, "\": record ", lsn,
+                                                " holds rows of another shard"));
+      }
+      SHARDSERVE_RETURN_IF_ERROR(ApplyRows(table, kind, ids, k, values, shard.cols, true,
+                                           num_bias ? bias : nullptr));
+    }
+    table.SetPosition(lsn, seq, agreed);
+    good += kRecordHeaderBytes + bytes;
+  }
+  if (good != size) {  // a torn or corrupt tail, or records past max_agreed: never acknowledged
+    if (::ftruncate(fd, good) != 0 || ::fsync(fd) != 0) return Errno("cut the tail of", path);
+    *cut = true;
+  }
+  return good;
 }
 
 }  // namespace
@@ -238,6 +319,7 @@ UpdateLog::UpdateLog(std::string dir, Options options, int fd)
     : dir_(std::move(dir)), options_(options), fd_(fd) {}
 
 UpdateLog::~UpdateLog() {
+  if (writer_.joinable()) writer_.join();
   if (fd_ >= 0) ::close(fd_);
 }
 
@@ -252,76 +334,22 @@ absl::StatusOr<std::shared_ptr<UpdateLog>> UpdateLog::Open(const std::string& di
   std::shared_ptr<UpdateLog> log(new UpdateLog(dir, options, fd));
   SHARDSERVE_RETURN_IF_ERROR(SyncDir(dir));  // the log's name is durable before any record
 
-  // Read the whole log (a snapshot bounds it) and replay every whole record after the snapshot.
-  struct stat st;
-  if (::fstat(fd, &st) != 0) return Errno("read", path);
-  std::vector<char> data(static_cast<size_t>(st.st_size));
-  for (int64_t done = 0; done < st.st_size;) {
-    const ssize_t n = ::pread(fd, data.data() + done, st.st_size - done, done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return Errno("read", path);
-    done += n;
+  // The log a snapshot was being written from, if its writing did not finish (a snapshot bounds
+  // both), then the current one: every whole record after the snapshot.
+  bool cut = false;
+  const std::string old_path = OldLogPath(dir);
+  if (const int old_fd = ::open(old_path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW); old_fd >= 0) {
+    const absl::StatusOr<int64_t> kept = Replay(old_fd, old_path, table, max_agreed, &cut);
+    ::close(old_fd);
+    if (!kept.ok()) return kept.status();
+  } else if (errno != ENOENT) {
+    return Errno("open", old_path);
   }
-  const MatrixView shard = table.shard();
-  int64_t good = 0;  // bytes of whole records kept
-  const int64_t size = st.st_size;
-  while (size - good >= kRecordHeaderBytes) {
-    uint64_t head[3];
-    std::memcpy(head, data.data() + good, sizeof(head));
-    const int64_t bytes = static_cast<int64_t>(head[1]);
-    if (head[0] != kRecordMagic || bytes < kPayloadHeaderWords * 8 ||
-        bytes > size - good - kRecordHeaderBytes) {
-      break;
-    }
-    const char* payload = data.data() + good + kRecordHeaderBytes;
-    if (Checksum(payload, bytes) != head[2]) break;
-    std::vector<int64_t> words(bytes / 8);
-    std::memcpy(words.data(), payload, words.size() * 8);
-    const uint64_t lsn = words[0], seq = words[1], agreed = words[2];
-    const auto kind = static_cast<UpdateKind>(words[3]);
-    const int64_t k = words[4], num_values = words[5], num_bias = words[6];
-    const int64_t need = kPayloadHeaderWords + k + Packed(num_values) + Packed(num_bias);
-    if (k < 0 || num_values < 0 || num_bias < 0 || need * 8 != bytes) break;
-    if (agreed > max_agreed) break;
-    const int64_t* ids = words.data() + kPayloadHeaderWords;
-    const auto* values = reinterpret_cast<const float*>(ids + k);
-    const auto* bias = reinterpret_cast<const float*>(ids + k + Packed(num_values));
-    if (lsn <= table.lsn()) {  // in the snapshot already
-      good += kRecordHeaderBytes + bytes;
-      continue;
-    }
-    if (lsn != table.lsn() + 1) {
-      return absl::DataLossError(absl::StrCat("update log \"", path, "\": record ", lsn,
-                                              " follows record ", table.lsn()));
-    }
-    bool fits = true;
-    for (int64_t i = 0; i < k && fits; ++i) {
-      fits = kind == UpdateKind::kScale ? ids[i] >= 0 && ids[i] < shard.rows
-                                        : ids[i] >= 0 && ids[i] < table.config().num_rows;
-    }
-    if (!fits || (kind == UpdateKind::kScale && num_values != k) ||
-        (num_bias != 0 && (num_bias != k || table.bias().empty()))) {
-      return absl::DataLossError(
-          absl::StrCat("update log \"", path, "\": record ", lsn, " does not fit this shard"));
-    }
-    if (kind == UpdateKind::kScale) {
-      // The kernel the renorm ran, so the bytes come out the same.
-      SHARDSERVE_RETURN_IF_ERROR(table.ScaleRows(ids, k, values));
-    } else {
-      int64_t owned = 0;
-      for (int64_t i = 0; i < k; ++i) owned += LocalRow(table, ids[i]) >= 0 ? 1 : 0;
-      if (owned * shard.cols != num_values) {
-        return absl::DataLossError(absl::StrCat("update log \"", path, "\": record ", lsn,
-                                                " holds rows of another shard"));
-      }
-      SHARDSERVE_RETURN_IF_ERROR(ApplyRows(table, kind, ids, k, values, shard.cols, true,
-                                           num_bias ? bias : nullptr));
-    }
-    table.SetPosition(lsn, seq, agreed);
-    good += kRecordHeaderBytes + bytes;
-  }
-  if (good != size) {  // a torn or corrupt tail, or records past max_agreed: never acknowledged
-    if (::ftruncate(fd, good) != 0 || ::fsync(fd) != 0) return Errno("cut the tail of", path);
+  int64_t good = 0;
+  if (cut) {  // what follows a cut is never acknowledged either
+    if (::ftruncate(fd, 0) != 0 || ::fsync(fd) != 0) return Errno("cut", path);
+  } else {
+    SHARDSERVE_ASSIGN_OR_RETURN(good, Replay(fd, path, table, max_agreed, &cut));
   }
   log->bytes_ = good;
   log->recovered_ = table.agreed();
@@ -381,35 +409,73 @@ absl::Status UpdateLog::Commit() {
 
 absl::Status UpdateLog::MaybeSnapshot(const ShardedTable& table) {
   if (bytes_ < options_.snapshot_bytes) return absl::OkStatus();
-  return Snapshot(table);
+  if (writer_.joinable() && !written_.load(std::memory_order_acquire)) {
+    return absl::OkStatus();  // one snapshot at a time: the log grows until it is written
+  }
+  return StartSnapshot(table, /*wait=*/false);
 }
 
 absl::Status UpdateLog::Snapshot(const ShardedTable& table) {
+  return StartSnapshot(table, /*wait=*/true);
+}
+
+absl::Status UpdateLog::WaitForSnapshot() {
+  if (writer_.joinable()) writer_.join();
+  return written_status_;
+}
+
+absl::Status UpdateLog::StartSnapshot(const ShardedTable& table, bool wait) {
+  if (writer_.joinable()) writer_.join();
+  // A snapshot that could not be written left the log it was taken from: no more rotations
+  // (the log grows) until a restart replays both.
+  if (!written_status_.ok()) return written_status_;
+  if (!pending_.empty()) return absl::FailedPreconditionError("update log: records not committed");
+  // The shard as of now, copied on this (the step loop's) thread; written on another, so that a
+  // step waits for the copy only, not for the disk.
   SHARDSERVE_ASSIGN_OR_RETURN(std::vector<float> shard, table.ReadShard());
+  std::vector<float> bias = table.bias();
   const MatrixView view = table.shard();
-  const int64_t position[3] = {static_cast<int64_t>(table.lsn()),
-                               static_cast<int64_t>(table.seq()),
-                               static_cast<int64_t>(table.agreed())};
-  std::vector<SafetensorsEntry> entries = {
-      {"shard", "F32", {view.rows, view.cols}, shard.data(),
-       static_cast<int64_t>(shard.size() * sizeof(float))},
-      {"position", "I64", {3}, position, 24}};
-  if (!table.bias().empty()) {
-    entries.push_back({"bias", "F32", {static_cast<int64_t>(table.bias().size())},
-                       table.bias().data(),
-                       static_cast<int64_t>(table.bias().size() * sizeof(float))});
-  }
-  // The snapshot is durable before the log is emptied: a crash in between replays nothing twice,
-  // as records up to the snapshot's position are skipped.
-  SHARDSERVE_RETURN_IF_ERROR(WriteSafetensors(SnapshotPath(dir_), entries, /*durable=*/true));
-  SHARDSERVE_RETURN_IF_ERROR(SyncDir(dir_));
-  if (::ftruncate(fd_, 0) != 0 || ::fsync(fd_) != 0) return Errno("empty", LogPath(dir_));
+  std::vector<int64_t> position = {static_cast<int64_t>(table.lsn()),
+                                   static_cast<int64_t>(table.seq()),
+                                   static_cast<int64_t>(table.agreed())};
+  // The records so far move to wal.old; new ones go to a fresh log beside it.
+  const std::string path = LogPath(dir_), old_path = OldLogPath(dir_);
+  if (::rename(path.c_str(), old_path.c_str()) != 0) return Errno("rotate", path);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) return Errno("open", path);
+  ::close(fd_);
+  fd_ = fd;
   bytes_ = 0;
-  return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_ERROR(SyncDir(dir_));
+  written_.store(false, std::memory_order_release);
+  writer_ = std::thread([this, shard = std::move(shard), bias = std::move(bias), view,
+                         position = std::move(position)] {
+    std::vector<SafetensorsEntry> entries = {
+        {"shard", "F32", {view.rows, view.cols}, shard.data(),
+         static_cast<int64_t>(shard.size() * sizeof(float))},
+        {"position", "I64", {3}, position.data(), 24}};
+    if (!bias.empty()) {
+      entries.push_back({"bias", "F32", {static_cast<int64_t>(bias.size())}, bias.data(),
+                         static_cast<int64_t>(bias.size() * sizeof(float))});
+    }
+    // The snapshot is durable before the old log goes: a crash in between replays nothing twice,
+    // as records up to the snapshot's position are skipped.
+    absl::Status status = WriteSafetensors(SnapshotPath(dir_), entries, /*durable=*/true);
+    if (status.ok()) status = SyncDir(dir_);
+    if (status.ok() && ::unlink(OldLogPath(dir_).c_str()) != 0) {
+      status = Errno("remove", OldLogPath(dir_));
+    }
+    if (status.ok()) status = SyncDir(dir_);
+    written_status_ = status;
+    written_.store(true, std::memory_order_release);
+  });
+  if (!wait) return absl::OkStatus();
+  writer_.join();
+  return written_status_;
 }
 
 absl::Status RemoveUpdateLog(const std::string& dir) {
-  for (const std::string& path : {LogPath(dir), SnapshotPath(dir)}) {
+  for (const std::string& path : {LogPath(dir), OldLogPath(dir), SnapshotPath(dir)}) {
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) return Errno("remove", path);
   }
   if (::rmdir(dir.c_str()) != 0 && errno != ENOENT) return Errno("remove", dir);

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -97,16 +98,25 @@ class UpdateLog {
   // and the pending records are dropped either way.
   absl::Status Commit();
   void Discard() { pending_.clear(); }
-  // Writes a snapshot of `table` when the log has grown past its bound, then empties the log.
+  // When the log has grown past its bound: copies `table`'s shard, starts a new log beside the
+  // old one, and writes the snapshot on a thread of its own, which removes the old log once the
+  // snapshot is durable (one at a time; the log grows meanwhile). `table` is this log's load.
   absl::Status MaybeSnapshot(const ShardedTable& table);
+  // The same now, whatever the log's size, and waits until the snapshot is written.
   absl::Status Snapshot(const ShardedTable& table);
+  // Waits for the snapshot being written, if any: its outcome (OK when none).
+  absl::Status WaitForSnapshot();
 
  private:
   UpdateLog(std::string dir, Options options, int fd);
+  absl::Status StartSnapshot(const ShardedTable& table, bool wait);
   std::string dir_;
   Options options_;
   int fd_ = -1;
   int64_t bytes_ = 0;
+  std::thread writer_;  // the snapshot being written
+  std::atomic<bool> written_{true};
+  absl::Status written_status_;  // the last snapshot's (read once the writer has joined)
   std::atomic<uint64_t> acknowledged_{0};
   uint64_t recovered_ = 0;
   std::vector<char> pending_;

@@ -293,8 +293,10 @@ TEST(UpdateLog, SnapshotsBoundTheLogAndRecoverAlike) {
     ASSERT_TRUE(shards[0]->log()->Commit().ok());
     const int64_t before = shards[0]->log()->bytes();
     ASSERT_TRUE(shards[0]->log()->MaybeSnapshot(*shards[0]).ok());
+    ASSERT_TRUE(shards[0]->log()->WaitForSnapshot().ok());
     if (shards[0]->log()->bytes() < before) ++snapshots;
     EXPECT_LT(shards[0]->log()->bytes(), 400);
+    EXPECT_NE(::access((dir + "/wal.old").c_str(), F_OK), 0);  // gone once the snapshot is
   }
   EXPECT_GT(snapshots, 3);
   const std::vector<float> want = *shards[0]->ReadShard();
@@ -315,6 +317,37 @@ TEST(UpdateLog, SnapshotsBoundTheLogAndRecoverAlike) {
                                 {"position", "I64", {3}, std::vector<int64_t>{21, 21, 21}.data(), 24}})
                   .ok());
   EXPECT_EQ(*Opened(config, 1, kernels, dir, 400)->ReadShard(), last);
+}
+
+// A crash while a snapshot was written: the records it was taken from are still in wal.old, the
+// ones after it in wal; both are replayed, in order.
+TEST(UpdateLog, TheLogASnapshotWasTakenFromIsReplayedFirst) {
+  CpuKernels kernels;
+  const TableConfig config = Config(TableKind::kEmbedding, 1, 2);
+  const std::string dir = TempDir("rotated");
+  std::vector<std::unique_ptr<ShardedTable>> shards;
+  shards.push_back(Opened(config, 0, kernels, dir));
+  for (int step = 0; step < 3; ++step) {
+    std::vector<StepRequest> calls = {Update(UpdateKind::kAdd, {step, 9}, 5, step)};
+    ApplyAll(shards, calls);
+    ASSERT_TRUE(shards[0]->log()->Commit().ok());
+  }
+  shards.clear();
+  ASSERT_EQ(::rename((dir + "/wal").c_str(), (dir + "/wal.old").c_str()), 0);
+  shards.push_back(Opened(config, 0, kernels, dir));  // replays wal.old; a new wal beside it
+  ASSERT_EQ(shards[0]->seq(), 3u);
+  std::vector<StepRequest> more = {Update(UpdateKind::kAssign, {9}, 5, 7)};
+  ApplyAll(shards, more);
+  ASSERT_TRUE(shards[0]->log()->Commit().ok());
+  const std::vector<float> want = *shards[0]->ReadShard();
+  shards.clear();
+  auto again = Opened(config, 0, kernels, dir);
+  EXPECT_EQ(again->seq(), 4u);
+  EXPECT_EQ(*again->ReadShard(), want);
+  // And a snapshot written then removes wal.old.
+  ASSERT_TRUE(again->log()->Snapshot(*again).ok());
+  EXPECT_NE(::access((dir + "/wal.old").c_str(), F_OK), 0);
+  EXPECT_EQ(*Opened(config, 0, kernels, dir)->ReadShard(), want);
 }
 
 TEST(UpdateLog, RecoveryUpToAPositionCutsTheRest) {

@@ -34,9 +34,12 @@ using client::LocalCluster;
 using client::LocalClusterOptions;
 using ::testing::HasSubstr;
 
-std::unique_ptr<LocalCluster> Start(const std::string& state_dir = "") {
+std::unique_ptr<LocalCluster> Start(const std::string& state_dir = "",
+                                    std::vector<std::string> worker_flags = {}) {
   LocalClusterOptions options = ClusterOptions(2);
   options.state_dir = state_dir;
+  options.worker_flags.insert(options.worker_flags.end(), worker_flags.begin(),
+                              worker_flags.end());
   absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(options);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
   if (!cluster.ok()) return nullptr;
@@ -236,9 +239,16 @@ bool Serves(Client& c, const std::string& table) {
   return info.ok() && info->state() == v1::TABLE_STATE_SERVING;
 }
 
-TEST(Updates, EveryAcknowledgedUpdateSurvivesSigkill) {
+class Durability : public ::testing::TestWithParam<const char*> {};
+
+// With snapshots as the logs grow past 64 MiB (none here), and as often as they can be written
+// (--snapshot_mb=0: a snapshot starts after every step whose last one is written).
+INSTANTIATE_TEST_SUITE_P(Snapshots, Durability,
+                         ::testing::Values("--snapshot_mb=64", "--snapshot_mb=0"));
+
+TEST_P(Durability, EveryAcknowledgedUpdateSurvivesSigkill) {
   const std::string state = TempDir();
-  auto cluster = Start(state);
+  auto cluster = Start(state, {GetParam()});
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
   const std::string dir = TempDir();
@@ -263,7 +273,7 @@ TEST(Updates, EveryAcknowledgedUpdateSurvivesSigkill) {
 
   // The whole local cluster, coordinator too, started again on the same state directory.
   cluster.reset();
-  cluster = Start(state);
+  cluster = Start(state, {GetParam()});
   ASSERT_NE(cluster, nullptr);
   c = Connect(*cluster);
   ASSERT_TRUE(WaitFor([&] { return Serves(*c, "d"); }, absl::Seconds(30)));
