@@ -389,15 +389,23 @@ void UpdateLog::Append(const ShardedTable& table, UpdateKind kind, absl::Span<co
 }
 
 absl::Status UpdateLog::Commit() {
-  if (pending_.empty()) return absl::OkStatus();
-  // The buffer keeps its capacity for the next step's records; they are dropped either way.
-  struct Clear {
-    ~Clear() { pending.clear(); }
-    std::vector<char>& pending;
-  } clear{pending_};
-  const int64_t total = static_cast<int64_t>(pending_.size());
+  const absl::Status written = Write(pending_);
+  pending_.clear();  // keeps its capacity for the next step's records
+  return written;
+}
+
+std::vector<char> UpdateLog::TakePending() {
+  std::vector<char> records;
+  records.swap(pending_);
+  return records;
+}
+
+absl::Status UpdateLog::Write(const std::vector<char>& records) {
+  if (records.empty()) return absl::OkStatus();
+  const int64_t total = static_cast<int64_t>(records.size());
+  const int64_t at = bytes_.load();
   for (int64_t done = 0; done < total;) {
-    const ssize_t n = ::pwrite(fd_, pending_.data() + done, total - done, bytes_ + done);
+    const ssize_t n = ::pwrite(fd_, records.data() + done, total - done, at + done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return Errno("append to", LogPath(dir_));
     done += n;

@@ -78,7 +78,7 @@ class UpdateLog {
 
   const std::string& dir() const { return dir_; }
   bool pending() const { return !pending_.empty(); }
-  int64_t bytes() const { return bytes_; }  // of the log file, committed records only
+  int64_t bytes() const { return bytes_.load(); }  // of the log file, written records only
   // The agreed position every rank of the group has durably, as far as this process knows (0 after
   // a restart: a recovered tail may hold a step's records some peer never wrote). Thread-safe.
   uint64_t acknowledged() const { return acknowledged_.load(std::memory_order_acquire); }
@@ -97,6 +97,11 @@ class UpdateLog {
   // Writes the pending records and syncs them to disk: INTERNAL (naming the file) if it cannot,
   // and the pending records are dropped either way.
   absl::Status Commit();
+  // The same in two halves, for a step loop that syncs on another thread: the pending records
+  // (taken on the loop's thread), then writing and syncing them (on one other thread, in order;
+  // no snapshot may start meanwhile).
+  std::vector<char> TakePending();
+  absl::Status Write(const std::vector<char>& records);
   void Discard() { pending_.clear(); }
   // When the log has grown past its bound: copies `table`'s shard, starts a new log beside the
   // old one, and writes the snapshot on a thread of its own, which removes the old log once the
@@ -113,7 +118,7 @@ class UpdateLog {
   std::string dir_;
   Options options_;
   int fd_ = -1;
-  int64_t bytes_ = 0;
+  std::atomic<int64_t> bytes_{0};
   std::thread writer_;  // the snapshot being written
   std::atomic<bool> written_{true};
   absl::Status written_status_;  // the last snapshot's (read once the writer has joined)

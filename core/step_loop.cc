@@ -1,6 +1,8 @@
 #include "core/step_loop.h"
 
 #include <algorithm>
+#include <limits>
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -29,6 +31,15 @@ struct StepLoop::Group {
   // A group that parks cheaply has no idle rounds: AwaitRound returned, so the next round runs
   // (a peer may have started it) whether or not this rank has work by then.
   bool round_due = false;
+  int64_t round = 0;  // agreement rounds of this group so far: alike on every rank
+  // Steps whose update log records wait for every rank's sync (Syncer): their update requests
+  // are answered, and their loads' logs acknowledged, once every rank says it synced past them.
+  struct PendingAck {
+    int64_t round = 0;
+    std::vector<std::unique_ptr<StepRequest>> requests;
+    std::vector<std::pair<std::shared_ptr<ShardedTable>, uint64_t>> logged;  // load, agreed
+  };
+  std::deque<PendingAck> acks;
 
   bool formed() const { return transports.channel != nullptr; }
   void Abort() const {
@@ -69,6 +80,81 @@ struct StepLoop::Step {
   }
 };
 
+// Writes and syncs the update logs' records of each round, in order, on a thread of its own, so
+// that steps never wait for the disk (only the answers to updates do).
+class StepLoop::Syncer {
+ public:
+  using Records = std::vector<std::pair<std::shared_ptr<ShardedTable>, std::vector<char>>>;
+
+  // `progress` runs (on the syncer's thread) after each round's records are synced.
+  explicit Syncer(std::function<void()> progress)
+      : progress_(std::move(progress)), thread_([this] { Run(); }) {}
+  ~Syncer() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+  void Add(int64_t round, Records records) {
+    absl::MutexLock lock(&mu_);
+    jobs_.emplace_back(round, std::move(records));
+  }
+  // Every record of rounds up to this is synced: `last_round` when nothing waits, else the round
+  // before the oldest waiting; -1 once a log could not be synced (it stays so: the group breaks).
+  int64_t Synced(int64_t last_round) const {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok()) return -1;
+    return jobs_.empty() ? last_round : jobs_.front().first - 1;
+  }
+  absl::Status failed() const {
+    absl::MutexLock lock(&mu_);
+    return failed_;
+  }
+  bool Idle() const {
+    absl::MutexLock lock(&mu_);
+    return jobs_.empty();
+  }
+  void Drain() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(+[](std::deque<std::pair<int64_t, Records>>* jobs) {
+      return jobs->empty();
+    }, &jobs_));
+  }
+
+ private:
+  void Run() {
+    while (true) {
+      Records* records = nullptr;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_ || !jobs_.empty(); };
+        mu_.Await(absl::Condition(&ready));
+        if (jobs_.empty()) return;  // stopped
+        records = &jobs_.front().second;  // stays put: only this thread pops
+      }
+      absl::Status status;
+      for (const auto& [table, bytes] : *records) {
+        if (absl::Status s = table->log()->Write(bytes); !s.ok() && status.ok()) status = s;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        if (!status.ok() && failed_.ok()) failed_ = status;
+        jobs_.pop_front();
+      }
+      progress_();
+    }
+  }
+
+  const std::function<void()> progress_;
+  mutable absl::Mutex mu_;
+  std::deque<std::pair<int64_t, Records>> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
 StepLoop::StepLoop(Options options, LocalKernels& kernels, TableSource& tables,
                    ResponseSink& sink)
     : options_(std::move(options)), kernels_(kernels), tables_(tables), sink_(sink) {}
@@ -80,6 +166,11 @@ void StepLoop::UnparkLocked() {
 }
 
 void StepLoop::Start() {
+  syncer_ = std::make_unique<Syncer>([this] {
+    absl::MutexLock lock(&mu_);
+    sync_news_ = true;
+    UnparkLocked();
+  });
   {
     absl::MutexLock lock(&mu_);
     running_ = true;
@@ -119,6 +210,7 @@ void StepLoop::Stop() {
   }
   if (thread_.joinable()) thread_.join();
   if (park_checker_.joinable()) park_checker_.join();
+  syncer_.reset();  // after the loop: it waits for what it was given
   std::deque<std::unique_ptr<StepRequest>> left;
   std::deque<std::function<void()>> tasks;
   {
@@ -235,6 +327,7 @@ void StepLoop::Run() {
     if (!WaitForRound(group, step)) continue;
     if (options_.observer) step.round_start = absl::Now();
     if (step.broken.ok()) Agree(group, step);
+    if (step.broken.ok()) Acknowledge(group, step);
     if (step.broken.ok() && options_.one_request_per_step) TakeTurn(group, step);
     if (step.broken.ok() && step.agreement->work().empty() && Idle(group, step)) continue;
     group.idle = absl::ZeroDuration();
@@ -243,6 +336,7 @@ void StepLoop::Run() {
     if (step.broken.ok()) RunOps(group, step);
     if (!step.broken.ok()) FailGroup(group, step);
   }
+  FailPendingAcks(group, absl::UnavailableError("worker is shutting down"));
   {
     absl::MutexLock lock(&mu_);
     active_group_ = StepGroup();
@@ -271,7 +365,15 @@ bool StepLoop::TakeNews(Group& group, Step& step) {
       }
       if (group.formed() || pending_group_.channel != nullptr) break;
     }
+    if (sync_news_ && group.formed()) group.round_due = true;  // tell the peers how far it synced
+    sync_news_ = false;
     if (pending_group_.channel != nullptr) {
+      if (!group.acks.empty()) {
+        mu_.Unlock();
+        FailPendingAcks(group, absl::UnavailableError(
+                                   "the group was formed anew before every rank synced the update"));
+        mu_.Lock();
+      }
       group = Group();  // the previous group's transports close here
       group.transports = std::move(pending_group_);
       if (options_.observer != nullptr) {
@@ -387,7 +489,8 @@ void StepLoop::Agree(Group& group, Step& step) {
                               : hellos.status();
     if (!step.broken.ok()) return;
   }
-  AgreementWriter writer(step.tables->digest);
+  const int64_t round = ++group.round;
+  AgreementWriter writer(step.tables->digest, syncer_->Synced(round - 1));
   for (const auto& [key, indices] : step.mine) writer.Add(key, step.Requests(indices));
   rounds_.fetch_add(1);
   absl::StatusOr<std::vector<absl::Span<const char>>> messages =
@@ -447,7 +550,8 @@ bool StepLoop::Idle(Group& group, Step& step) {
   step.loads.clear();
   StepChannel& channel = *group.transports.channel;
   if (channel.ParksCheaply()) return true;
-  if (++group.idle_rounds > options_.park_after_idle_rounds) {
+  const bool syncing = !group.acks.empty() || !syncer_->Idle();  // peers wait to hear of it
+  if (++group.idle_rounds > options_.park_after_idle_rounds && !syncing) {
     absl::Status parked = channel.Park(options_.collective_timeout);
     if (parked.ok()) return true;
     if (!absl::IsUnimplemented(parked)) {  // cannot park: back off instead
@@ -459,7 +563,7 @@ bool StepLoop::Idle(Group& group, Step& step) {
   absl::MutexLock lock(&mu_);
   auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return stop_ || !queue_.empty() || pending_group_.channel != nullptr ||
-           !between_steps_.empty();
+           !between_steps_.empty() || sync_news_;
   };
   mu_.AwaitWithTimeout(absl::Condition(&wake), group.idle);
   return true;
@@ -545,7 +649,7 @@ void StepLoop::RunOps(Group& group, Step& step) {
   Collectives& data = group.timed_data ? *group.timed_data : *t.data;
   ShardedOps ops(control, data, kernels_, OpOptions{options_.collective_timeout, options_.limits});
   RunWork(group, step, ops);
-  if (step.broken.ok()) Commit(group, step, control);
+  if (step.broken.ok()) StartSync(group, step);
   if (observer == nullptr || !step.broken.ok()) return;
   stats.agreement = step.agreement_time;
   stats.exchange = group.timed_data->Take();
@@ -592,41 +696,81 @@ void StepLoop::RunUpdates(Group& group, Step& step, const WorkKey& key,
   }
 }
 
-// Makes the step's updates and renorms durable: each load's log is synced once (group commit),
-// then - when the step updated tables - the ranks tell each other that theirs are, and only then
-// are this rank's updates answered: an acknowledged update is on every rank's disk.
-void StepLoop::Commit(Group& group, Step& step, Collectives& control) {
-  absl::Status synced;
+// Hands the step's update log records to the syncer, and keeps its update requests until every
+// rank says it synced past this round (Acknowledge): an answered update is on every rank's disk.
+void StepLoop::StartSync(Group& group, Step& step) {
+  Syncer::Records records;
+  Group::PendingAck ack;
+  ack.round = group.round;
   for (const std::shared_ptr<ShardedTable>& table : step.loads) {
     UpdateLog* log = table->log();
     if (log == nullptr || !log->pending()) continue;
-    if (absl::Status s = log->Commit(); !s.ok() && synced.ok()) synced = s;
+    records.emplace_back(table, log->TakePending());
+    ack.logged.emplace_back(table, table->agreed());
   }
-  if (!step.has_updates) return;
-  int64_t failed = synced.ok() ? 0 : 1;
-  if (absl::Status s = control.AllReduce(&failed, 1, ReduceOp::kMax, options_.collective_timeout);
-      !s.ok()) {
-    step.broken = s;
-    return;
+  for (size_t i : step.updated) ack.requests.push_back(std::move(step.batch[i]));
+  step.updated.clear();
+  // Tables the step updated stay unsure (should the group fail) until acknowledged.
+  for (const std::shared_ptr<ShardedTable>& table : step.renorm_unsure) {
+    if (std::none_of(ack.logged.begin(), ack.logged.end(),
+                     [&](const auto& l) { return l.first == table; })) {
+      ack.logged.emplace_back(table, table->agreed());
+    }
   }
-  if (failed != 0) {
-    step.broken = absl::UnavailableError(absl::StrCat(
-        "a rank could not make the step's updates durable",
-        synced.ok() ? std::string() : absl::StrCat(" (this rank: ", synced.message(), ")")));
-    return;
-  }
-  for (const std::shared_ptr<ShardedTable>& table : step.loads) {
-    UpdateLog* log = table->log();
-    if (log == nullptr) continue;
-    log->Acknowledge(table->agreed());
-    // Between steps; a failed snapshot leaves the log as it is, to be tried again.
-    log->MaybeSnapshot(*table).IgnoreError();
-  }
-  std::vector<size_t> updated;
-  updated.swap(step.updated);
-  for (size_t i : updated) Answer(step.batch[i], DenseResult{});
-  // Only tables whose renorms may differ stay unsure from here.
   step.renorm_unsure.clear();
+  if (!records.empty()) syncer_->Add(group.round, std::move(records));
+  if (ack.requests.empty() && ack.logged.empty()) return;
+  group.acks.push_back(std::move(ack));
+  group.round_due = true;  // the next round tells the peers (and this rank) how far each synced
+}
+
+// After a round: answers the updates (and acknowledges the logs) of the rounds every rank has
+// synced past; a rank that could not sync its log breaks the group.
+void StepLoop::Acknowledge(Group& group, Step& step) {
+  const std::vector<int64_t>& synced = step.agreement->synced();
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (size_t q = 0; q < synced.size(); ++q) {
+    if (synced[q] < 0) {
+      const absl::Status mine = syncer_->failed();
+      step.broken = absl::UnavailableError(absl::StrCat(
+          "rank ", q, " could not sync its update log",
+          mine.ok() ? std::string() : absl::StrCat(": ", mine.message())));
+      return;
+    }
+    least = std::min(least, synced[q]);
+  }
+  bool acknowledged = false;
+  while (!group.acks.empty() && group.acks.front().round <= least) {
+    Group::PendingAck& ack = group.acks.front();
+    for (const auto& [table, agreed] : ack.logged) {
+      if (table->log() != nullptr) table->log()->Acknowledge(agreed);
+    }
+    for (std::unique_ptr<StepRequest>& r : ack.requests) Answer(r, DenseResult{});
+    for (const auto& [table, agreed] : ack.logged) {
+      // Between steps, with no write of its records in flight; a failed snapshot leaves the log
+      // as it is, to be tried again.
+      if (table->log() != nullptr && syncer_->Idle()) {
+        table->log()->MaybeSnapshot(*table).IgnoreError();
+      }
+    }
+    group.acks.pop_front();
+    acknowledged = true;
+  }
+  if (acknowledged) sink_.Flush();
+}
+
+// The group is gone before every rank synced these updates: they are answered `status`, and
+// their tables handed back as unsure (reloaded from the logs, which the coordinator cuts to the
+// shortest before the group serves them).
+void StepLoop::FailPendingAcks(Group& group, const absl::Status& status) {
+  if (group.acks.empty()) return;
+  syncer_->Drain();  // nothing writes the logs while the tables are reloaded
+  for (Group::PendingAck& ack : group.acks) {
+    for (std::unique_ptr<StepRequest>& r : ack.requests) Answer(r, status);
+    for (const auto& [table, agreed] : ack.logged) tables_.DropRenormUnsure(table);
+  }
+  group.acks.clear();
+  sink_.Flush();
 }
 
 // Runs the agreed work with `ops` and answers this rank's requests.
@@ -730,11 +874,13 @@ void StepLoop::FailGroup(Group& group, Step& step) {
   for (const std::shared_ptr<ShardedTable>& table : step.loads) {
     if (table->log() != nullptr) table->log()->Discard();  // never written: never acknowledged
   }
+  syncer_->Drain();  // nothing writes the logs of the tables handed back below
   {
     absl::MutexLock lock(&mu_);
     active_group_ = StepGroup();
     last_break_ = status;
   }
+  FailPendingAcks(group, status);
   group = Group();
   std::deque<std::unique_ptr<StepRequest>> queued;
   {

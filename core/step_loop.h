@@ -138,6 +138,7 @@ class StepLoop {
  private:
   struct Group;
   struct Step;
+  class Syncer;
 
   void Run();
   // The phases of one iteration of Run(), in order.
@@ -152,7 +153,9 @@ class StepLoop {
   void RunUpdates(Group& group, Step& step, const WorkKey& key,
                   std::vector<absl::Span<const char>>& inputs,
                   const std::shared_ptr<ShardedTable>& table);
-  void Commit(Group& group, Step& step, Collectives& control);
+  void StartSync(Group& group, Step& step);
+  void Acknowledge(Group& group, Step& step);
+  void FailPendingAcks(Group& group, const absl::Status& status);
   void FailGroup(Group& group, Step& step);
 
   // Delivers `request`'s answer unless BreakGroup did, and frees it.
@@ -170,9 +173,11 @@ class StepLoop {
   ResponseSink& sink_;
   std::thread thread_;
   std::thread park_checker_;  // unparks the loop every Options::park_check
+  std::unique_ptr<Syncer> syncer_;  // the update logs' writes and syncs
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool sync_news_ ABSL_GUARDED_BY(mu_) = false;  // the syncer synced more: peers should hear
   std::deque<std::unique_ptr<StepRequest>> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // InputBytes() of queue_
   StepGroup pending_group_ ABSL_GUARDED_BY(mu_);

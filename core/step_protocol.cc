@@ -19,6 +19,9 @@ constexpr int64_t kHelloMagic = 0x70657473'64726168;  // "hardstep" in little-en
 // in bytes, the input message's length in words, the version (0: the latest), the name (padded
 // to whole words), the message.
 constexpr int64_t kEntryHeaderWords = 4;
+// An agreement message starts with the digest of the rank's tables and where its update logs are
+// synced to (AgreementWriter).
+constexpr int64_t kHeaderWords = 2;
 constexpr int64_t kMaxNameBytes = 1 << 16;
 
 int64_t NameWords(int64_t bytes) { return (bytes + 7) / 8; }
@@ -84,7 +87,8 @@ absl::Status CheckHellos(absl::Span<const absl::Span<const char>> hellos,
   return absl::OkStatus();
 }
 
-AgreementWriter::AgreementWriter(uint64_t digest) : words_{static_cast<int64_t>(digest)} {}
+AgreementWriter::AgreementWriter(uint64_t digest, int64_t synced)
+    : words_{static_cast<int64_t>(digest), synced} {}
 
 void AgreementWriter::Add(const WorkKey& key, absl::Span<StepRequest* const> requests) {
   const int64_t name_bytes = static_cast<int64_t>(key.table.size());
@@ -149,12 +153,13 @@ absl::StatusOr<Agreement> Agreement::Read(absl::Span<const absl::Span<const char
     const absl::Span<const char> m = messages[q];
     const auto* words = reinterpret_cast<const int64_t*>(m.data());
     const int64_t n = static_cast<int64_t>(m.size() / 8);
-    if (m.size() % 8 != 0 || n < 1 || reinterpret_cast<uintptr_t>(words) % 8 != 0) {
+    if (m.size() % 8 != 0 || n < kHeaderWords || reinterpret_cast<uintptr_t>(words) % 8 != 0) {
       return Malformed(q, "is not whole aligned words");
     }
     if (q == 0) first_digest = words[0];
     a.same_tables_ = a.same_tables_ && words[0] == first_digest;
-    for (int64_t at = 1; at < n;) {
+    a.synced_.push_back(words[1]);
+    for (int64_t at = kHeaderWords; at < n;) {
       if (n - at < kEntryHeaderWords) return Malformed(q, "ends inside an entry");
       const int64_t k = words[at], name_bytes = words[at + 1], message_words = words[at + 2];
       const int64_t op = k & 0xff, mode = (k >> 8) & 0xff, weights = k >> 16;

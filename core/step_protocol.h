@@ -20,7 +20,9 @@
 //   and active on none cannot be pinned yet; staged versions stay out of the digest, so ranks
 //   that load one at different speeds need no extra round meanwhile.
 // - Updates (op kUpdate, row_updates.h) are work like any other: their key names the table, their
-//   message every call of the rank whole, and every rank applies every rank's calls in order.
+//   message every call of the rank whole, and every rank applies every rank's calls in order. Each
+//   agreement also says up to which round the rank's update logs are synced: an update is
+//   answered once every rank's are synced past the round that applied it.
 //
 // Bump kStepProtocol on any change to these messages, the input message or the ops' collectives.
 #ifndef SHARDSERVE_CORE_STEP_PROTOCOL_H_
@@ -43,7 +45,7 @@
 
 namespace shardserve::core {
 
-inline constexpr int64_t kStepProtocol = 6;
+inline constexpr int64_t kStepProtocol = 7;
 
 // Requests that can share one sharded op call: same table, op, pool mode and weights-or-not.
 struct WorkKey {
@@ -68,7 +70,9 @@ absl::Status CheckHellos(absl::Span<const absl::Span<const char>> hellos,
 // Builds this rank's agreement message.
 class AgreementWriter {
  public:
-  explicit AgreementWriter(uint64_t digest);
+  // `synced`: every update log record this rank wrote in rounds up to this one (of the group's
+  // rounds, counted from its first) is on its disk; -1: a log could not be synced.
+  explicit AgreementWriter(uint64_t digest, int64_t synced = 0);
   // Adds `key`'s work: the concatenated input of `requests` (all of `key`, validated against
   // `table` when they were prepared).
   void Add(const WorkKey& key, absl::Span<StepRequest* const> requests);
@@ -90,6 +94,8 @@ class Agreement {
 
   int world() const { return static_cast<int>(has_work_.size()); }
   bool same_tables() const { return same_tables_; }  // every rank sent the same digest
+  // What each rank said of its update logs (AgreementWriter's `synced`).
+  const std::vector<int64_t>& synced() const { return synced_; }
   bool has_work(int rank) const { return has_work_[rank]; }
   // Per key, each rank's input message for it; a rank without work for it has an empty span
   // (data() == nullptr).
@@ -102,6 +108,7 @@ class Agreement {
   std::vector<absl::Span<const char>> messages_;
   std::vector<std::vector<int64_t>> owned_;
   std::vector<bool> has_work_;
+  std::vector<int64_t> synced_;
   bool same_tables_ = true;
   std::map<WorkKey, std::vector<absl::Span<const char>>> work_;
 };
