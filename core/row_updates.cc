@@ -79,13 +79,30 @@ int64_t LocalRow(const ShardedTable& table, int64_t id) {
 absl::Status ApplyRows(ShardedTable& table, UpdateKind kind, const int64_t* ids, int64_t k,
                        const float* values, int64_t stride, bool packed, const float* bias) {
   const bool add = kind == UpdateKind::kAdd;
+  const int64_t cols = table.shard().cols;
+  float* const host = table.HostRows();
   const float* next = values;
+  int64_t local = k > 0 ? LocalRow(table, ids[0]) : -1;
   for (int64_t i = 0; i < k; ++i) {
-    const int64_t local = LocalRow(table, ids[i]);
-    if (local < 0) continue;
-    const float* row = packed ? next : values + i * stride;
-    SHARDSERVE_RETURN_IF_ERROR(table.WriteRow(local, add, row));
-    next += table.shard().cols;
+    // The next row's lines are fetched while this one is written: rows are random, so each is a
+    // miss, and the misses, not the adds, are what an update costs.
+    const int64_t following = i + 1 < k ? LocalRow(table, ids[i + 1]) : -1;
+    if (host != nullptr && following >= 0) {
+      for (int64_t c = 0; c < cols; c += 16) __builtin_prefetch(host + following * cols + c, 1);
+    }
+    if (local >= 0) {
+      const float* row = packed ? next : values + i * stride;
+      if (host == nullptr) {
+        SHARDSERVE_RETURN_IF_ERROR(table.WriteRow(local, add, row));
+      } else if (add) {
+        float* dst = host + local * cols;
+        for (int64_t c = 0; c < cols; ++c) dst[c] += row[c];
+      } else {
+        std::memcpy(host + local * cols, row, cols * sizeof(float));
+      }
+      next += cols;
+    }
+    local = following;
   }
   if (bias != nullptr) {
     std::vector<float>& b = table.mutable_bias();
@@ -216,22 +233,36 @@ absl::StatusOr<int64_t> Replay(int fd, const std::string& path, ShardedTable& ta
 
 }  // namespace
 
+namespace {
+
+// Appends `n` floats to `out` as words, two to a word (the last one padded with zero).
+void AppendFloats(const float* floats, int64_t n, std::vector<int64_t>& out) {
+  const auto* words = reinterpret_cast<const char*>(floats);
+  const size_t at = out.size();
+  out.resize(at + Packed(n));  // (value-initialised; the copy below overwrites it)
+  std::memcpy(out.data() + at, words, n * sizeof(float));
+  if (n % 2 != 0) std::memset(reinterpret_cast<char*>(out.data() + at) + n * 4, 0, 4);
+}
+
+}  // namespace
+
 void AppendUpdateMessage(absl::Span<StepRequest* const> requests, std::vector<int64_t>& out) {
+  size_t words = 1;
+  for (const StepRequest* r : requests) {
+    const int64_t k = static_cast<int64_t>(r->ids.size());
+    words += kCallHeaderWords + k + Packed(static_cast<int64_t>(r->values.size())) +
+             (r->bias.empty() ? 0 : Packed(k));
+  }
+  out.reserve(out.size() + words);
   out.push_back(static_cast<int64_t>(requests.size()));
   for (const StepRequest* r : requests) {
     const int64_t k = static_cast<int64_t>(r->ids.size());
-    const int64_t values = static_cast<int64_t>(r->values.size());
-    const size_t at = out.size();
-    out.resize(at + kCallHeaderWords + k + Packed(values) + (r->bias.empty() ? 0 : Packed(k)), 0);
-    int64_t* w = out.data() + at;
-    w[0] = static_cast<int64_t>(r->update);
-    w[1] = k;
-    w[2] = r->bias.empty() ? 0 : 1;
-    std::memcpy(w + kCallHeaderWords, r->ids.data(), k * sizeof(int64_t));
-    std::memcpy(w + kCallHeaderWords + k, r->values.data(), values * sizeof(float));
-    if (!r->bias.empty()) {
-      std::memcpy(w + kCallHeaderWords + k + Packed(values), r->bias.data(), k * sizeof(float));
-    }
+    out.push_back(static_cast<int64_t>(r->update));
+    out.push_back(k);
+    out.push_back(r->bias.empty() ? 0 : 1);
+    out.insert(out.end(), r->ids.begin(), r->ids.end());
+    AppendFloats(r->values.data(), static_cast<int64_t>(r->values.size()), out);
+    if (!r->bias.empty()) AppendFloats(r->bias.data(), k, out);
   }
 }
 
@@ -401,17 +432,25 @@ std::vector<char> UpdateLog::TakePending() {
 }
 
 absl::Status UpdateLog::Write(const std::vector<char>& records) {
-  if (records.empty()) return absl::OkStatus();
-  const int64_t total = static_cast<int64_t>(records.size());
-  const int64_t at = bytes_.load();
-  for (int64_t done = 0; done < total;) {
-    const ssize_t n = ::pwrite(fd_, records.data() + done, total - done, at + done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return Errno("append to", LogPath(dir_));
-    done += n;
+  const std::vector<char>* one = &records;
+  return Write(absl::MakeConstSpan(&one, 1));
+}
+
+absl::Status UpdateLog::Write(absl::Span<const std::vector<char>* const> records) {
+  int64_t at = bytes_.load();
+  for (const std::vector<char>* r : records) {
+    const int64_t total = static_cast<int64_t>(r->size());
+    for (int64_t done = 0; done < total;) {
+      const ssize_t n = ::pwrite(fd_, r->data() + done, total - done, at + done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return Errno("append to", LogPath(dir_));
+      done += n;
+    }
+    at += total;
   }
+  if (at == bytes_.load()) return absl::OkStatus();
   if (::fdatasync(fd_) != 0) return Errno("sync", LogPath(dir_));
-  bytes_ += total;
+  bytes_ = at;
   return absl::OkStatus();
 }
 

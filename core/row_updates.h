@@ -102,6 +102,8 @@ class UpdateLog {
   // no snapshot may start meanwhile).
   std::vector<char> TakePending();
   absl::Status Write(const std::vector<char>& records);
+  // Writes several steps' records in order and syncs once (the syncer's group commit).
+  absl::Status Write(absl::Span<const std::vector<char>* const> records);
   void Discard() { pending_.clear(); }
   // When the log has grown past its bound: copies `table`'s shard, starts a new log beside the
   // old one, and writes the snapshot on a thread of its own, which removes the old log once the

@@ -62,6 +62,8 @@ class ShardedTable {
   // Row updates (row_updates.h), on the executor thread. Sets (or adds `values` to) shard row
   // `local_row`: shard_cols floats.
   absl::Status WriteRow(int64_t local_row, bool add, const float* values);
+  // The shard's rows where the host may write them in place (CPU kernels), else null.
+  float* HostRows() const { return kernels_.host_accessible() ? storage_.floats() : nullptr; }
   // Scales shard rows `local_rows` (a renorm's, replayed from the log).
   absl::Status ScaleRows(const int64_t* local_rows, int64_t n, const float* scales);
   // Overwrites the whole shard with `rows` (shard_rows x shard_cols, row-major host memory).

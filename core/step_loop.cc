@@ -124,24 +124,30 @@ class StepLoop::Syncer {
   }
 
  private:
+  // Takes every round waiting, writes each log's records of them in order and syncs each log
+  // once: group commit across rounds, while the disk was busy with the last sync.
   void Run() {
     while (true) {
-      Records* records = nullptr;
+      size_t taken = 0;
+      std::map<UpdateLog*, std::vector<const std::vector<char>*>> by_log;
       {
         absl::MutexLock lock(&mu_);
         auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_ || !jobs_.empty(); };
         mu_.Await(absl::Condition(&ready));
         if (jobs_.empty()) return;  // stopped
-        records = &jobs_.front().second;  // stays put: only this thread pops
+        taken = jobs_.size();  // they stay put: only this thread pops
+        for (auto& [round, records] : jobs_) {
+          for (const auto& [table, bytes] : records) by_log[table->log()].push_back(&bytes);
+        }
       }
       absl::Status status;
-      for (const auto& [table, bytes] : *records) {
-        if (absl::Status s = table->log()->Write(bytes); !s.ok() && status.ok()) status = s;
+      for (const auto& [log, records] : by_log) {
+        if (absl::Status s = log->Write(records); !s.ok() && status.ok()) status = s;
       }
       {
         absl::MutexLock lock(&mu_);
         if (!status.ok() && failed_.ok()) failed_ = status;
-        jobs_.pop_front();
+        for (size_t i = 0; i < taken; ++i) jobs_.pop_front();
       }
       progress_();
     }
