@@ -401,7 +401,7 @@ void UpdateLog::Append(const ShardedTable& table, UpdateKind kind, absl::Span<co
   const int64_t nb = static_cast<int64_t>(bias.size());
   const int64_t words = kPayloadHeaderWords + k + Packed(nv) + Packed(nb);
   const size_t at = pending_.size();
-  pending_.resize(at + kRecordHeaderBytes + words * 8, 0);
+  pending_.resize(at + kRecordHeaderBytes + words * 8);  // every byte is written below
   char* payload = pending_.data() + at + kRecordHeaderBytes;
   const int64_t header[kPayloadHeaderWords] = {static_cast<int64_t>(table.lsn()),
                                                static_cast<int64_t>(table.seq()),
@@ -412,8 +412,13 @@ void UpdateLog::Append(const ShardedTable& table, UpdateKind kind, absl::Span<co
                                                nb};
   std::memcpy(payload, header, sizeof(header));
   std::memcpy(payload + sizeof(header), ids.data(), k * 8);
-  fill(reinterpret_cast<float*>(payload + sizeof(header) + k * 8));
-  std::memcpy(payload + sizeof(header) + (k + Packed(nv)) * 8, bias.data(), nb * sizeof(float));
+  char* const values_at = payload + sizeof(header) + k * 8;
+  fill(reinterpret_cast<float*>(values_at));
+  char* const bias_at = values_at + Packed(nv) * 8;
+  std::memcpy(bias_at, bias.data(), nb * sizeof(float));
+  // The padding of an odd count of floats, zeroed: the file holds nothing but the record.
+  if (nv % 2 != 0) std::memset(values_at + nv * sizeof(float), 0, sizeof(float));
+  if (nb % 2 != 0) std::memset(bias_at + nb * sizeof(float), 0, sizeof(float));
   const uint64_t head[3] = {kRecordMagic, static_cast<uint64_t>(words * 8),
                             Checksum(payload, words * 8)};
   std::memcpy(pending_.data() + at, head, sizeof(head));
@@ -425,20 +430,20 @@ absl::Status UpdateLog::Commit() {
   return written;
 }
 
-std::vector<char> UpdateLog::TakePending() {
-  std::vector<char> records;
+LogRecords UpdateLog::TakePending() {
+  LogRecords records;
   records.swap(pending_);
   return records;
 }
 
-absl::Status UpdateLog::Write(const std::vector<char>& records) {
-  const std::vector<char>* one = &records;
+absl::Status UpdateLog::Write(const LogRecords& records) {
+  const LogRecords* one = &records;
   return Write(absl::MakeConstSpan(&one, 1));
 }
 
-absl::Status UpdateLog::Write(absl::Span<const std::vector<char>* const> records) {
+absl::Status UpdateLog::Write(absl::Span<const LogRecords* const> records) {
   int64_t at = bytes_.load();
-  for (const std::vector<char>* r : records) {
+  for (const LogRecords* r : records) {
     const int64_t total = static_cast<int64_t>(r->size());
     for (int64_t done = 0; done < total;) {
       const ssize_t n = ::pwrite(fd_, r->data() + done, total - done, at + done);

@@ -24,6 +24,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -60,6 +61,28 @@ absl::Status ApplyUpdate(ShardedTable& table, const UpdateCall& call);
 // Logs a renorm the lookup applied: shard rows `local_rows` scaled by `scales`.
 void LogRenorm(ShardedTable& table, absl::Span<const int64_t> local_rows,
                absl::Span<const float> scales);
+
+// An allocator that leaves new elements uninitialised: record buffers are written whole right
+// after they grow (zeroing them first was a sixth of an update's time).
+template <typename T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  using std::allocator<T>::allocator;
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+// Log records as appended (UpdateLog::TakePending, Write).
+using LogRecords = std::vector<char, UninitializedAllocator<char>>;
 
 class UpdateLog {
  public:
@@ -100,10 +123,10 @@ class UpdateLog {
   // The same in two halves, for a step loop that syncs on another thread: the pending records
   // (taken on the loop's thread), then writing and syncing them (on one other thread, in order;
   // no snapshot may start meanwhile).
-  std::vector<char> TakePending();
-  absl::Status Write(const std::vector<char>& records);
+  LogRecords TakePending();
+  absl::Status Write(const LogRecords& records);
   // Writes several steps' records in order and syncs once (the syncer's group commit).
-  absl::Status Write(absl::Span<const std::vector<char>* const> records);
+  absl::Status Write(absl::Span<const LogRecords* const> records);
   void Discard() { pending_.clear(); }
   // When the log has grown past its bound: copies `table`'s shard, starts a new log beside the
   // old one, and writes the snapshot on a thread of its own, which removes the old log once the
@@ -126,7 +149,7 @@ class UpdateLog {
   absl::Status written_status_;  // the last snapshot's (read once the writer has joined)
   std::atomic<uint64_t> acknowledged_{0};
   uint64_t recovered_ = 0;
-  std::vector<char> pending_;
+  LogRecords pending_;
 };
 
 // Removes a load's log directory (the table was dropped): OK when there is none.

@@ -84,7 +84,7 @@ struct StepLoop::Step {
 // that steps never wait for the disk (only the answers to updates do).
 class StepLoop::Syncer {
  public:
-  using Records = std::vector<std::pair<std::shared_ptr<ShardedTable>, std::vector<char>>>;
+  using Records = std::vector<std::pair<std::shared_ptr<ShardedTable>, LogRecords>>;
 
   // `progress` runs (on the syncer's thread) after each round's records are synced.
   explicit Syncer(std::function<void()> progress)
@@ -129,7 +129,7 @@ class StepLoop::Syncer {
   void Run() {
     while (true) {
       size_t taken = 0;
-      std::map<UpdateLog*, std::vector<const std::vector<char>*>> by_log;
+      std::map<UpdateLog*, std::vector<const LogRecords*>> by_log;
       {
         absl::MutexLock lock(&mu_);
         auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_ || !jobs_.empty(); };
