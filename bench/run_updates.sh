@@ -6,7 +6,9 @@
 #      appendonly yes + appendfsync always doing the same writes (MSET of 512 rows' bytes per call,
 #      as many connections);
 #   2. lookups (EmbeddingBag 512 x 20, closed loop) alone, then while updates run open-loop at 20 %
-#      of the rate measured in 1.
+#      of the rate measured in 1;
+#   and the ceiling: the same update calls to a gRPC server that parses and answers them at once
+#   (bench/echo_server): what gRPC and the load generator alone carry here.
 # Shapes: N = 100 000 rows, D = 128, fp32, W = 2 CPU workers, col-wise, one replica group (updates
 # to replicated tables are not built yet). Logs and Redis' AOF on this machine's disk.
 #   bench/run_updates.sh [ROUNDS] [SECONDS] [CONCURRENCY]
@@ -16,7 +18,7 @@ rounds=${1:-3}
 secs=${2:-5}
 conc=${3:-16}
 tools/setup.sh
-bazel build -c opt //client:shardserve //client:shardserve-load //server:all //bench:redis_baseline >/dev/null 2>&1
+bazel build -c opt //client:shardserve //client:shardserve-load //server:all //bench:redis_baseline //bench:echo_server >/dev/null 2>&1
 bin=.bazel/bin
 work=$(mktemp -d /var/tmp/shardserve-updates.XXXXXX)  # on disk, not tmpfs: fsync must mean it
 out=bench/results/updates_$(date -u +%Y%m%dT%H%M%SZ).jsonl
@@ -27,6 +29,8 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 
 mkdir -p "$work/redis"
+$bin/bench/echo_server --port=50096 --dim=128 >"$work/echo.log" 2>&1 &
+pids+=($!)
 redis-server --port 6398 --bind 127.0.0.1 --save '' --appendonly yes --appendfsync always \
   --dir "$work/redis" --daemonize no >"$work/redis.log" 2>&1 &
 pids+=($!)
@@ -63,6 +67,11 @@ for round in $(seq "$rounds"); do
   $bin/bench/redis_baseline --port=6398 --op=mset --batch=512 --dim=128 --concurrency="$conc" \
     --warmup_s=1 --duration_s="$secs" --report="$work/r.json" >/dev/null || true
   record redis_mset
+  rm -f "$work/r.json"
+  $bin/client/shardserve-load --target=127.0.0.1:50096 --rows=100000 --dim=128 --table=bench \
+    --progress=false --op=update --update_rows=512 --concurrency="$conc" --warmup_s=1 \
+    --duration_s="$secs" --report="$work/r.json" >/dev/null || true
+  record grpc_ceiling
   load reads --op=embedding_bag --batch=512 --bag=20 --concurrency=4
   qps=$(python3 -c "print(round(0.2 * $(rate update), 1))")
   # Updates at 20 % of their maximum, open loop, beside the same reads.
