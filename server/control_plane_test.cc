@@ -73,6 +73,8 @@ struct FakeWorker {
   // Other versions held beside the serving ones (LoadVersion), by (table, version).
   std::map<std::pair<std::string, uint64_t>, v1::TableSpec> others;
   int64_t memory = -1;  // memory_available_bytes
+  // Where its loads' update logs end: table -> (position, as recovered and untouched since).
+  std::map<std::string, std::pair<uint64_t, bool>> positions;
   HeartbeatResponse last;
 
   HeartbeatRequest Request() const {
@@ -91,6 +93,14 @@ struct FakeWorker {
     for (const auto& [key, spec] : others) *request.add_loaded_specs() = spec;
     for (const std::string& name : serving) request.add_serving_tables(name);
     request.set_memory_available_bytes(memory);
+    for (const auto& [name, at] : positions) {
+      if (!loaded.count(name)) continue;
+      v1::internal::TablePosition* p = request.add_positions();
+      p->set_table(name);
+      p->set_version(loaded.at(name).version());
+      p->set_lsn(at.first);
+      p->set_fresh(at.second);
+    }
     for (const auto& [name, message] : load_errors) {
       v1::internal::TableLoadError* e = request.add_load_errors();
       e->set_table(name);
@@ -304,6 +314,57 @@ TEST_F(ControlPlaneTest, ARestartedWorkerGetsANewEpoch) {
   EXPECT_GT(cp->epoch(), first);
   EXPECT_EQ(workers[0].joined, cp->epoch());
   EXPECT_EQ(workers[1].joined, cp->epoch());
+}
+
+// After a crash in a step, one rank's update log may end past its peer's: the table is not
+// served until the longer log is rolled back to the shorter - and only once every rank of the
+// epoch reports its load as recovered and untouched (a serving load's position moves between
+// heartbeats; a departed process's last report says nothing).
+TEST_F(ControlPlaneTest, UpdateLogsThatEndApartAreRolledBackBeforeTheTableServes) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Serve(*cp, workers, {"emb"});
+  ASSERT_EQ(workers[0].serving.count("emb"), 1u);
+  auto roll_backs = [](const FakeWorker& w) {
+    std::vector<uint64_t> out;
+    for (const v1::internal::TablePosition& p : w.last.roll_back()) {
+      if (p.table() == "emb" && p.version() == 1) out.push_back(p.lsn());
+    }
+    return out;
+  };
+  // Serving, positions apart (steps run between heartbeats): nothing happens.
+  workers[0].positions["emb"] = {9, false};
+  workers[1].positions["emb"] = {7, false};
+  Settle(*cp, workers);
+  EXPECT_TRUE(roll_backs(workers[0]).empty());
+  EXPECT_EQ(workers[0].serving.count("emb"), 1u);
+
+  // Both crash and come back: rank 0's log holds one step more than rank 1's.
+  const uint64_t first = cp->epoch();
+  for (int r : {0, 1}) {
+    workers[r] = FakeWorker{};
+    workers[r].rank = r;
+    workers[r].incarnation = 700 + r;
+  }
+  clock_.Advance(absl::Milliseconds(1600));
+  cp->Tick();
+  workers[0].positions["emb"] = {6, true};
+  workers[1].positions["emb"] = {5, true};
+  Settle(*cp, workers, 6);
+  ASSERT_GT(cp->epoch(), first);
+  EXPECT_THAT(roll_backs(workers[0]), ElementsAre(5u));
+  EXPECT_TRUE(roll_backs(workers[1]).empty());
+  EXPECT_EQ(workers[0].serving.count("emb"), 0u);
+  absl::StatusOr<v1::TableInfo> info = cp->DescribeTable("emb");
+  ASSERT_TRUE(info.ok());
+  EXPECT_NE(info->state(), v1::TABLE_STATE_SERVING);
+
+  // Rank 0 reloaded up to 5: the table serves again.
+  workers[0].positions["emb"] = {5, true};
+  Settle(*cp, workers);
+  EXPECT_TRUE(roll_backs(workers[0]).empty());
+  EXPECT_EQ(workers[0].serving.count("emb"), 1u);
+  EXPECT_EQ(workers[1].serving.count("emb"), 1u);
 }
 
 TEST_F(ControlPlaneTest, ABrokenGroupReformsAfterOneLivenessPeriod) {
