@@ -293,7 +293,8 @@ class FileBeside {
 
 }  // namespace
 
-absl::StatusOr<int64_t> Client::ExportTo(const std::string& name, const std::string& path) {
+absl::StatusOr<int64_t> Client::ExportTo(const std::string& name, const std::string& path,
+                                         uint64_t* sequence) {
   const absl::Time deadline = absl::Now() + options_.deadline;
   v1::ExportTableStreamRequest request;
   request.set_name(name);
@@ -321,6 +322,7 @@ absl::StatusOr<int64_t> Client::ExportTo(const std::string& name, const std::str
         break;
       }
       total = chunk.file_bytes();
+      if (sequence != nullptr) *sequence = chunk.sequence();
       status = file.Append(chunk.data());
       written += static_cast<int64_t>(chunk.data().size());
     }

@@ -79,7 +79,10 @@ class Client {
   // must not be anything but a regular file already. The file's size in bytes, or INVALID_ARGUMENT
   // (path), NOT_FOUND, UNAVAILABLE, ABORTED (created again during the export), INTERNAL (a
   // stream that does not add up), RESOURCE_EXHAUSTED (memory on the coordinator, or this disk).
-  absl::StatusOr<int64_t> ExportTo(const std::string& name, const std::string& path);
+  // `sequence`, if given, gets the table version's update sequence the file reflects (every rank
+  // read at the same step; the coordinator reads again while updates run between the reads).
+  absl::StatusOr<int64_t> ExportTo(const std::string& name, const std::string& path,
+                                   uint64_t* sequence = nullptr);
   // Loads the table's next version (LoadVersionRequest) and waits up to `timeout` (the client's
   // deadline when zero) for every replica to switch to it: the TableInfo then (its spec the new
   // version; or, when the time ran out, `versions` showing the load under way - it goes on). The

@@ -982,16 +982,19 @@ int Main(int argc, char** argv) {
       return 0;
     }
     if (arg(3).empty()) return BadUsage(absl::InvalidArgumentError("export: give T and PATH"));
-    absl::StatusOr<int64_t> bytes = c.ExportTo(arg(2), arg(3));
+    uint64_t sequence = 0;
+    absl::StatusOr<int64_t> bytes = c.ExportTo(arg(2), arg(3), &sequence);
     if (!bytes.ok()) return Fail(bytes.status());
     if (absl::GetFlag(FLAGS_json)) {
       v1::ExportTableResponse written;
       written.set_path(arg(3));
       written.set_bytes(*bytes);
+      written.set_sequence(sequence);
       std::printf("%s\n", Json(written).c_str());
       return 0;
     }
-    std::printf("wrote %s (%lld bytes)\n", arg(3).c_str(), static_cast<long long>(*bytes));
+    std::printf("wrote %s (%lld bytes; update sequence %llu)\n", arg(3).c_str(),
+                static_cast<long long>(*bytes), static_cast<unsigned long long>(sequence));
     return 0;
   }
   const std::string table = absl::GetFlag(FLAGS_table);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <thread>
 #include <utility>
@@ -34,7 +35,8 @@ absl::Status Into(absl::StatusOr<T> result, T* response) {
 }
 
 // Reads every shard of `plan` over the workers' ReadShard streams.
-absl::Status ReadShards(TableExport& plan, absl::Time deadline, const ChannelSecurity& channels) {
+absl::Status ReadShardsOnce(TableExport& plan, absl::Time deadline,
+                            const ChannelSecurity& channels) {
   for (const TableExport::ShardRead& read : plan.reads()) {
     auto stub = v1::internal::WorkerInternal::NewStub(CreateChannel(read.address, channels));
     grpc::ClientContext call;
@@ -56,8 +58,26 @@ absl::Status ReadShards(TableExport& plan, absl::Time deadline, const ChannelSec
   return absl::OkStatus();
 }
 
+// Plans an export (`plan`) and reads every shard, again while updates ran between the ranks'
+// reads (they would mix in the file): ABORTED after a few tries.
+absl::StatusOr<std::unique_ptr<TableExport>> ReadTable(
+    const std::function<absl::StatusOr<std::unique_ptr<TableExport>>()>& plan,
+    absl::Time deadline, const ChannelSecurity& channels) {
+  constexpr int kTries = 5;
+  for (int attempt = 0;; ++attempt) {
+    SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<TableExport> read, plan());
+    SHARDSERVE_RETURN_IF_ERROR(ReadShardsOnce(*read, deadline, channels));
+    if (read->Consistent()) return read;
+    if (attempt + 1 == kTries) {
+      return absl::AbortedError(absl::StrCat(
+          "export: updates ran between the ranks' reads ", kTries,
+          " times (the file would mix them); retry, or export while updates pause"));
+    }
+  }
+}
+
 // Sends `file` (pieces, in order) in chunks of at most kExportChunkBytes.
-absl::Status SendFile(const std::vector<absl::string_view>& file,
+absl::Status SendFile(const std::vector<absl::string_view>& file, uint64_t sequence,
                       grpc::ServerWriter<v1::ExportTableChunk>& writer) {
   constexpr size_t kExportChunkBytes = size_t{1} << 20;
   int64_t total = 0;
@@ -68,6 +88,7 @@ absl::Status SendFile(const std::vector<absl::string_view>& file,
     if (chunk.data().empty()) return absl::OkStatus();
     chunk.set_offset(sent);
     chunk.set_file_bytes(total);
+    chunk.set_sequence(sequence);
     sent += static_cast<int64_t>(chunk.data().size());
     if (!writer.Write(chunk)) {
       return absl::UnavailableError("export: the caller is gone (cancelled, or past its deadline)");
@@ -148,24 +169,19 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
 
   grpc::Status ExportTable(grpc::ServerContext* context, const v1::ExportTableRequest* request,
                            v1::ExportTableResponse* response) override {
-    absl::StatusOr<std::unique_ptr<TableExport>> plan =
-        control_.PlanExport(request->name(), request->path());
-    if (!plan.ok()) return ToGrpcStatus(plan.status());
     // The caller's deadline, and ten minutes at most.
     const absl::Time deadline =
         std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(10));
-    if (absl::Status read = ReadShards(**plan, deadline, channels_); !read.ok()) {
-      return ToGrpcStatus(read);
-    }
+    absl::StatusOr<std::unique_ptr<TableExport>> plan = ReadTable(
+        [&] { return control_.PlanExport(request->name(), request->path()); }, deadline,
+        channels_);
+    if (!plan.ok()) return ToGrpcStatus(plan.status());
     return ToGrpcStatus(Into((*plan)->Write(), response));
   }
 
   grpc::Status ExportTableStream(grpc::ServerContext* context,
                                  const v1::ExportTableStreamRequest* request,
                                  grpc::ServerWriter<v1::ExportTableChunk>* writer) override {
-    absl::StatusOr<std::unique_ptr<TableExport>> plan =
-        control_.PlanStreamedExport(request->name());
-    if (!plan.ok()) return ToGrpcStatus(plan.status());
     const absl::Time deadline =
         std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(10));
     // A blocking Write waits for the caller to take what was sent (flow control), and a server
@@ -175,11 +191,13 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     std::thread watchdog([&] {
       if (!finished.WaitForNotificationWithDeadline(deadline)) context->TryCancel();
     });
-    absl::Status status = ReadShards(**plan, deadline, channels_);
+    absl::StatusOr<std::unique_ptr<TableExport>> plan = ReadTable(
+        [&] { return control_.PlanStreamedExport(request->name()); }, deadline, channels_);
+    absl::Status status = plan.status();
     if (status.ok()) {
       // Sent only once every shard is here: a stream that fails has sent nothing.
       absl::StatusOr<std::vector<absl::string_view>> file = (*plan)->File();
-      status = file.ok() ? SendFile(*file, *writer) : file.status();
+      status = file.ok() ? SendFile(*file, (*plan)->sequence(), *writer) : file.status();
     }
     finished.Notify();
     watchdog.join();

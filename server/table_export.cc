@@ -96,6 +96,12 @@ absl::Status TableExport::AddChunk(int rank, const v1::internal::ReadShardChunk&
     bias_.resize(rows);
     std::memcpy(bias_.data(), chunk.bias().data(), chunk.bias().size());
   }
+  if (rows_read_[rank] == 0) {
+    sequence_.resize(reads_.size(), 0);
+    agreed_.resize(reads_.size(), 0);
+    sequence_[rank] = chunk.sequence();
+    agreed_[rank] = chunk.agreed();
+  }
   int64_t& row = rows_read_[rank];
   if (chunk.rows() < 0 || chunk.rows() > shard_rows - row || chunk.cols() != shard_cols ||
       static_cast<int64_t>(chunk.data().size()) != chunk.rows() * shard_cols * 4) {
@@ -141,6 +147,13 @@ absl::StatusOr<std::vector<core::SafetensorsEntry>> TableExport::Entries() {
   return entries;
 }
 
+bool TableExport::Consistent() const {
+  for (size_t q = 1; q < agreed_.size(); ++q) {
+    if (agreed_[q] != agreed_[0] || sequence_[q] != sequence_[0]) return false;
+  }
+  return true;
+}
+
 absl::StatusOr<v1::ExportTableResponse> TableExport::Write() {
   if (path_.empty()) return absl::InternalError("export: this export has no path to write");
   SHARDSERVE_ASSIGN_OR_RETURN(std::vector<core::SafetensorsEntry> entries, Entries());
@@ -151,6 +164,7 @@ absl::StatusOr<v1::ExportTableResponse> TableExport::Write() {
   response.set_path(path_);
   response.set_bytes(config_.num_rows * config_.num_cols * 4 +
                      static_cast<int64_t>(bias_.size()) * 4);
+  response.set_sequence(sequence());
   return response;
 }
 

@@ -58,6 +58,11 @@ class TableExport {
   absl::Status AddChunk(int rank, const v1::internal::ReadShardChunk& chunk);
   // `rank`'s stream ended: INTERNAL unless it sent its whole shard.
   absl::Status EndShard(int rank);
+  // Whether every rank's shard was read at the same step of its group (the same agreed position):
+  // otherwise updates ran between the reads, and the file would mix them.
+  bool Consistent() const;
+  // The update sequence the shards reflect.
+  uint64_t sequence() const { return sequence_.empty() ? 0 : sequence_[0]; }
   // Writes the file: INTERNAL when a shard is missing or a layer's bias never came,
   // INVALID_ARGUMENT when the path is no longer one an export may write (checked again).
   absl::StatusOr<v1::ExportTableResponse> Write();
@@ -77,6 +82,7 @@ class TableExport {
   std::vector<ShardRead> reads_;
   std::vector<int64_t> rows_read_;  // per rank, of its shard
   std::vector<bool> ended_;         // per rank
+  std::vector<uint64_t> sequence_, agreed_;  // per rank, from its first chunk
   std::vector<float> weight_;
   std::vector<float> bias_;
   std::string header_;  // File's

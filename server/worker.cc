@@ -56,7 +56,12 @@ class Worker::InternalService final : public v1::internal::WorkerInternal::Servi
     if (!table.ok()) return ToGrpcStatus(table.status());
     // Read on the step loop's thread, between steps: never half-way through a renorm.
     absl::StatusOr<std::vector<float>> shard = absl::UnknownError("not read");
-    worker_.loop_->RunBetweenSteps([&] { shard = (*table)->ReadShard(); });
+    uint64_t sequence = 0, agreed = 0;
+    worker_.loop_->RunBetweenSteps([&] {
+      shard = (*table)->ReadShard();
+      sequence = (*table)->seq();
+      agreed = (*table)->agreed();
+    });
     if (!shard.ok()) return ToGrpcStatus(shard.status());
     const core::MatrixView view = (*table)->shard();
     const int64_t rows_per_chunk =
@@ -70,6 +75,10 @@ class Worker::InternalService final : public v1::internal::WorkerInternal::Servi
       chunk.set_cols(view.cols);
       chunk.set_data(reinterpret_cast<const char*>(shard->data() + row * view.cols),
                      rows * view.cols * sizeof(float));
+      if (row == 0) {
+        chunk.set_sequence(sequence);
+        chunk.set_agreed(agreed);
+      }
       if (row == 0 && !(*table)->bias().empty()) {
         chunk.set_bias((*table)->bias().data(), (*table)->bias().size() * sizeof(float));
       }

@@ -68,10 +68,12 @@ void ApplyReference(at::Tensor& w, v1::UpdateOp op, const std::vector<int64_t>& 
   for (size_t i = 0; i < ids.size(); ++i) w[ids[i]].copy_(values[i]);
 }
 
-// The table as exported (the coordinator reads every shard between steps).
-at::Tensor Exported(Client& c, const std::string& table, const std::string& dir) {
+// The table as exported (the coordinator reads every shard between steps), and the update
+// sequence the export says it reflects.
+at::Tensor Exported(Client& c, const std::string& table, const std::string& dir,
+                    uint64_t* sequence = nullptr) {
   const std::string path = absl::StrCat(dir, "/", table, ".export");
-  absl::StatusOr<int64_t> bytes = c.ExportTo(table, path);
+  absl::StatusOr<int64_t> bytes = c.ExportTo(table, path, sequence);
   EXPECT_TRUE(bytes.ok()) << bytes.status();
   if (!bytes.ok()) return at::Tensor();
   auto file = core::SafetensorsFile::Open(path);
@@ -145,7 +147,9 @@ TEST(Updates, ReadYourWritesOnEveryRankAndPath) {
     ASSERT_TRUE(got.ok());
     EXPECT_TRUE(at::equal(FromDense(*got), w));
     EXPECT_EQ(got->sequence, last);
-    EXPECT_TRUE(at::equal(Exported(*c, t.spec.name(), dir), w));
+    uint64_t exported = 0;
+    EXPECT_TRUE(at::equal(Exported(*c, t.spec.name(), dir, &exported), w));
+    EXPECT_EQ(exported, last);
   }
 
   // A linear layer, row-wise (each output row on one rank), its bias updated too.
@@ -199,6 +203,50 @@ TEST(Updates, InAStreamInOrderWithLookups) {
   stream->WritesDone();
   EXPECT_TRUE(stream->Finish().ok());
   EXPECT_TRUE(at::equal(Exported(*c, "s", dir), w));
+}
+
+// An export while updates run reads every rank at the same step: row r holds one value in all
+// its columns (each update sets a whole row to one value), never two halves of two updates.
+TEST(Updates, AnExportUnderUpdatesIsOneStepOfTheTable) {
+  auto cluster = Start();
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table t = MakeTable("x", v1::TABLE_KIND_EMBEDDING, 64, 8, 1, {0, 1}, dir);
+  ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> sent{0};
+  std::thread writer([&] {
+    auto w = Connect(*cluster);
+    for (int v = 1; !stop; ++v) {
+      const std::vector<int64_t> ids = {v % 64, (v * 7) % 64};
+      if (w->UpdateRows(Request("x", v1::ASSIGN, ids, at::full({2, 8}, float(v)))).ok()) ++sent;
+    }
+  });
+  int exports = 0;
+  for (int i = 0; i < 8; ++i) {
+    uint64_t sequence = 0;
+    const std::string path = absl::StrCat(dir, "/x.", i);
+    absl::StatusOr<int64_t> bytes = c->ExportTo("x", path, &sequence);
+    if (!bytes.ok()) {  // updates kept running between the reads: never a mixed file
+      EXPECT_EQ(bytes.status().code(), absl::StatusCode::kAborted) << bytes.status();
+      continue;
+    }
+    ++exports;
+    auto file = core::SafetensorsFile::Open(path);
+    ASSERT_TRUE(file.ok());
+    const core::SafetensorsTensor* w = (*file)->Find("weight");
+    const at::Tensor got = at::from_blob(const_cast<char*>(w->data), {64, 8}, at::kFloat);
+    for (int r = 0; r < 64; ++r) {
+      EXPECT_TRUE(at::equal(got[r], got[r][0].expand({8})) ||
+                  at::equal(got[r], t.weight[r]))
+          << "export " << i << " row " << r << " mixes two updates: " << got[r];
+    }
+  }
+  stop = true;
+  writer.join();
+  EXPECT_GT(sent.load(), 20);
+  EXPECT_GT(exports, 0);
 }
 
 TEST(Updates, BadUpdatesChangeNothing) {
