@@ -128,7 +128,8 @@ class DataService::UnaryCall final : public Tag, public Caller {
       return;
     }
     reserved_ = (*step)->answer_bytes;
-    rows_ = (*step)->Rows();
+    // Rows served: lookups' (an update serves none; the step counts its rows).
+    rows_ = (*step)->op == core::StepRequest::Op::kUpdate ? 0 : (*step)->Rows();
     service_.Reserve(reserved_);
     (*step)->received = received_;
     (*step)->deadline = DeadlineOf(context_);
@@ -206,7 +207,8 @@ class DataService::StreamCall final : public Caller {
                                    request.served_seq);
     service_.Queue([this, response = std::move(response), reserved = request.answer_bytes,
                     method = MetricsMethod(request.op), table = request.table, code,
-                    received = request.received, rows = request.Rows()]() mutable {
+                    received = request.received,
+                    rows = request.op == core::StepRequest::Op::kUpdate ? 0 : request.Rows()]() mutable {
       CallMetrics& metrics = service_.metrics_;
       metrics.Done(method, true, table, code, absl::Now() - received);
       if (code == 0) metrics.Served(table, rows);

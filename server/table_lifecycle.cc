@@ -279,6 +279,19 @@ int64_t TableLifecycle::HeldBytes() const {
   return bytes;
 }
 
+std::vector<TableLifecycle::UpdatePosition> TableLifecycle::UpdatePositions() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<UpdatePosition> out;
+  for (const auto& [name, r] : records_) {
+    for (const auto& [version, load] : r.loads) {
+      if (load.phase != Phase::kLoaded || load.shard == nullptr) continue;
+      const core::UpdateLog* log = load.shard->log();
+      out.push_back({name, version, load.shard->seq(), log ? log->bytes() : -1});
+    }
+  }
+  return out;
+}
+
 std::shared_ptr<const core::TableSet> TableLifecycle::Tables() const {
   absl::MutexLock lock(&mu_);
   return tables_;

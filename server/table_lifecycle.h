@@ -86,6 +86,14 @@ class TableLifecycle : public core::TableSource {
   std::map<std::string, Phase> Phases() const;
   // Bytes of the shards this rank holds now.
   int64_t HeldBytes() const;
+  // Each load's update sequence and the bytes of its update log (-1: it has none), for metrics.
+  struct UpdatePosition {
+    std::string table;
+    uint64_t version = 0;
+    uint64_t sequence = 0;
+    int64_t log_bytes = -1;
+  };
+  std::vector<UpdatePosition> UpdatePositions() const;
 
   // core::TableSource: the step loop's view.
   std::shared_ptr<const core::TableSet> Tables() const override;

@@ -298,6 +298,20 @@ std::vector<prometheus::MetricFamily> Worker::CollectState() const {
     }
   }
   out.push_back(std::move(phases));
+  prometheus::MetricFamily sequence = GaugeFamily(
+      "shardserve_table_update_sequence",
+      "Updates applied to each table version this rank holds (UpdateRows calls since its base).");
+  prometheus::MetricFamily log_bytes = GaugeFamily(
+      "shardserve_update_log_bytes",
+      "Bytes of each table version's update log on this rank since its last snapshot.");
+  for (const TableLifecycle::UpdatePosition& p : tables_.UpdatePositions()) {
+    const std::vector<prometheus::ClientMetric::Label> labels = {
+        {"table", p.table}, {"version", std::to_string(p.version)}};
+    AddSample(sequence, static_cast<double>(p.sequence), labels);
+    if (p.log_bytes >= 0) AddSample(log_bytes, static_cast<double>(p.log_bytes), labels);
+  }
+  out.push_back(std::move(sequence));
+  out.push_back(std::move(log_bytes));
   return out;
 }
 

@@ -161,7 +161,24 @@ TEST(Metrics, CountTheTrafficAndPassPromtool) {
               grpc::StatusCode::NOT_FOUND);
   }
 
+  // Two updates of 3 rows of another table (UpdateRows: counted as calls and steps, not as rows
+  // served).
+  const Table u = MakeTable("u", v1::TABLE_KIND_EMBEDDING, 10, 8, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(direct->CreateTable(u.spec).ok());
+  for (int i = 0; i < 2; ++i) {
+    v1::UpdateRowsRequest update;
+    update.set_table("u");
+    update.set_op(v1::ADD);
+    *update.mutable_ids() = client::Int64Tensor({3}, {1, 2, 1});
+    *update.mutable_values() = client::FloatTensor({3, 8}, std::vector<float>(24, 0.5f));
+    ASSERT_TRUE(direct->UpdateRows(update).ok());
+  }
+
   std::vector<std::string> texts = {Scrape(workers[0]), Scrape(workers[1])};
+  EXPECT_EQ(
+      Sum(texts,
+          R"(shardserve_data_calls_total{api="unary",code="0",method="UpdateRows",table="u"})"),
+      2);
   const std::string ok_bags =
       R"(shardserve_data_calls_total{api="unary",code="0",method="EmbeddingBag",table="t"})";
   EXPECT_EQ(Sum(texts, ok_bags), 30);
@@ -188,9 +205,9 @@ TEST(Metrics, CountTheTrafficAndPassPromtool) {
   EXPECT_EQ(Sum(texts, R"(shardserve_table_rows_total{table="t"})"), rows);
   // Each worker's steps ran its own requests: together, every request that was
   // admitted.
-  EXPECT_EQ(Sum(texts, "shardserve_step_rows_total"), rows);
-  EXPECT_EQ(Sum(texts, "shardserve_step_requests_total"), 33);
-  EXPECT_EQ(Sum(texts, "shardserve_queue_wait_seconds_count"), 33);
+  EXPECT_EQ(Sum(texts, "shardserve_step_rows_total"), rows + 2 * 3);
+  EXPECT_EQ(Sum(texts, "shardserve_step_requests_total"), 33 + 2);
+  EXPECT_EQ(Sum(texts, "shardserve_queue_wait_seconds_count"), 33 + 2);
   for (const std::string& text : texts) {
     EXPECT_GT(Sample(text, "shardserve_steps_total"), 0);
     EXPECT_EQ(Sample(text, "shardserve_steps_total"),
@@ -200,6 +217,9 @@ TEST(Metrics, CountTheTrafficAndPassPromtool) {
     EXPECT_GT(Sample(text, "shardserve_group_epoch"), 0);
     EXPECT_EQ(Sample(text, R"(shardserve_table_phase{table="t",phase="serving"})"), 1);
     EXPECT_EQ(Sample(text, R"(shardserve_table_phase{table="t",phase="loading"})"), 0);
+    EXPECT_EQ(Sample(text, R"(shardserve_table_update_sequence{table="t",version="1"})"), 0);
+    EXPECT_EQ(Sample(text, R"(shardserve_table_update_sequence{table="u",version="1"})"), 2);
+    EXPECT_GT(Sample(text, R"(shardserve_update_log_bytes{table="u",version="1"})"), 0);
     EXPECT_GT(Sample(text, "process_resident_memory_bytes"), 1 << 20);
     auto [rc, said] = Promtool(text);
     EXPECT_EQ(rc, 0) << said;
@@ -224,7 +244,7 @@ TEST(Metrics, CountTheTrafficAndPassPromtool) {
   EXPECT_EQ(Sample(c, R"(shardserve_group_state{group="g0",state="serving"})"), 1);
   EXPECT_EQ(Sample(c, R"(shardserve_group_members{group="g0",state="alive"})"), 2);
   EXPECT_EQ(Sample(c, R"(shardserve_table_state{table="t",state="serving"})"), 1);
-  EXPECT_EQ(Sample(c, R"(shardserve_tables{state="serving"})"), 1);
+  EXPECT_EQ(Sample(c, R"(shardserve_tables{state="serving"})"), 2);  // t and u
   EXPECT_EQ(Sample(c, R"(shardserve_table_replicas_serving{table="t"})"), 1);
   EXPECT_EQ(Sample(c, R"(shardserve_table_version{table="t"})"), 1);
   EXPECT_EQ(Sample(c, R"(shardserve_table_version_loading{table="t"})"), 0);
