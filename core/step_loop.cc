@@ -1,8 +1,8 @@
 #include "core/step_loop.h"
 
 #include <algorithm>
-#include <limits>
 #include <deque>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -70,7 +70,6 @@ struct StepLoop::Step {
   std::vector<std::shared_ptr<ShardedTable>> renorm_unsure;
   // This rank's update requests the step applied: answered once every rank has them durably.
   std::vector<size_t> updated;
-  bool has_updates = false;  // the agreed work updates some table (the same on every rank)
   absl::Status broken;  // the group failed
 
   std::vector<StepRequest*> Requests(const std::vector<size_t>& indices) const {
@@ -669,7 +668,6 @@ void StepLoop::RunOps(Group& group, Step& step) {
 void StepLoop::RunUpdates(Group& group, Step& step, const WorkKey& key,
                           std::vector<absl::Span<const char>>& inputs,
                           const std::shared_ptr<ShardedTable>& table) {
-  step.has_updates = true;
   const std::vector<int64_t> empty = EmptyUpdateMessage();
   for (absl::Span<const char>& input : inputs) {
     if (input.data() == nullptr) input = AsBytes(empty);
