@@ -144,6 +144,13 @@ ForwardingService::ForwardingService(ControlPlane& control, ChannelSecurity chan
         ReplicaCallerOptions options;
         options.security = security_;
         return options;
+      }()),
+      update_caller_(router_, [this] {
+        ReplicaCallerOptions options;
+        options.security = security_;
+        options.max_attempts = 1;
+        options.hedge_after = absl::ZeroDuration();
+        return options;
       }()) {}
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> ForwardingService::PickChannel() {
@@ -196,6 +203,36 @@ grpc::ServerUnaryReactor* ForwardingService::Linear(grpc::CallbackServerContext*
                                                     grpc::ByteBuffer* response) {
   return Forward(context, "/shardserve.v1.DataService/Linear", "shardserve.v1.LinearRequest",
                  request, response);
+}
+
+grpc::ServerUnaryReactor* ForwardingService::UpdateRows(grpc::CallbackServerContext* context,
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<std::string> table =
+      TableOfRequest(*request, "shardserve.v1.UpdateRowsRequest");
+  if (table.ok()) {
+    absl::StatusOr<v1::TableInfo> map = control_.DescribeTable(*table);
+    if (!map.ok()) {
+      table = map.status();
+    } else if (map->replicas_size() > 1) {
+      table = absl::FailedPreconditionError(absl::StrCat(
+          "table \"", *table, "\" is placed on ", map->replicas_size(),
+          " replica groups: updates to replicated tables are not supported yet"));
+    }
+  }
+  if (!table.ok()) {
+    reactor->Finish(ToGrpcStatus(table.status()));
+    return reactor;
+  }
+  const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
+                                       absl::Now() + absl::Seconds(60));
+  update_caller_.Call(*table, "/shardserve.v1.DataService/UpdateRows", *request, deadline,
+                      [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
+                        *response = std::move(answer);
+                        reactor->Finish(status);
+                      });
+  return reactor;
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardingService::Stream(

@@ -39,6 +39,11 @@ class ForwardingService final : public RawDataService {
                                    grpc::ByteBuffer* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
+  // Passed once to a worker of the table's one replica group: never hedged nor retried (an ADD
+  // sent twice would add twice). FAILED_PRECONDITION for a table on several groups.
+  grpc::ServerUnaryReactor* UpdateRows(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
  private:
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const char* method,
@@ -51,6 +56,7 @@ class ForwardingService final : public RawDataService {
   const ChannelSecurity security_;  // how the workers are called
   ReplicaRouter router_;
   ReplicaCaller caller_;  // (destroyed first: it uses the router)
+  ReplicaCaller update_caller_;  // one attempt per call, no hedges
   absl::Mutex mu_;
   // Streams' channels, by worker address.
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);

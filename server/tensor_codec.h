@@ -31,8 +31,8 @@ absl::Status DecodeFloat(const v1::Tensor& tensor, const std::string& field,
 // API.)
 using RawDataService = v1::DataService::WithRawCallbackMethod_Embedding<
     v1::DataService::WithRawCallbackMethod_EmbeddingBag<
-        v1::DataService::WithRawCallbackMethod_Linear<
-            v1::DataService::WithRawCallbackMethod_Stream<v1::DataService::Service>>>>;
+        v1::DataService::WithRawCallbackMethod_Linear<v1::DataService::WithRawCallbackMethod_Stream<
+            v1::DataService::WithRawCallbackMethod_UpdateRows<v1::DataService::Service>>>>>;
 
 // A TensorResponse holding `result` in protobuf's wire format (the very bytes
 // TensorResponse::SerializeAsString() gives), with the values referenced where they lie, not

@@ -150,6 +150,25 @@ TEST(Updates, ReadYourWritesOnEveryRankAndPath) {
     uint64_t exported = 0;
     EXPECT_TRUE(at::equal(Exported(*c, t.spec.name(), dir, &exported), w));
     EXPECT_EQ(exported, last);
+    // An update through the coordinator (thin clients): passed once to a worker of the group.
+    {
+      auto stub = DataStub(cluster->coordinator_address());
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      const at::Tensor values = at::randn({2, 6});
+      v1::UpdateRowsResponse response;
+      ASSERT_TRUE(stub->UpdateRows(&context, Request(t.spec.name(), v1::ASSIGN, {5, 39}, values),
+                                   &response)
+                      .ok());
+      EXPECT_EQ(response.sequence(), ++last);
+      ApplyReference(w, v1::ASSIGN, {5, 39}, values);
+      uint64_t seq = 0;
+      absl::StatusOr<client::DenseTensor> rows =
+          Lookup(cluster->worker_address(0), t.spec.name(), {5, 39}, &seq);
+      ASSERT_TRUE(rows.ok());
+      EXPECT_TRUE(at::equal(FromDense(*rows), w.index_select(0, at::tensor({5L, 39L}))));
+      EXPECT_EQ(seq, last);
+    }
   }
 
   // A linear layer, row-wise (each output row on one rank), its bias updated too.
