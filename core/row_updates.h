@@ -8,14 +8,17 @@
 //   all of a linear layer's bias - so the group's ranks apply the same calls in the same order.
 // - Each applied call advances the load's update sequence (ShardedTable::seq) and, where the
 //   load has an UpdateLog, appends a record of what this rank applied; so does each renorm of a
-//   max_norm lookup (ShardedTable::lsn counts both). The step commits each log once (one fsync
-//   for all its calls: group commit) before any update is answered.
-// - UpdateLog: records (a checksummed header, then the payload) appended to `dir`/wal; a snapshot
-//   of the shard (`dir`/snapshot.safetensors, with the log position it reflects) once the log
-//   grows past its bound, after which the log starts again empty. A torn tail (a crash in a
-//   write) is cut off when the log is opened, so each call is in the log whole or not at all.
+//   max_norm lookup (ShardedTable::lsn counts both). The step loop's syncer writes each log's
+//   records of every waiting step with one fsync (group commit); an update is answered once
+//   every rank has synced it (core/step_loop.cc).
+// - UpdateLog: records (a checksummed header, then the payload) appended to `dir`/wal. Once the
+//   log grows past its bound a fresh wal starts beside it (wal.old) and a thread writes a snapshot
+//   of the shard (`dir`/snapshot.safetensors, with the position it reflects), then removes
+//   wal.old. A torn tail (a crash in a write) is cut off when the log is opened, so each call is
+//   in the log whole or not at all.
 //
-// Thread-compatible: the step loop's thread owns a load's log.
+// Thread-compatible: the step loop's thread appends and snapshots, one syncer thread writes
+// (TakePending hands the records over); acknowledged() and bytes() may be read from any thread.
 #ifndef SHARDSERVE_CORE_ROW_UPDATES_H_
 #define SHARDSERVE_CORE_ROW_UPDATES_H_
 
@@ -63,7 +66,7 @@ void LogRenorm(ShardedTable& table, absl::Span<const int64_t> local_rows,
                absl::Span<const float> scales);
 
 // An allocator that leaves new elements uninitialised: record buffers are written whole right
-// after they grow (zeroing them first was a sixth of an update's time).
+// after they grow (zeroing them first showed as 6 % of an update's time).
 template <typename T>
 struct UninitializedAllocator : std::allocator<T> {
   template <typename U>
