@@ -87,7 +87,7 @@ class StepLoop::Syncer {
 
   // `progress` runs (on the syncer's thread) after each round's records are synced.
   explicit Syncer(std::function<void()> progress)
-      : progress_(std::move(progress)), thread_([this] { Run(); }) {}
+      : progress_(std::move(progress)), thread_([this] { SyncLoop(); }) {}
   ~Syncer() {
     {
       absl::MutexLock lock(&mu_);
@@ -115,7 +115,7 @@ class StepLoop::Syncer {
     absl::MutexLock lock(&mu_);
     return jobs_.empty();
   }
-  void Drain() {
+  void WaitUntilIdle() {
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(+[](std::deque<std::pair<int64_t, Records>>* jobs) {
       return jobs->empty();
@@ -125,7 +125,7 @@ class StepLoop::Syncer {
  private:
   // Takes every round waiting, writes each log's records of them in order and syncs each log
   // once: group commit across rounds, while the disk was busy with the last sync.
-  void Run() {
+  void SyncLoop() {
     while (true) {
       size_t taken = 0;
       std::map<UpdateLog*, std::vector<const LogRecords*>> by_log;
@@ -768,7 +768,7 @@ void StepLoop::Acknowledge(Group& group, Step& step) {
 // shortest before the group serves them).
 void StepLoop::FailPendingAcks(Group& group, const absl::Status& status) {
   if (group.acks.empty()) return;
-  syncer_->Drain();  // nothing writes the logs while the tables are reloaded
+  syncer_->WaitUntilIdle();  // nothing writes the logs while the tables are reloaded
   for (Group::PendingAck& ack : group.acks) {
     for (std::unique_ptr<StepRequest>& r : ack.requests) Answer(r, status);
     for (const auto& [table, agreed] : ack.logged) tables_.DropRenormUnsure(table);
@@ -878,7 +878,7 @@ void StepLoop::FailGroup(Group& group, Step& step) {
   for (const std::shared_ptr<ShardedTable>& table : step.loads) {
     if (table->log() != nullptr) table->log()->Discard();  // never written: never acknowledged
   }
-  syncer_->Drain();  // nothing writes the logs of the tables handed back below
+  syncer_->WaitUntilIdle();  // nothing writes the logs of the tables handed back below
   {
     absl::MutexLock lock(&mu_);
     active_group_ = StepGroup();
