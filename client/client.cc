@@ -403,18 +403,12 @@ absl::StatusOr<DenseTensor> Client::Linear(const v1::LinearRequest& request) {
 
 absl::StatusOr<v1::UpdateRowsResponse> Client::UpdateRows(const v1::UpdateRowsRequest& request) {
   SHARDSERVE_ASSIGN_OR_RETURN(v1::TableInfo info, DescribeTable(request.table()));
-  if (info.replicas_size() > 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "table \"", request.table(), "\" is placed on ", info.replicas_size(),
-        " replica groups: updates to replicated tables are not supported yet (place it on one "
-        "group, CreateTable's groups)"));
-  }
-  std::string address;
+  // A table on several replica groups: the coordinator sequences one stream for all of them.
+  // Otherwise a worker of its group takes it (directly, or forwarded by the coordinator).
+  std::string address = info.replicas_size() > 1 || !options_.direct ? coordinator_ : "";
   for (const v1::ShardInfo& shard : info.shards()) {
-    if (!shard.address().empty()) {
-      address = shard.address();
-      break;
-    }
+    if (!address.empty()) break;
+    address = shard.address();
   }
   if (address.empty()) {
     return absl::UnavailableError(

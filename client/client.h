@@ -98,10 +98,11 @@ class Client {
   absl::StatusOr<DenseTensor> EmbeddingBag(const v1::EmbeddingBagRequest& request);
   absl::StatusOr<DenseTensor> Linear(const v1::LinearRequest& request);
   // Changes rows of the table's serving version (ASSIGN or ADD; DESIGN.md "Serving lifecycle"),
-  // on a worker of its group: answered once every rank has the update in its log (when the
-  // workers run with --data_dir). Never retried: after an error the update may or may not have
-  // been applied (all of it or none of it). FAILED_PRECONDITION for a table on several replica
-  // groups (not supported yet).
+  // on a worker of its group - or, for a table on several replica groups, through the
+  // coordinator, which applies it to every replica in one order: answered once every rank (of
+  // every replica that holds the table's updates) has it in its log (when the workers run with
+  // --data_dir). Never retried: after an error the update may or may not have been applied (all
+  // of it or none of it).
   absl::StatusOr<v1::UpdateRowsResponse> UpdateRows(const v1::UpdateRowsRequest& request);
 
  private:

@@ -15,7 +15,7 @@
 namespace shardserve::core {
 namespace {
 
-constexpr int64_t kCallHeaderWords = 3;  // kind, k, has_bias
+constexpr int64_t kCallHeaderWords = 4;  // kind, k, has_bias, expected sequence
 int64_t Packed(int64_t floats) { return (floats + 1) / 2; }
 
 // A log record: kRecordMagic, the payload's bytes, its checksum (Checksum), then the payload - lsn, seq,
@@ -260,6 +260,7 @@ void AppendUpdateMessage(absl::Span<StepRequest* const> requests, std::vector<in
     out.push_back(static_cast<int64_t>(r->update));
     out.push_back(k);
     out.push_back(r->bias.empty() ? 0 : 1);
+    out.push_back(static_cast<int64_t>(r->expected_seq));
     out.insert(out.end(), r->ids.begin(), r->ids.end());
     AppendFloats(r->values.data(), static_cast<int64_t>(r->values.size()), out);
     if (!r->bias.empty()) AppendFloats(r->bias.data(), k, out);
@@ -285,6 +286,7 @@ absl::StatusOr<std::vector<std::vector<UpdateCall>>> DecodeUpdates(
       call.kind = static_cast<UpdateKind>(w[at]);
       call.k = w[at + 1];
       const bool has_bias = w[at + 2] != 0;
+      call.expected_seq = static_cast<uint64_t>(w[at + 3]);
       if ((call.kind != UpdateKind::kAssign && call.kind != UpdateKind::kAdd) || call.k < 0 ||
           call.k > n) {
         return bad("holds a call that is not an update");

@@ -51,6 +51,7 @@ struct UpdateCall {
   const int64_t* ids = nullptr;   // k
   const float* values = nullptr;  // k x num_cols
   const float* bias = nullptr;    // k, or null
+  uint64_t expected_seq = 0;      // StepRequest::expected_seq
 };
 
 // Every rank's calls, in rank order; INTERNAL for a message that does not hold what it says or

@@ -207,6 +207,8 @@ void StepLoop::RunBetweenSteps(const std::function<void()>& fn) {
   fn();  // the loop is not running: nothing else touches the shards
 }
 
+void StepLoop::WaitForLogWrites() { syncer_->WaitUntilIdle(); }
+
 void StepLoop::Stop() {
   {
     absl::MutexLock lock(&mu_);
@@ -686,12 +688,24 @@ void StepLoop::RunUpdates(Group& group, Step& step, const WorkKey& key,
   for (int q = 0; q < static_cast<int>(calls->size()); ++q) {
     const std::vector<UpdateCall>& theirs = (*calls)[q];
     for (size_t c = 0; c < theirs.size(); ++c) {
+      const bool mine = q == me && c < indices.size();
+      if (const uint64_t expected = theirs[c].expected_seq;
+          expected != 0 && table->seq() + 1 != expected) {
+        // Every rank holds the same sequence: every rank skips it alike.
+        if (mine) {
+          Answer(step.batch[indices[c]],
+                 absl::FailedPreconditionError(absl::StrCat(
+                     "update ", expected, " of table \"", key.table, "\" comes after update ",
+                     table->seq(), " here: it is out of order and was not applied")));
+        }
+        continue;
+      }
       if (absl::Status applied = ApplyUpdate(*table, theirs[c]); !applied.ok()) {
         step.broken = absl::UnavailableError(
             absl::StrCat("rank ", me, " could not apply an update: ", applied.message()));
         return;
       }
-      if (q != me || c >= indices.size()) continue;
+      if (!mine) continue;
       StepRequest& r = *step.batch[indices[c]];
       r.served_version = table->config().version;
       r.served_seq = table->seq();

@@ -127,6 +127,9 @@ class StepLoop {
   // Runs `fn` on the loop's thread between steps (so it never races with an op on the shards)
   // and returns once it ran. Runs it on the calling thread when the loop has stopped.
   void RunBetweenSteps(const std::function<void()>& fn);
+  // From a task RunBetweenSteps runs: waits until every log record handed to the syncer is
+  // written, so that the task may replace a table's update log.
+  void WaitForLogWrites();
 
   // Steps run so far that carried work, and agreement rounds (busy or idle), for tests and
   // metrics.

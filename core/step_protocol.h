@@ -45,7 +45,7 @@
 
 namespace shardserve::core {
 
-inline constexpr int64_t kStepProtocol = 7;
+inline constexpr int64_t kStepProtocol = 8;
 
 // Requests that can share one sharded op call: same table, op, pool mode and weights-or-not.
 struct WorkKey {

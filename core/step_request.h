@@ -32,6 +32,9 @@ struct StepRequest {
   std::vector<float> values;     // linear input rows; update: k x num_cols new rows or deltas
   UpdateKind update = UpdateKind::kAssign;  // update
   std::vector<float> bias;       // update of a linear layer: k bias values, or empty
+  // Update: applied only as this update of the table's sequence (the load's sequence then is
+  // one less), else refused with FAILED_PRECONDITION on every rank; 0: whatever it is.
+  uint64_t expected_seq = 0;
   uint64_t version = 0;          // of the table: pinned, or 0 for the latest the group serves
   uint64_t served_version = 0;   // the version the step ran it on (set by the step loop)
   uint64_t served_seq = 0;       // that version's update sequence the answer reflects (likewise)

@@ -103,6 +103,9 @@ absl::Status ControlPlane::LoadRegistry() {
     replica_generations_[{r.table(), r.group()}] = r.generation();
     last_generation_ = std::max<uint64_t>(last_generation_, r.generation());
   }
+  for (const v1::internal::StaleReplica& r : registry.stale_replicas()) {
+    stale_[{r.table(), r.group()}] = {r.created(), r.version()};
+  }
   for (const v1::TableSpec& spec : registry.kept_versions()) {
     if (!tables_.count(spec.name())) continue;
     kept_[spec.name()].push_back(spec);
@@ -124,6 +127,17 @@ absl::Status ControlPlane::SaveRegistry() {
   }
   for (const auto& [name, kept] : kept_) {
     for (const v1::TableSpec& spec : kept) *registry.add_kept_versions() = spec;
+  }
+  for (const auto& [replica, at] : stale_) {
+    auto t = tables_.find(replica.first);
+    if (t == tables_.end() || t->second.created() != at.first || t->second.version() != at.second) {
+      continue;  // a table dropped, created again or at another version since
+    }
+    v1::internal::StaleReplica* r = registry.add_stale_replicas();
+    r->set_table(replica.first);
+    r->set_group(replica.second);
+    r->set_created(at.first);
+    r->set_version(at.second);
   }
   return store_->Save(registry);
 }
@@ -532,6 +546,7 @@ bool ControlPlane::TableReady(const std::string& name, int group) const {
   if (!GroupServing(group)) return false;
   auto it = tables_.find(name);
   if (it == tables_.end() || !PlacedOn(it->second, group)) return false;
+  if (StaleLocked(it->second, group)) return false;
   const v1::TableSpec spec = SpecFor(it->second, group);
   for (const Member& m : groups_[group].members) {
     if (!Holds(m, spec)) return false;
@@ -547,11 +562,11 @@ std::optional<uint64_t> ControlPlane::RollBackTarget(const v1::TableSpec& spec, 
   for (const Member& m : g.members) {
     auto p = m.positions.find({spec.name(), spec.version()});
     if (g.epoch == 0 || m.epoch != g.epoch || !Alive(m) || p == m.positions.end() ||
-        !p->second.second) {
+        !p->second.fresh || !p->second.logged) {
       return std::nullopt;
     }
-    least = std::min(least, p->second.first);
-    most = std::max(most, p->second.first);
+    least = std::min(least, p->second.lsn);
+    most = std::max(most, p->second.lsn);
   }
   if (least == most) return std::nullopt;
   return least;

@@ -80,6 +80,25 @@ struct WorkerRoute {
   std::string address;
 };
 
+// One update of a replicated table's stream (StartUpdate): its place in the stream, and the
+// replicas it goes to - a worker of each (rank 0, at its WorkerInternal address).
+struct UpdatePlan {
+  v1::TableSpec spec;  // the serving version's
+  uint64_t sequence = 0;
+  std::vector<WorkerRoute> targets;
+};
+
+// A shard recovery (StartRecovery): each rank of `group` copies the same rank's shard of
+// `source`'s replica.
+struct RecoveryPlan {
+  std::string table;
+  uint64_t version = 0;
+  int group = 0;
+  int source = 0;
+  std::vector<std::string> targets;  // the group's ranks' WorkerInternal addresses
+  std::vector<v1::internal::RecoverShardRequest> requests;  // by rank
+};
+
 // What health reports: whether any group serves (and each group), and each table (served by
 // any of its replicas) and each replica.
 struct ServingState {
@@ -179,6 +198,37 @@ class ControlPlane {
   absl::Status RendezvousSet(const std::string& key, std::string value);
   absl::StatusOr<std::string> RendezvousGet(const std::string& key, absl::Duration timeout);
 
+  // --- Updates of replicated tables (control_plane_updates.cc) ---
+  // A table on several replica groups takes updates only from the coordinator, which sequences
+  // one stream for all its replicas: each update goes to every replica that holds every update
+  // so far (the others are *stale*: they do not serve the table until shard recovery has copied
+  // it from one that does), and is acknowledged once every one of those applied it durably.
+  // Stale replicas are persisted with the registry.
+  //
+  // Whether updates of `spec` go through the coordinator (it is placed on several groups).
+  bool Replicated(const v1::TableSpec& spec) const;
+  // The next update of `name`'s stream: its sequence and where it goes. Replicas that should get
+  // it but do not serve the table now are marked stale. Waits, until `deadline`, while a replica
+  // is being recovered and while the stream's position is being learnt (after this coordinator
+  // started, or after an update every replica failed). NOT_FOUND; FAILED_PRECONDITION (not
+  // replicated; a LoadVersion of it is under way); UNAVAILABLE (no replica serves it, or the wait
+  // ran out); the registry's errors.
+  absl::StatusOr<UpdatePlan> StartUpdate(const std::string& name, absl::Time deadline);
+  // The update's outcome at each target (in plan order): targets that failed it are marked
+  // stale, unless all did (then the stream's position is learnt again). Returns the call's
+  // status: OK when any applied it.
+  absl::Status FinishUpdate(const UpdatePlan& plan, const std::vector<absl::Status>& results);
+  // A stale replica whose group is formed and holds the table, with a replica to copy from: no
+  // update of the table starts until FinishRecovery (none if updates are still in flight; they
+  // end first).
+  std::optional<RecoveryPlan> StartRecovery();
+  // The recovery's outcome: the replica serves again when every rank now holds one sequence,
+  // the stream's.
+  void FinishRecovery(const RecoveryPlan& plan, const absl::Status& status,
+                      const std::vector<v1::internal::RecoverShardResponse>& recovered);
+  // For tests: whether `group`'s replica of `name` is stale.
+  bool Stale(const std::string& name, int group) const;
+
   // --- Routing and health ---
   // A live worker of a serving group, round robin over groups and ranks - or, while a group
   // learns, one that reports a healthy group (where streams go): UNAVAILABLE when there is none.
@@ -198,6 +248,7 @@ class ControlPlane {
   // For tests and logs: a group's epoch (0: none), and whether the coordinator is still learning
   // a group (any group) from the workers after its start.
   uint64_t epoch(int group = 0) const;
+  int world_size() const { return options_.world_size; }
   bool learning() const;
 
  private:
@@ -215,9 +266,14 @@ class ControlPlane {
     // does not say: then `loaded`).
     std::map<std::pair<std::string, uint64_t>, v1::TableSpec> loaded_specs;
     int64_t memory_available = -1;  // bytes of tables it could still load (-1: not known)
-    // Where its loads' update logs end, by (table, version), and whether the load is as
-    // recovered (no step has run on it since); loads without a log: none.
-    std::map<std::pair<std::string, uint64_t>, std::pair<uint64_t, bool>> positions;
+    // Where its loads are in their update streams, by (table, version) (TablePosition).
+    struct Position {
+      uint64_t lsn = 0;
+      uint64_t sequence = 0;
+      bool fresh = false;
+      bool logged = false;
+    };
+    std::map<std::pair<std::string, uint64_t>, Position> positions;
     std::vector<std::string> serving;  // tables the worker accepts calls for
     // Tables it could not load: the generation of the spec that failed, and why.
     std::map<std::string, std::pair<uint64_t, absl::Status>> load_errors;
@@ -238,6 +294,18 @@ class ControlPlane {
     std::vector<uint64_t> epoch_incarnations;
     std::unique_ptr<GroupRendezvous> rendezvous;
     v1::GroupState logged_state = v1::GROUP_STATE_UNSPECIFIED;  // what the log last said
+  };
+
+  // A replicated table's update stream (control_plane_updates.cc), for its serving version.
+  struct UpdateStream {
+    uint64_t created = 0;  // TableSpec.created and .version it is for: another starts afresh
+    uint64_t version = 0;
+    bool known = false;        // `sequence` is known (not after a start, or an all-failed update)
+    absl::Time unknown_since;  // positions reported after this tell it
+    uint64_t sequence = 0;     // the last update given a place
+    uint64_t acknowledged = 0;  // the last one some replica applied
+    int in_flight = 0;
+    bool recovering = false;  // a replica is recovered: no update starts
   };
 
   // A LoadVersion under way (control_plane_versions.cc).
@@ -324,6 +392,23 @@ class ControlPlane {
   static bool Holds(const Member& m, const v1::TableSpec& spec);
   // Why a worker could not load the table as its group holds `spec` (null: none could not).
   const absl::Status* LoadError(const v1::TableSpec& spec) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The stream of `spec`'s serving version (a new one for another creation or version).
+  UpdateStream& StreamOf(const v1::TableSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool StaleLocked(const v1::TableSpec& spec, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Marks replicas stale and saves the registry (the marks are undone if it cannot be saved).
+  absl::Status MarkStale(const v1::TableSpec& spec, const std::vector<int>& groups,
+                         const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Learns an unknown stream's position from the replicas' heartbeats: true once known.
+  bool LearnStream(const v1::TableSpec& spec, UpdateStream& stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The update sequence every rank of `group` reports for `spec` in heartbeats sent after
+  // `since`, if they agree.
+  std::optional<uint64_t> GroupSequence(const v1::TableSpec& spec, int group, absl::Time since)
+      const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // After a heartbeat of `group`: replicas of replicated tables that do not serve them now and
+  // hold them behind the acknowledged updates, or at different updates on different ranks (a
+  // rank lost its log), are marked stale - if another replica is not.
+  void CheckReplicaPositions(int group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Loaded on every rank of formed group `group`: its workers may start accepting calls for it.
   // The position a group's ranks must roll their logs of `spec`'s load back to before the group
   // serves it: set when every rank has joined the group's epoch and reports its load as recovered
@@ -374,6 +459,13 @@ class ControlPlane {
   std::map<std::string, bool> logged_serving_ ABSL_GUARDED_BY(mu_);
   uint64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // the last epoch given, over all groups
   size_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
+  // Update streams of replicated tables, by table; stale replicas (persisted), by (table, group),
+  // with the (created, version) they are stale in.
+  std::map<std::string, UpdateStream> streams_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int>, std::pair<uint64_t, uint64_t>> stale_ ABSL_GUARDED_BY(mu_);
+  // Replicas just recovered, by (table, group): each member's heartbeat count from which its
+  // positions tell of the copy (those in flight during the recovery do not).
+  std::map<std::pair<std::string, int>, std::vector<uint64_t>> recovered_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace shardserve::server

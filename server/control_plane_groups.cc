@@ -85,7 +85,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   m.memory_available = request.memory_available_bytes();
   m.positions.clear();
   for (const v1::internal::TablePosition& p : request.positions()) {
-    m.positions[{p.table(), p.version()}] = {p.lsn(), p.fresh()};
+    m.positions[{p.table(), p.version()}] = {p.lsn(), p.sequence(), p.fresh(), p.logged()};
   }
   m.serving.assign(request.serving_tables().begin(), request.serving_tables().end());
   m.load_errors.clear();
@@ -103,6 +103,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     ReloadAfterPartialRenorm(g, request.rank(), held);
   }
   Reconcile(g);
+  CheckReplicaPositions(g);
   AdvanceVersions();
   ForgetServedCreations();
   v1::internal::HeartbeatResponse response;
@@ -135,14 +136,17 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
       for (const v1::TableSpec& old : kept->second) *response.add_other_versions() = old;
     }
     if (TableReady(name, g)) response.add_serving_tables(name);
+    if (Replicated(spec)) response.add_replicated_tables(name);
     const v1::TableSpec replica = SpecFor(spec, g);
-    if (const std::optional<uint64_t> target = RollBackTarget(replica, g)) {
+    // (A stale replica is copied whole from another: its logs are not rolled back.)
+    if (const std::optional<uint64_t> target =
+            StaleLocked(spec, g) ? std::nullopt : RollBackTarget(replica, g)) {
       auto mine = m.positions.find({name, replica.version()});
-      if (mine != m.positions.end() && mine->second.first > *target) {
+      if (mine != m.positions.end() && mine->second.lsn > *target) {
         LOG(INFO) << absl::StrFormat(
             "coordinator: group %d rank %d: table \"%s\" version %d: its update log ends at "
             "record %d, a peer's at %d: rolling back to %d",
-            g, request.rank(), name, replica.version(), mine->second.first, *target, *target);
+            g, request.rank(), name, replica.version(), mine->second.lsn, *target, *target);
         v1::internal::TablePosition* back = response.add_roll_back();
         back->set_table(name);
         back->set_version(replica.version());

@@ -100,6 +100,7 @@ struct FakeWorker {
       p->set_version(loaded.at(name).version());
       p->set_lsn(at.first);
       p->set_fresh(at.second);
+      p->set_logged(true);
     }
     for (const auto& [name, message] : load_errors) {
       v1::internal::TableLoadError* e = request.add_load_errors();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -439,6 +440,89 @@ void DataService::Stop() {
   thread_.join();
 }
 
+// ApplyReplicated's caller: the answer, for the thread that waits for it.
+class DataService::Waiter final : public Caller {
+ public:
+  void Answer(const core::StepRequest& request,
+              absl::StatusOr<core::DenseResult> answer) override {
+    absl::MutexLock lock(&mu_);
+    if (answer.ok()) {
+      result_ = v1::UpdateRowsResponse();
+      result_->set_version(request.served_version);
+      result_->set_sequence(request.served_seq);
+    } else {
+      result_ = answer.status();
+    }
+    done_ = true;
+  }
+  // The step loop answers every request it accepted, within its deadline or the collective
+  // timeout: this wait ends.
+  absl::StatusOr<v1::UpdateRowsResponse> Wait() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&done_));
+    return result_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::StatusOr<v1::UpdateRowsResponse> result_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::StatusOr<v1::UpdateRowsResponse> DataService::ApplyReplicated(
+    const v1::internal::ReplicatedUpdate& update, absl::Time deadline) {
+  const v1::UpdateRowsRequest& request = update.update();
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      std::shared_ptr<const core::TableConfig> table,
+      tables_.Admit(request.table(), loop_->GroupStatus(), update.version()));
+  SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::StepRequest> step,
+                              MakeStepRequest(request, *table, limits_));
+  const uint64_t sequence = update.sequence();
+  if (sequence == 0) return absl::InvalidArgumentError("sequence: must be >= 1");
+  Waiter waiter;
+  step->version = update.version();
+  step->expected_seq = sequence;
+  step->received = absl::Now();
+  step->deadline = deadline;
+  step->caller = static_cast<Caller*>(&waiter);
+  {
+    absl::MutexLock lock(&sequence_mu_);
+    const std::pair<std::string, uint64_t> key{request.table(), update.version()};
+    while (true) {
+      uint64_t& next = next_sequence_[key];
+      if (next == 0) {  // not known: the one after the load's
+        const std::optional<uint64_t> held = tables_.Sequence(key.first, key.second);
+        if (!held) return absl::NotFoundError(absl::StrCat("table \"", key.first, "\" is not loaded"));
+        next = *held + 1;
+      }
+      // One behind or ahead of what came: queued all the same, for the step to refuse.
+      if (sequence <= next) break;
+      if (sequence_cv_.WaitWithDeadline(&sequence_mu_, deadline)) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "update ", sequence, " of table \"", key.first, "\" waited for update ", next,
+            ", which never came"));
+      }
+    }
+    uint64_t& next = next_sequence_[key];
+    if (absl::Status refused = loop_->Submit(std::move(step)); !refused.ok()) {
+      next = 0;  // the next one starts from the load's sequence again
+      sequence_cv_.SignalAll();
+      return refused;
+    }
+    if (sequence == next) ++next;
+    sequence_cv_.SignalAll();
+  }
+  return waiter.Wait();
+}
+
+void DataService::ResetSequence(const std::string& table) {
+  absl::MutexLock lock(&sequence_mu_);
+  for (auto& [key, next] : next_sequence_) {
+    if (key.first == table) next = 0;
+  }
+  sequence_cv_.SignalAll();
+}
+
 void DataService::Deliver(const core::StepRequest& request,
                           absl::StatusOr<core::DenseResult> answer) {
   static_cast<Caller*>(request.caller)->Answer(request, std::move(answer));
@@ -464,6 +548,14 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Re
       tables_.Admit(request.table(), loop_->GroupStatus(), PinnedVersion(request));
   if (!absl::IsNotFound(table.status())) label = request.table();  // a table it knows
   if (!table.ok()) return table.status();
+  if constexpr (std::is_same_v<Request, v1::UpdateRowsRequest>) {
+    if (tables_.Replicated(request.table())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "table \"", request.table(),
+          "\" is on several replica groups: its updates go through the coordinator, which "
+          "applies them to every replica in one order"));
+    }
+  }
   SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::StepRequest> step,
                               MakeStepRequest(request, **table, limits_));
   step->answer_bytes = AnswerBytes(*step, **table);

@@ -23,6 +23,7 @@
 #define SHARDSERVE_SERVER_DATA_SERVICE_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -75,6 +76,17 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   // grpc.health.v1.Health, served on the same thread (see HealthService).
   HealthService& health() { return health_; }
 
+  // An update of a replicated table's stream (WorkerInternal.ApplyUpdate, from the coordinator):
+  // queued for a step once the updates before it in the stream were (concurrent calls arrive in
+  // any order), and answered once applied and synced on every rank. Blocks the calling thread
+  // until then; waits for the earlier updates until `deadline` at most (DEADLINE_EXCEEDED).
+  // The step refuses it (FAILED_PRECONDITION) unless the load's sequence is then one less.
+  absl::StatusOr<v1::UpdateRowsResponse> ApplyReplicated(
+      const v1::internal::ReplicatedUpdate& update, absl::Time deadline);
+  // The load of `table` was replaced (shard recovery): the next update of its stream is the one
+  // after its sequence now.
+  void ResetSequence(const std::string& table);
+
   // core::ResponseSink.
   void Deliver(const core::StepRequest& request, absl::StatusOr<core::DenseResult> answer) override;
   void Flush() override;
@@ -85,6 +97,7 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   static constexpr int64_t kWindow = 1024;  // stream requests read ahead of the answers taken
 
   class Caller;
+  class Waiter;
   class UnaryCall;
   class StreamCall;
   struct Wake;
@@ -126,6 +139,12 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   std::vector<absl::AnyInvocable<void()>> answers_ ABSL_GUARDED_BY(answers_mu_);
   bool wake_pending_ ABSL_GUARDED_BY(answers_mu_) = false;
   bool stop_requested_ ABSL_GUARDED_BY(answers_mu_) = false;
+  // ApplyReplicated's order: the sequence of the next update to queue, by (table, version); absent
+  // or 0: not known (taken from the load).
+  absl::Mutex sequence_mu_;
+  absl::CondVar sequence_cv_;
+  std::map<std::pair<std::string, uint64_t>, uint64_t> next_sequence_
+      ABSL_GUARDED_BY(sequence_mu_);
 };
 
 }  // namespace shardserve::server

@@ -151,7 +151,8 @@ ForwardingService::ForwardingService(ControlPlane& control, ChannelSecurity chan
         options.max_attempts = 1;
         options.hedge_after = absl::ZeroDuration();
         return options;
-      }()) {}
+      }()),
+      sequencer_(control, security_) {}
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> ForwardingService::PickChannel() {
   absl::StatusOr<WorkerRoute> route = control_.PickWorker();
@@ -211,22 +212,22 @@ grpc::ServerUnaryReactor* ForwardingService::UpdateRows(grpc::CallbackServerCont
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<std::string> table =
       TableOfRequest(*request, "shardserve.v1.UpdateRowsRequest");
-  if (table.ok()) {
-    absl::StatusOr<v1::TableInfo> map = control_.DescribeTable(*table);
-    if (!map.ok()) {
-      table = map.status();
-    } else if (map->replicas_size() > 1) {
-      table = absl::FailedPreconditionError(absl::StrCat(
-          "table \"", *table, "\" is placed on ", map->replicas_size(),
-          " replica groups: updates to replicated tables are not supported yet"));
-    }
-  }
-  if (!table.ok()) {
-    reactor->Finish(ToGrpcStatus(table.status()));
+  absl::StatusOr<v1::TableInfo> map =
+      table.ok() ? control_.DescribeTable(*table) : absl::StatusOr<v1::TableInfo>(table.status());
+  if (!map.ok()) {
+    reactor->Finish(ToGrpcStatus(map.status()));
     return reactor;
   }
   const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
                                        absl::Now() + absl::Seconds(60));
+  if (map->replicas_size() > 1) {  // one stream for every replica, sequenced here
+    sequencer_.Update(*request, deadline,
+                      [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
+                        *response = std::move(answer);
+                        reactor->Finish(status);
+                      });
+    return reactor;
+  }
   update_caller_.Call(*table, "/shardserve.v1.DataService/UpdateRows", *request, deadline,
                       [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
                         *response = std::move(answer);

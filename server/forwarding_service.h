@@ -21,6 +21,7 @@
 #include "server/replica_caller.h"
 #include "server/replica_router.h"
 #include "server/tensor_codec.h"
+#include "server/update_sequencer.h"
 
 namespace shardserve::server {
 
@@ -40,7 +41,7 @@ class ForwardingService final : public RawDataService {
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
   // Passed once to a worker of the table's one replica group: never hedged nor retried (an ADD
-  // sent twice would add twice). FAILED_PRECONDITION for a table on several groups.
+  // sent twice would add twice). For a table on several groups: UpdateSequencer.
   grpc::ServerUnaryReactor* UpdateRows(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
@@ -57,6 +58,7 @@ class ForwardingService final : public RawDataService {
   ReplicaRouter router_;
   ReplicaCaller caller_;  // (destroyed first: it uses the router)
   ReplicaCaller update_caller_;  // one attempt per call, no hedges
+  UpdateSequencer sequencer_;    // replicated tables' updates, and their shard recoveries
   absl::Mutex mu_;
   // Streams' channels, by worker address.
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);

@@ -107,6 +107,8 @@ void TableLifecycle::Want(const v1::internal::HeartbeatResponse& response) {
   }
   for (const std::string& name : response.serving_tables()) records_[name].serving = true;
   for (const std::string& name : response.creating_tables()) records_[name].creating = true;
+  replicated_.clear();
+  replicated_.insert(response.replicated_tables().begin(), response.replicated_tables().end());
   for (const auto& [name, error] : response.load_errors()) records_[name].group_error = error;
   for (const v1::internal::TablePosition& p : response.roll_back()) {
     auto r = records_.find(p.table());
@@ -134,6 +136,21 @@ void TableLifecycle::Want(const v1::internal::HeartbeatResponse& response) {
   PruneLocked();
 }
 
+std::optional<uint64_t> TableLifecycle::Sequence(const std::string& name,
+                                                 uint64_t version) const {
+  absl::MutexLock lock(&mu_);
+  auto r = records_.find(name);
+  if (r == records_.end()) return std::nullopt;
+  auto load = r->second.loads.find(version);
+  if (load == r->second.loads.end() || load->second.shard == nullptr) return std::nullopt;
+  return load->second.shard->seq();
+}
+
+bool TableLifecycle::Replicated(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  return replicated_.count(name) > 0;
+}
+
 void TableLifecycle::Report(v1::internal::HeartbeatRequest& request) const {
   absl::MutexLock lock(&mu_);
   for (const auto& [name, r] : records_) {
@@ -143,12 +160,16 @@ void TableLifecycle::Report(v1::internal::HeartbeatRequest& request) const {
       switch (load.phase) {
         case Phase::kLoaded:
           *request.add_loaded_specs() = load.spec;
-          if (load.shard->log() != nullptr) {
+          {
+            const core::ShardedTable& shard = *load.shard;
             v1::internal::TablePosition* p = request.add_positions();
             p->set_table(name);
             p->set_version(version);
-            p->set_lsn(load.shard->agreed());
-            p->set_fresh(load.shard->agreed() == load.shard->log()->recovered());
+            p->set_lsn(shard.agreed());
+            p->set_sequence(shard.seq());
+            p->set_logged(shard.log() != nullptr);
+            p->set_fresh(shard.log() != nullptr ? shard.agreed() == shard.log()->recovered()
+                                                : shard.lsn() == 0);
           }
           break;
         case Phase::kRenormUnsure:
@@ -240,7 +261,7 @@ void TableLifecycle::LoadFailed(const v1::TableSpec& spec, const absl::Status& e
 }
 
 absl::StatusOr<std::shared_ptr<core::ShardedTable>> TableLifecycle::Shard(
-    const std::string& name, uint64_t generation) const {
+    const std::string& name, uint64_t generation, v1::TableSpec* spec) const {
   absl::MutexLock lock(&mu_);
   auto it = records_.find(name);
   if (it == records_.end() || !it->second.HoldsAny(Phase::kLoaded)) {
@@ -248,7 +269,10 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> TableLifecycle::Shard(
         absl::StrCat("table \"", name, "\" is not loaded on rank ", rank_));
   }
   for (const auto& [version, load] : it->second.loads) {
-    if (load.phase == Phase::kLoaded && load.spec.generation() == generation) return load.shard;
+    if (load.phase == Phase::kLoaded && load.spec.generation() == generation) {
+      if (spec != nullptr) *spec = load.spec;
+      return load.shard;
+    }
   }
   return absl::AbortedError(absl::StrCat(
       "table \"", name, "\" on rank ", rank_, " is another load than generation ", generation,

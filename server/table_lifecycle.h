@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,12 @@ class TableLifecycle : public core::TableSource {
   // it serves, what it could not load, and what it holds renorm-unsure.
   void Report(v1::internal::HeartbeatRequest& request) const;
 
+  // The update sequence of this rank's load of `name` `version`, if it holds one.
+  std::optional<uint64_t> Sequence(const std::string& name, uint64_t version) const;
+  // Whether `name` is placed on several replica groups, as the coordinator last said: its updates
+  // come sequenced from the coordinator, not from clients.
+  bool Replicated(const std::string& name) const;
+
   // What the reconcile thread must do to hold what is wanted. Forgets the errors of tables no
   // longer wanted.
   Plan NextPlan();
@@ -79,8 +86,10 @@ class TableLifecycle : public core::TableSource {
 
   // The shard of `name` as loaded from the spec of `generation` (NOT_FOUND if this rank holds
   // none; ABORTED if it holds another load).
+  // `spec`, if given, gets the spec it was loaded from.
   absl::StatusOr<std::shared_ptr<core::ShardedTable>> Shard(const std::string& name,
-                                                            uint64_t generation) const;
+                                                            uint64_t generation,
+                                                            v1::TableSpec* spec = nullptr) const;
 
   // The phase of each table this rank holds or is asked to (for health checks and metrics).
   std::map<std::string, Phase> Phases() const;
@@ -133,6 +142,7 @@ class TableLifecycle : public core::TableSource {
   mutable absl::Mutex mu_;
   std::map<std::string, Record> records_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const core::TableSet> tables_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> replicated_ ABSL_GUARDED_BY(mu_);  // HeartbeatResponse.replicated_tables
 };
 
 }  // namespace shardserve::server

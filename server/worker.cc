@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <random>
 #include <thread>
@@ -44,10 +45,39 @@
 
 namespace shardserve::server {
 
-// Shard reads for the coordinator's ExportTable.
+namespace {
+absl::Time DeadlineOf(const grpc::ServerContext& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+}  // namespace
+
+// The coordinator's calls: shard reads (ExportTable, and peers' shard recovery), a replicated
+// table's updates, shard recovery.
 class Worker::InternalService final : public v1::internal::WorkerInternal::Service {
  public:
   explicit InternalService(Worker& worker) : worker_(worker) {}
+
+  grpc::Status ApplyUpdate(grpc::ServerContext* context,
+                           const v1::internal::ReplicatedUpdate* request,
+                           v1::UpdateRowsResponse* response) override {
+    absl::StatusOr<v1::UpdateRowsResponse> applied =
+        worker_.data_service_->ApplyReplicated(*request, DeadlineOf(*context));
+    if (!applied.ok()) return ToGrpcStatus(applied.status());
+    *response = *std::move(applied);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status RecoverShard(grpc::ServerContext* context,
+                            const v1::internal::RecoverShardRequest* request,
+                            v1::internal::RecoverShardResponse* response) override {
+    absl::StatusOr<v1::internal::RecoverShardResponse> recovered =
+        worker_.RecoverShard(*request, DeadlineOf(*context));
+    if (!recovered.ok()) return ToGrpcStatus(recovered.status());
+    *response = *std::move(recovered);
+    return grpc::Status::OK;
+  }
 
   grpc::Status ReadShard(grpc::ServerContext*, const v1::internal::ReadShardRequest* request,
                          grpc::ServerWriter<v1::internal::ReadShardChunk>* writer) override {
@@ -154,11 +184,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
       w->security_,
       ServerSecurity::Create(w->options_.security, w->options_.listen,
                              absl::StrFormat("worker g%dr%d", w->options_.group, w->options_.rank)));
-  SHARDSERVE_ASSIGN_OR_RETURN(ChannelSecurity channels,
-                              MakeChannelSecurity(w->options_.security));
+  SHARDSERVE_ASSIGN_OR_RETURN(w->channels_, MakeChannelSecurity(w->options_.security));
   // Heartbeat replies list every table's spec: they may be large.
   w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(
-      CreateChannel(w->options_.coordinator, channels));
+      CreateChannel(w->options_.coordinator, w->channels_));
   w->internal_service_ = std::make_unique<InternalService>(*w);
 
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -503,8 +532,7 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::
   if (!options_.data_dir.empty()) {
     // The base, then what the log holds since: every update this rank had made durable. Named by
     // the table's creation, so a table created again under the name starts from its own base.
-    const std::string dir = absl::StrCat(options_.data_dir, "/", spec.name(), ".", spec.created(),
-                                         "/v", spec.version());
+    const std::string dir = LogDir(spec);
     SHARDSERVE_ASSIGN_OR_RETURN(
         std::shared_ptr<core::UpdateLog> log,
         core::UpdateLog::Open(dir, *table, core::UpdateLog::Options{options_.snapshot_bytes},
@@ -517,6 +545,99 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> Worker::LoadShard(const v1::
     table->SetLog(std::move(log));
   }
   return std::shared_ptr<core::ShardedTable>(std::move(table));
+}
+
+std::string Worker::LogDir(const v1::TableSpec& spec) const {
+  if (options_.data_dir.empty()) return std::string();
+  return absl::StrCat(options_.data_dir, "/", spec.name(), ".", spec.created(), "/v",
+                      spec.version());
+}
+
+absl::StatusOr<v1::internal::RecoverShardResponse> Worker::RecoverShard(
+    const v1::internal::RecoverShardRequest& request, absl::Time deadline) {
+  v1::TableSpec spec;
+  SHARDSERVE_ASSIGN_OR_RETURN(std::shared_ptr<core::ShardedTable> table,
+                              tables_.Shard(request.table(), request.generation(), &spec));
+  const core::MatrixView view = table->shard();
+  // The source's shard, whole, before anything here changes.
+  auto source = v1::internal::WorkerInternal::NewStub(CreateChannel(request.source(), channels_));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::internal::ReadShardRequest read;
+  read.set_table(request.table());
+  read.set_generation(request.source_generation());
+  std::unique_ptr<grpc::ClientReader<v1::internal::ReadShardChunk>> reader =
+      source->ReadShard(&context, read);
+  std::vector<float> rows;
+  rows.reserve(view.rows * view.cols);
+  std::vector<float> bias;
+  uint64_t sequence = 0, agreed = 0;
+  v1::internal::ReadShardChunk chunk;
+  for (bool first = true; reader->Read(&chunk); first = false) {
+    if (chunk.cols() != view.cols ||
+        chunk.data().size() != static_cast<size_t>(chunk.rows() * chunk.cols()) * sizeof(float) ||
+        static_cast<int64_t>(rows.size()) + chunk.rows() * chunk.cols() > view.rows * view.cols) {
+      context.TryCancel();
+      reader->Finish().ok();
+      return absl::InternalError(absl::StrCat("shard recovery of table \"", request.table(),
+                                              "\": ", request.source(),
+                                              " sent a shard of another shape"));
+    }
+    const auto* data = reinterpret_cast<const float*>(chunk.data().data());
+    rows.insert(rows.end(), data, data + chunk.rows() * chunk.cols());
+    if (first) {
+      sequence = chunk.sequence();
+      agreed = chunk.agreed();
+      bias.resize(chunk.bias().size() / sizeof(float));
+      std::memcpy(bias.data(), chunk.bias().data(), bias.size() * sizeof(float));
+    }
+  }
+  if (grpc::Status read_status = reader->Finish(); !read_status.ok()) {
+    return absl::UnavailableError(absl::StrCat("shard recovery of table \"", request.table(),
+                                               "\": reading from ", request.source(), ": ",
+                                               read_status.error_message()));
+  }
+  if (static_cast<int64_t>(rows.size()) != view.rows * view.cols ||
+      bias.size() != table->bias().size()) {
+    return absl::InternalError(absl::StrCat("shard recovery of table \"", request.table(),
+                                            "\": ", request.source(),
+                                            " sent a shard of another shape"));
+  }
+  // Between steps, with no log write in flight: the load becomes the copy, and its log starts
+  // afresh. A crash half-way leaves a log that recovers to less than the copy: the coordinator,
+  // which still counts this replica as missing updates, recovers it again.
+  const std::string dir = LogDir(spec);
+  absl::Status installed;
+  loop_->RunBetweenSteps([&] {
+    loop_->WaitForLogWrites();
+    installed = [&]() -> absl::Status {
+      if (core::UpdateLog* old = table->log(); old != nullptr) old->WaitForSnapshot().IgnoreError();
+      table->SetLog(nullptr);
+      if (!dir.empty()) SHARDSERVE_RETURN_IF_ERROR(core::RemoveUpdateLog(dir));
+      SHARDSERVE_RETURN_IF_ERROR(table->LoadShard(rows.data()));
+      table->mutable_bias() = bias;
+      table->SetPosition(agreed, sequence, agreed);
+      if (dir.empty()) return absl::OkStatus();
+      SHARDSERVE_ASSIGN_OR_RETURN(
+          std::shared_ptr<core::UpdateLog> log,
+          core::UpdateLog::Open(dir, *table, core::UpdateLog::Options{options_.snapshot_bytes}));
+      SHARDSERVE_RETURN_IF_ERROR(log->Snapshot(*table));
+      log->Acknowledge(agreed);
+      table->SetLog(std::move(log));
+      return absl::OkStatus();
+    }();
+  });
+  SHARDSERVE_RETURN_IF_ERROR(installed);
+  data_service_->ResetSequence(request.table());
+  LOG(INFO) << absl::StrFormat(
+      "worker group %d rank %d: table \"%s\" version %d recovered from %s: update %d (%d bytes)",
+      options_.group, options_.rank, request.table(), spec.version(), request.source(), sequence,
+      rows.size() * sizeof(float));
+  v1::internal::RecoverShardResponse response;
+  response.set_sequence(sequence);
+  response.set_agreed(agreed);
+  response.set_bytes(static_cast<int64_t>(rows.size() * sizeof(float)));
+  return response;
 }
 
 bool Worker::JoinGroup(uint64_t epoch, int world, core::RendezvousStore& rendezvous) {

@@ -109,6 +109,13 @@ class Worker {
   // log ends there).
   absl::StatusOr<std::shared_ptr<core::ShardedTable>> LoadShard(
       const v1::TableSpec& spec, int world, uint64_t max_agreed = ~uint64_t{0});
+  // Where the update log of `spec`'s load lives (under --data_dir; empty without one).
+  std::string LogDir(const v1::TableSpec& spec) const;
+  // Shard recovery (WorkerInternal.RecoverShard): reads the same rank's shard of another replica
+  // from `request.source` and makes this rank's load of the table a copy of it, its update log
+  // starting afresh from a snapshot of the copy.
+  absl::StatusOr<v1::internal::RecoverShardResponse> RecoverShard(
+      const v1::internal::RecoverShardRequest& request, absl::Time deadline);
   // The heartbeat this worker sends now.
   v1::internal::HeartbeatRequest HeartbeatNow() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -123,6 +130,7 @@ class Worker {
   std::unique_ptr<DataService> data_service_;
   std::unique_ptr<core::StepLoop> loop_;  // after what it reports into: destroyed first
   std::shared_ptr<v1::internal::CoordinatorInternal::Stub> coordinator_;
+  ChannelSecurity channels_;  // how it calls the coordinator and its peers
   std::unique_ptr<InternalService> internal_service_;
   std::unique_ptr<ServerSecurity> security_;  // the port's credentials and access check
   std::unique_ptr<grpc::Server> server_;

@@ -5,6 +5,8 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <random>
@@ -478,6 +480,126 @@ TEST(Updates, ALogTailOnlyOneRankWroteIsRolledBack) {
   EXPECT_EQ(r->sequence(), 6u);
   ApplyReference(w, v1::ASSIGN, {7}, more);
   EXPECT_TRUE(at::equal(Exported(*c, "r", dir), w));
+}
+
+// Every row of `table` as worker `n` answers (its group's copy), and the sequence it reflects.
+at::Tensor Rows(LocalCluster& cluster, int n, const std::string& table, int64_t rows,
+                uint64_t* sequence) {
+  std::vector<int64_t> all(rows);
+  for (int64_t i = 0; i < rows; ++i) all[i] = i;
+  absl::StatusOr<client::DenseTensor> got =
+      Lookup(cluster.worker_address(n), table, all, sequence);
+  EXPECT_TRUE(got.ok()) << "worker " << n << ": " << got.status();
+  return got.ok() ? FromDense(*got) : at::Tensor();
+}
+
+bool SameBytes(const at::Tensor& a, const at::Tensor& b) {
+  return a.defined() && b.defined() && a.sizes() == b.sizes() &&
+         std::memcmp(a.data_ptr(), b.data_ptr(), a.numel() * sizeof(float)) == 0;
+}
+
+bool ReplicaServes(Client& c, const std::string& table, int group) {
+  absl::StatusOr<v1::TableInfo> info = c.DescribeTable(table);
+  if (!info.ok()) return false;
+  for (const v1::ReplicaInfo& r : info->replicas()) {
+    if (r.group() == group) return r.state() == v1::TABLE_STATE_SERVING;
+  }
+  return false;
+}
+
+// R = 2 x W = 2: the coordinator sequences one update stream for both replicas. A replica down
+// during 1 000 updates, and one whose rank lost its update log, are each recovered from the
+// other replica (shard recovery) and serve the same bytes again.
+TEST(Updates, ReplicasApplyOneStreamAndRecoverFromEachOther) {
+  const std::string state = TempDir();
+  LocalClusterOptions options = ClusterOptions(2);
+  options.groups = 2;
+  options.state_dir = state;
+  absl::StatusOr<std::unique_ptr<LocalCluster>> started = LocalCluster::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<LocalCluster> cluster = *std::move(started);
+  ASSERT_TRUE(WaitUntilGroupsServe(*cluster));
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  constexpr int64_t kRows = 120, kCols = 6;
+  Table t = MakeTable("rep", v1::TABLE_KIND_EMBEDDING, kRows, kCols, 1, {1, 0}, dir);
+  ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  at::Tensor w = t.weight.clone();
+  std::mt19937 rng(11);
+  uint64_t last = 0;
+  auto update = [&](int k) {
+    const v1::UpdateOp op = rng() % 3 == 0 ? v1::ASSIGN : v1::ADD;
+    std::vector<int64_t> ids;
+    for (int i = 0; i < k; ++i) ids.push_back(static_cast<int64_t>(rng() % kRows));
+    const at::Tensor values = at::randn({k, kCols});
+    absl::StatusOr<v1::UpdateRowsResponse> r = c->UpdateRows(Request("rep", op, ids, values));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->sequence(), last + 1);
+    last = r->sequence();
+    ApplyReference(w, op, ids, values);
+  };
+  auto expect_every_worker = [&](const std::string& when) {
+    for (int n = 0; n < cluster->workers(); ++n) {
+      uint64_t seq = 0;
+      EXPECT_TRUE(SameBytes(Rows(*cluster, n, "rep", kRows, &seq), w)) << when << ", worker " << n;
+      EXPECT_EQ(seq, last) << when << ", worker " << n;
+    }
+  };
+
+  // Read-your-writes on every worker of both replicas, duplicates and all.
+  for (int i = 0; i < 20; ++i) {
+    update(9);
+    for (int n = 0; n < cluster->workers(); ++n) {
+      uint64_t seq = 0;
+      ASSERT_TRUE(SameBytes(Rows(*cluster, n, "rep", kRows, &seq), w)) << "update " << i;
+      EXPECT_EQ(seq, last);
+    }
+  }
+  // A worker does not take a replicated table's updates from a client.
+  {
+    auto stub = DataStub(cluster->worker_address(0));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::UpdateRowsResponse response;
+    grpc::Status s = stub->UpdateRows(&context, Request("rep", v1::ADD, {1}, at::randn({1, kCols})),
+                                      &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(s.error_message(), HasSubstr("coordinator"));
+  }
+
+  // Group 1 loses a worker for 1 000 updates: they are acknowledged by group 0 alone, group 1
+  // stops serving the table, and once its worker is back it is recovered from group 0's copy.
+  ASSERT_TRUE(cluster->KillWorker(3, SIGKILL).ok());
+  for (int i = 0; i < 1000; ++i) {
+    update(1 + static_cast<int>(rng() % 8));
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_FALSE(ReplicaServes(*c, "rep", 1));
+  ASSERT_TRUE(cluster->StartWorker(3).ok());
+  ASSERT_TRUE(WaitFor([&] { return ReplicaServes(*c, "rep", 1); }, absl::Seconds(60)));
+  expect_every_worker("after group 1 caught up");
+  update(5);
+  expect_every_worker("after the next update");
+
+  // Rank 0 of group 1 loses its update log and snapshot (no update meanwhile): it comes back at
+  // the table's base, apart from its peer - never served so - and is recovered from group 0.
+  ASSERT_TRUE(cluster->KillWorker(2, SIGKILL).ok());
+  ASSERT_TRUE(WaitFor([&] { return !ReplicaServes(*c, "rep", 1); }, absl::Seconds(30)));
+  ASSERT_EQ(std::system(absl::StrCat("rm -rf '", state, "/worker-g1-r0'").c_str()), 0);
+  ASSERT_TRUE(cluster->StartWorker(2).ok());
+  ASSERT_TRUE(WaitFor([&] { return ReplicaServes(*c, "rep", 1); }, absl::Seconds(60)));
+  expect_every_worker("after group 1 rank 0 lost its log");
+  for (int i = 0; i < 10; ++i) update(4);
+  expect_every_worker("after 10 more updates");
+
+  // Its log was made anew: a crash of the whole of group 1 now recovers from it, as it was.
+  for (int n : {2, 3}) ASSERT_TRUE(cluster->KillWorker(n, SIGKILL).ok());
+  ASSERT_TRUE(WaitFor([&] { return !ReplicaServes(*c, "rep", 1); }, absl::Seconds(30)));
+  for (int n : {2, 3}) ASSERT_TRUE(cluster->StartWorker(n).ok());
+  ASSERT_TRUE(WaitFor([&] { return ReplicaServes(*c, "rep", 1); }, absl::Seconds(60)));
+  expect_every_worker("after group 1 restarted");
+  update(3);
+  expect_every_worker("at the end");
 }
 
 }  // namespace

@@ -29,7 +29,6 @@ from .errors import (
     CancelledError,
     DeadlineExceededError,
     Error,
-    FailedPreconditionError,
     InvalidArgumentError,
     UnavailableError,
     code_from_number,
@@ -237,8 +236,8 @@ class Client:
         ``(k, num_cols)``, ``bias`` (a linear layer's, optional) ``(k,)``. Returns ``(version,
         sequence)``: the version updated and its update sequence after the call. Sent once, never
         retried: after an error it was applied whole or not at all (an ``add`` sent again would
-        add twice). FailedPreconditionError for a table on several replica groups (not supported
-        yet)."""
+        add twice). A table on several replica groups takes it through the coordinator, which
+        applies it to every replica in one order."""
         code = {"assign": 1, "add": 2}.get(op)
         if code is None:
             raise InvalidArgumentError(f'op: "{op}" is not "assign" or "add"')
@@ -250,10 +249,10 @@ class Client:
         info = _common.table_info(self._admin_call_until(
             "DescribeTable", self._pb.DescribeTableRequest(name=table), deadline_at))
         if len(info.replicas) > 1:
-            raise FailedPreconditionError(
-                f'table "{table}" is placed on {len(info.replicas)} replica groups: updates to '
-                "replicated tables are not supported yet")
-        address, _, _ = self.route(table, False, deadline_at)
+            # One stream for every replica: the coordinator sequences it.
+            address = self.coordinator
+        else:
+            address, _, _ = self.route(table, False, deadline_at)
         try:
             answer = self._endpoint(address).unary["update_rows"](
                 request, timeout=max(deadline_at - time.monotonic(), 1e-3))

@@ -1,0 +1,146 @@
+#include "server/update_sequencer.h"
+
+#include <atomic>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "grpcpp/client_context.h"
+#include "server/grpc_settings.h"
+#include "server/grpc_status.h"
+#include "server/tensor_codec.h"
+
+namespace shardserve::server {
+namespace {
+
+// How often the recovery thread looks for stale replicas it can recover.
+constexpr absl::Duration kRecoveryPoll = absl::Milliseconds(100);
+// A rank's copy of its shard (its size over a slow link, with room).
+constexpr absl::Duration kRecoveryTimeout = absl::Minutes(10);
+
+}  // namespace
+
+// One update on its way to the replicas.
+struct UpdateSequencer::Call {
+  UpdatePlan plan;
+  v1::internal::ReplicatedUpdate update;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<v1::UpdateRowsResponse> responses;
+  std::vector<absl::Status> results;
+  std::atomic<size_t> pending{0};
+  Done done;
+};
+
+UpdateSequencer::UpdateSequencer(ControlPlane& control, ChannelSecurity security)
+    : control_(control), security_(std::move(security)) {
+  recovery_ = std::thread([this] { RecoveryLoop(); });
+}
+
+UpdateSequencer::~UpdateSequencer() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  recovery_.join();
+}
+
+std::shared_ptr<v1::internal::WorkerInternal::Stub> UpdateSequencer::StubFor(
+    const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto& stub = stubs_[address];
+  if (stub == nullptr) {
+    stub = v1::internal::WorkerInternal::NewStub(CreateChannel(address, security_));
+  }
+  return stub;
+}
+
+void UpdateSequencer::Update(const grpc::ByteBuffer& request, absl::Time deadline, Done done) {
+  auto call = std::make_shared<Call>();
+  call->done = std::move(done);
+  v1::UpdateRowsRequest& update = *call->update.mutable_update();
+  absl::Status checked = ParseRaw(request, &update);
+  // Checked before it takes a place in the stream, so that every replica applies it alike.
+  if (checked.ok()) {
+    absl::StatusOr<v1::TableInfo> info = control_.DescribeTable(update.table());
+    absl::StatusOr<core::TableConfig> config =
+        info.ok() ? ConfigFromSpec(info->spec(), control_.world_size())
+                  : absl::StatusOr<core::TableConfig>(info.status());
+    checked = config.ok() ? MakeStepRequest(update, *config, core::InputLimits{}).status()
+                          : config.status();
+  }
+  absl::StatusOr<UpdatePlan> plan =
+      checked.ok() ? control_.StartUpdate(update.table(), deadline)
+                   : absl::StatusOr<UpdatePlan>(checked);
+  if (!plan.ok()) {
+    call->done(ToGrpcStatus(plan.status()), grpc::ByteBuffer());
+    return;
+  }
+  call->plan = *std::move(plan);
+  call->update.set_sequence(call->plan.sequence);
+  call->update.set_version(call->plan.spec.version());
+  const size_t n = call->plan.targets.size();
+  call->responses.resize(n);
+  call->results.resize(n);
+  call->pending = n;
+  for (size_t i = 0; i < n; ++i) {
+    call->contexts.push_back(std::make_unique<grpc::ClientContext>());
+    call->contexts[i]->set_deadline(absl::ToChronoTime(deadline));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    StubFor(call->plan.targets[i].address)
+        ->async()
+        ->ApplyUpdate(call->contexts[i].get(), &call->update, &call->responses[i],
+                      [this, call, i](grpc::Status status) {
+                        call->results[i] = FromGrpcStatus(status);
+                        if (call->pending.fetch_sub(1) != 1) return;
+                        const absl::Status outcome =
+                            control_.FinishUpdate(call->plan, call->results);
+                        if (!outcome.ok()) {
+                          call->done(ToGrpcStatus(outcome), grpc::ByteBuffer());
+                          return;
+                        }
+                        for (size_t j = 0; j < call->results.size(); ++j) {
+                          if (!call->results[j].ok()) continue;
+                          grpc::Slice bytes(call->responses[j].SerializeAsString());
+                          call->done(grpc::Status::OK, grpc::ByteBuffer(&bytes, 1));
+                          return;
+                        }
+                      });
+  }
+}
+
+void UpdateSequencer::RecoveryLoop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), kRecoveryPoll)) return;
+    }
+    if (std::optional<RecoveryPlan> plan = control_.StartRecovery()) Recover(*plan);
+  }
+}
+
+void UpdateSequencer::Recover(const RecoveryPlan& plan) {
+  const size_t n = plan.targets.size();
+  std::vector<v1::internal::RecoverShardResponse> responses(n);
+  std::vector<absl::Status> results(n);
+  std::vector<std::thread> ranks;
+  for (size_t r = 0; r < n; ++r) {
+    ranks.emplace_back([&, r] {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + kRecoveryTimeout));
+      results[r] = FromGrpcStatus(
+          StubFor(plan.targets[r])->RecoverShard(&context, plan.requests[r], &responses[r]));
+      if (!results[r].ok()) {
+        results[r] = absl::Status(results[r].code(),
+                                  absl::StrCat("rank ", r, ": ", results[r].message()));
+      }
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  absl::Status status;
+  for (const absl::Status& s : results) status.Update(s);
+  control_.FinishRecovery(plan, status, responses);
+}
+
+}  // namespace shardserve::server

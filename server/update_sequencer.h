@@ -1,0 +1,61 @@
+// UpdateSequencer: the coordinator's side of a replicated table's updates (ControlPlane,
+// "Updates of replicated tables"). An UpdateRows for a table on several replica groups is checked
+// here, given its place in the table's update stream, sent to one worker of every replica that
+// holds the stream so far (WorkerInternal.ApplyUpdate; each group applies the stream in order)
+// and answered once every one of them has applied it durably - or once those that failed it are
+// marked stale. A thread of its own runs the shard recoveries that bring stale replicas back
+// (WorkerInternal.RecoverShard on every rank of the replica, each copying the same rank of a
+// replica that is not stale).
+//
+// Thread-safe. `control` must outlive it.
+#ifndef SHARDSERVE_SERVER_UPDATE_SEQUENCER_H_
+#define SHARDSERVE_SERVER_UPDATE_SEQUENCER_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/status.h"
+#include "proto/internal.grpc.pb.h"
+#include "server/control_plane.h"
+#include "server/security.h"
+
+namespace shardserve::server {
+
+class UpdateSequencer {
+ public:
+  using Done = std::function<void(const grpc::Status& status, grpc::ByteBuffer response)>;
+
+  UpdateSequencer(ControlPlane& control, ChannelSecurity security);
+  ~UpdateSequencer();  // stops recovering (a recovery under way ends first)
+
+  // Applies the UpdateRowsRequest `request` to every replica of its table; `done` runs once, on
+  // a gRPC thread or this one. Blocks while the update waits for its place (ControlPlane::
+  // StartUpdate), until `deadline` at most.
+  void Update(const grpc::ByteBuffer& request, absl::Time deadline, Done done);
+
+ private:
+  struct Call;
+  std::shared_ptr<v1::internal::WorkerInternal::Stub> StubFor(const std::string& address);
+  void RecoveryLoop();
+  // Runs `plan`: every rank of the replica copies its shard (in parallel).
+  void Recover(const RecoveryPlan& plan);
+
+  ControlPlane& control_;
+  const ChannelSecurity security_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, std::shared_ptr<v1::internal::WorkerInternal::Stub>> stubs_
+      ABSL_GUARDED_BY(mu_);
+  std::thread recovery_;
+};
+
+}  // namespace shardserve::server
+
+#endif  // SHARDSERVE_SERVER_UPDATE_SEQUENCER_H_
