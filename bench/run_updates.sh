@@ -9,19 +9,22 @@
 #      of the rate measured in 1;
 #   and the ceiling: the same update calls to a gRPC server that parses and answers them at once
 #   (bench/echo_server): what gRPC and the load generator alone carry here.
-# Shapes: N = 100 000 rows, D = 128, fp32, W = 2 CPU workers, col-wise, one replica group (updates
-# to replicated tables are not built yet). Logs and Redis' AOF on this machine's disk.
-#   bench/run_updates.sh [ROUNDS] [SECONDS] [CONCURRENCY]
+# Shapes: N = 100 000 rows, D = 128, fp32, R = GROUPS replica groups (default 2) x W = 2 CPU
+# workers, col-wise. With R > 1 updates go through the coordinator, which sequences one stream for
+# every replica and answers once every replica synced it. Logs and Redis' AOF on this machine's
+# disk.
+#   bench/run_updates.sh [ROUNDS] [SECONDS] [CONCURRENCY] [GROUPS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 secs=${2:-5}
 conc=${3:-16}
+groups=${4:-2}
 tools/setup.sh
 bazel build -c opt //client:shardserve //client:shardserve-load //server:all //bench:redis_baseline //bench:echo_server >/dev/null 2>&1
 bin=.bazel/bin
 work=$(mktemp -d /var/tmp/shardserve-updates.XXXXXX)  # on disk, not tmpfs: fsync must mean it
-out=bench/results/updates_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+out=bench/results/updates_r${groups}_$(date -u +%Y%m%dT%H%M%SZ).jsonl
 mkdir -p bench/results
 : > "$out"
 pids=()
@@ -34,7 +37,7 @@ pids+=($!)
 redis-server --port 6398 --bind 127.0.0.1 --save '' --appendonly yes --appendfsync always \
   --dir "$work/redis" --daemonize no >"$work/redis.log" 2>&1 &
 pids+=($!)
-$bin/client/shardserve up --workers=2 --port=50161 --no_demo --state_dir="$work/state" \
+$bin/client/shardserve up --workers=2 --groups="$groups" --port=50161 --no_demo --state_dir="$work/state" \
   >"$work/up.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do grep -q serving "$work/up.log" 2>/dev/null && break; sleep 0.1; done

@@ -406,6 +406,7 @@ int Main(int argc, char** argv) {
   }
   std::vector<std::string> addresses;
   std::unique_ptr<Client> admin;  // reads the placement maps
+  bool replicated = false;  // --table is on several groups: its updates go to the coordinator
   int64_t rows = absl::GetFlag(FLAGS_rows), in_features = absl::GetFlag(FLAGS_cols);
   int64_t dim = absl::GetFlag(FLAGS_dim);
   if (!absl::GetFlag(FLAGS_target).empty()) {
@@ -432,6 +433,7 @@ int Main(int argc, char** argv) {
       } else {
         rows = info->spec().num_rows();
         dim = info->spec().num_cols();
+        replicated = info->replicas_size() > 1;
       }
       auto add = [&](const v1::ShardInfo& s) {
         if (std::find(addresses.begin(), addresses.end(), s.address()) == addresses.end()) {
@@ -472,6 +474,20 @@ int Main(int argc, char** argv) {
   call_options.security = *channels;
   call_options.channel_args = {{"grpc.use_local_subchannel_pool", 1}};
   server::ReplicaCaller caller(router, call_options);
+  // A replicated table's updates: to the coordinator, which sequences them for every replica.
+  server::ReplicaRouter coordinator_router(
+      [&](const std::string&) -> absl::StatusOr<v1::TableInfo> {
+        v1::TableInfo info;
+        v1::ReplicaInfo* replica = info.add_replicas();
+        replica->set_state(v1::TABLE_STATE_SERVING);
+        replica->add_shards()->set_address(absl::GetFlag(FLAGS_coordinator));
+        return info;
+      },
+      server::ReplicaRouter::Options());
+  server::ReplicaCaller coordinator_caller(coordinator_router, call_options);
+  auto caller_for = [&](Op op) -> server::ReplicaCaller& {
+    return op == Op::kUpdate && replicated ? coordinator_caller : caller;
+  };
   absl::StatusOr<Workload> workload = BuildWorkload(rows, in_features, dim);
   if (!workload.ok()) {
     std::fprintf(stderr, "shardserve-load: %s\n", workload.status().ToString().c_str());
@@ -528,11 +544,11 @@ int Main(int argc, char** argv) {
       }
       ++outstanding;
       const absl::Time sent = intended;
-      caller.Call(Workload::Table(op), Workload::Method(op), bytes, intended + deadline,
-                  [&, sent, items](const grpc::Status& status, grpc::ByteBuffer) {
-                    stats.Record(sent, absl::Now(), status.error_code(), items);
-                    --outstanding;
-                  });
+      caller_for(op).Call(Workload::Table(op), Workload::Method(op), bytes, intended + deadline,
+                          [&, sent, items](const grpc::Status& status, grpc::ByteBuffer) {
+                            stats.Record(sent, absl::Now(), status.error_code(), items);
+                            --outstanding;
+                          });
     }
     while (outstanding.load() > 0) absl::SleepFor(absl::Milliseconds(5));
   } else {
@@ -553,16 +569,16 @@ int Main(int argc, char** argv) {
         const grpc::ByteBuffer& bytes = w.bytes.at(op)[i % w.bytes.at(op).size()];
         const absl::Time sent = absl::Now();
         const int64_t items = w.Items(op);
-        caller.Call(Workload::Table(op), Workload::Method(op), bytes, sent + deadline,
-                    [&, c, i, sent, items](const grpc::Status& status, grpc::ByteBuffer) {
-                      stats.Record(sent, absl::Now(), status.error_code(), items);
-                      const absl::Duration wait = backoffs[c].After(status.ok());
-                      if (wait > absl::ZeroDuration()) {
-                        delayer.At(absl::Now() + wait, [&issue, c, i] { issue(c, i + 1); });
-                      } else {
-                        issue(c, i + 1);
-                      }
-                    });
+        caller_for(op).Call(Workload::Table(op), Workload::Method(op), bytes, sent + deadline,
+                            [&, c, i, sent, items](const grpc::Status& status, grpc::ByteBuffer) {
+                              stats.Record(sent, absl::Now(), status.error_code(), items);
+                              const absl::Duration wait = backoffs[c].After(status.ok());
+                              if (wait > absl::ZeroDuration()) {
+                                delayer.At(absl::Now() + wait, [&issue, c, i] { issue(c, i + 1); });
+                              } else {
+                                issue(c, i + 1);
+                              }
+                            });
       };
       for (int c = 0; c < callers; ++c) issue(c, c * 7919);
       while (live.load() > 0) absl::SleepFor(absl::Milliseconds(5));
@@ -570,8 +586,7 @@ int Main(int argc, char** argv) {
     if (stream) {
       absl::BlockingCounter streams_done(callers);
       for (int c = 0; c < callers; ++c) {
-        (new StreamCaller(w, stats, depth, c * int64_t{7919}, end, deadline, streams_done,
-                          delayer))
+        (new StreamCaller(w, stats, depth, c * int64_t{7919}, end, deadline, streams_done, delayer))
             ->Begin(*stubs[c % stubs.size()]);
       }
       streams_done.Wait();
