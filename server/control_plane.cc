@@ -413,6 +413,16 @@ absl::StatusOr<v1::TableInfo> ControlPlane::DescribeTable(const std::string& nam
   return InfoOf(it->second);
 }
 
+absl::StatusOr<v1::TableSpec> ControlPlane::SpecOf(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
+  auto it = tables_.find(name);
+  if (it == tables_.end()) {
+    return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
+  }
+  return it->second;
+}
+
 v1::ClusterInfo ControlPlane::DescribeCluster() const {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_.Now();

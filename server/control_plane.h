@@ -175,6 +175,8 @@ class ControlPlane {
   absl::StatusOr<std::vector<v1::TableInfo>> ListTables() const;
   // NOT_FOUND; UNAVAILABLE while learning (no state_dir).
   absl::StatusOr<v1::TableInfo> DescribeTable(const std::string& name) const;
+  // The table's spec alone (cheaper): NOT_FOUND; UNAVAILABLE while learning (no state_dir).
+  absl::StatusOr<v1::TableSpec> SpecOf(const std::string& name) const;
   // Every group and member as this coordinator sees them (never refused: while a group is
   // learnt, its state says so).
   v1::ClusterInfo DescribeCluster() const;

@@ -101,6 +101,7 @@ struct FakeWorker {
       p->set_lsn(at.first);
       p->set_fresh(at.second);
       p->set_logged(true);
+      p->set_sequence(at.first);  // (updates only: a renorm-free table)
     }
     for (const auto& [name, message] : load_errors) {
       v1::internal::TableLoadError* e = request.add_load_errors();
@@ -366,6 +367,142 @@ TEST_F(ControlPlaneTest, UpdateLogsThatEndApartAreRolledBackBeforeTheTableServes
   EXPECT_TRUE(roll_backs(workers[0]).empty());
   EXPECT_EQ(workers[0].serving.count("emb"), 1u);
   EXPECT_EQ(workers[1].serving.count("emb"), 1u);
+}
+
+// --- Updates of replicated tables ---
+
+// StartUpdate in a thread while the workers go on reporting (its waits run on the fake clock).
+absl::StatusOr<UpdatePlan> StartUpdateWhileSettling(ControlPlane& cp,
+                                                    std::vector<FakeWorker>& workers,
+                                                    FakeClock& clock) {
+  absl::StatusOr<UpdatePlan> plan = absl::UnknownError("not started");
+  absl::Notification done;
+  std::thread start([&] {
+    plan = cp.StartUpdate("t", clock.Now() + absl::Seconds(10));
+    done.Notify();
+  });
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) {
+    for (FakeWorker& w : workers) EXPECT_TRUE(w.Report(cp).ok());
+    clock.Advance(absl::Milliseconds(50));
+    cp.Tick();
+  }
+  start.join();
+  return plan;
+}
+
+std::vector<int> GroupsOf(const UpdatePlan& plan) {
+  std::vector<int> groups;
+  for (const WorkerRoute& r : plan.targets) groups.push_back(r.group);
+  return groups;
+}
+
+TEST_F(ControlPlaneTest, AReplicaThatFailsAnUpdateIsStaleUntilRecoveredEvenAcrossARestart) {
+  const std::string state = NewDir();
+  std::vector<FakeWorker> workers = Workers(2, 0);
+  for (FakeWorker& w : Workers(2, 1)) workers.push_back(w);
+  {
+    auto cp = Make(2, state, nullptr, /*groups=*/2);
+    Serve(*cp, workers, {"t"}, 2);
+    for (FakeWorker& w : workers) w.positions["t"] = {0, false};
+    // The stream's position is learnt from the replicas' heartbeats; both get update 1.
+    absl::StatusOr<UpdatePlan> first = StartUpdateWhileSettling(*cp, workers, clock_);
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(first->sequence, 1u);
+    EXPECT_THAT(GroupsOf(*first), ElementsAre(0, 1));
+    EXPECT_TRUE(cp->FinishUpdate(*first, {absl::OkStatus(), absl::OkStatus()}).ok());
+    // Group 1 fails update 2: the call is acknowledged (group 0 has it), group 1 is stale and
+    // stops serving the table.
+    absl::StatusOr<UpdatePlan> second = cp->StartUpdate("t", clock_.Now());
+    ASSERT_TRUE(second.ok()) << second.status();
+    EXPECT_EQ(second->sequence, 2u);
+    EXPECT_TRUE(
+        cp->FinishUpdate(*second, {absl::OkStatus(), absl::UnavailableError("group broke")}).ok());
+    EXPECT_TRUE(cp->Stale("t", 1));
+    EXPECT_FALSE(cp->Stale("t", 0));
+    Settle(*cp, workers);
+    EXPECT_EQ(workers[2].serving.count("t"), 0u);
+    EXPECT_EQ(workers[0].serving.count("t"), 1u);
+    // Updates go on to group 0 alone.
+    absl::StatusOr<UpdatePlan> third = cp->StartUpdate("t", clock_.Now());
+    ASSERT_TRUE(third.ok()) << third.status();
+    EXPECT_EQ(third->sequence, 3u);
+    EXPECT_THAT(GroupsOf(*third), ElementsAre(0));
+    EXPECT_TRUE(cp->FinishUpdate(*third, {absl::OkStatus()}).ok());
+    // Every replica failing an update fails the call, and marks none stale.
+    absl::StatusOr<UpdatePlan> fourth = cp->StartUpdate("t", clock_.Now());
+    ASSERT_TRUE(fourth.ok());
+    EXPECT_EQ(cp->FinishUpdate(*fourth, {absl::InvalidArgumentError("bad")}).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_FALSE(cp->Stale("t", 0));
+  }
+  for (int r : {0, 1}) workers[r].positions["t"] = {3, false};
+  for (int r : {2, 3}) workers[r].positions["t"] = {1, false};
+
+  // A restarted coordinator still counts group 1 stale (the registry says so), learns the stream
+  // at 3 from group 0, and recovers group 1 from it.
+  auto cp = Make(2, state, nullptr, /*groups=*/2);
+  EXPECT_TRUE(cp->Stale("t", 1));
+  Settle(*cp, workers, 4);
+  EXPECT_EQ(workers[2].serving.count("t"), 0u);
+  absl::StatusOr<UpdatePlan> next = StartUpdateWhileSettling(*cp, workers, clock_);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->sequence, 4u);
+  EXPECT_THAT(GroupsOf(*next), ElementsAre(0));
+  // No recovery starts while an update is out; none starts after it either until it ends.
+  EXPECT_FALSE(cp->StartRecovery().has_value());
+  EXPECT_TRUE(cp->FinishUpdate(*next, {absl::OkStatus()}).ok());
+  std::optional<RecoveryPlan> recovery = cp->StartRecovery();
+  ASSERT_TRUE(recovery.has_value());
+  EXPECT_EQ(recovery->group, 1);
+  EXPECT_EQ(recovery->source, 0);
+  ASSERT_EQ(recovery->requests.size(), 2u);
+  EXPECT_EQ(recovery->requests[1].source(), workers[1].Request().address());
+  EXPECT_EQ(recovery->targets[0], workers[2].Request().address());
+  // Updates wait while it runs.
+  EXPECT_EQ(cp->StartUpdate("t", clock_.Now()).status().code(), absl::StatusCode::kUnavailable);
+  // Ranks that copied different positions: still stale, tried again.
+  v1::internal::RecoverShardResponse at4, at3;
+  at4.set_sequence(4);
+  at3.set_sequence(3);
+  cp->FinishRecovery(*recovery, absl::OkStatus(), {at4, at3});
+  EXPECT_TRUE(cp->Stale("t", 1));
+  recovery = cp->StartRecovery();
+  ASSERT_TRUE(recovery.has_value());
+  cp->FinishRecovery(*recovery, absl::OkStatus(), {at4, at4});
+  EXPECT_FALSE(cp->Stale("t", 1));
+  for (int r : {2, 3}) workers[r].positions["t"] = {4, true};
+  Settle(*cp, workers);
+  EXPECT_EQ(workers[2].serving.count("t"), 1u);
+  absl::StatusOr<UpdatePlan> after = cp->StartUpdate("t", clock_.Now());
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->sequence, 5u);
+  EXPECT_THAT(GroupsOf(*after), ElementsAre(0, 1));
+}
+
+TEST_F(ControlPlaneTest, AReplicaWhoseRankComesBackBehindIsStale) {
+  auto cp = Make(2, "", nullptr, /*groups=*/2);
+  std::vector<FakeWorker> workers = Workers(2, 0);
+  for (FakeWorker& w : Workers(2, 1)) workers.push_back(w);
+  Serve(*cp, workers, {"t"}, 2);
+  for (FakeWorker& w : workers) w.positions["t"] = {0, false};
+  absl::StatusOr<UpdatePlan> plan = StartUpdateWhileSettling(*cp, workers, clock_);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(cp->FinishUpdate(*plan, {absl::OkStatus(), absl::OkStatus()}).ok());
+  for (FakeWorker& w : workers) w.positions["t"] = {1, false};
+  Settle(*cp, workers);
+  EXPECT_FALSE(cp->Stale("t", 1));
+  // Group 1 rank 0 restarts without its log: it holds the table at its base.
+  workers[2] = FakeWorker{};
+  workers[2].group = 1;
+  workers[2].incarnation = 900;
+  workers[2].positions["t"] = {0, true};
+  clock_.Advance(absl::Milliseconds(1600));
+  cp->Tick();
+  Settle(*cp, workers, 6);
+  EXPECT_TRUE(cp->Stale("t", 1));
+  EXPECT_FALSE(cp->Stale("t", 0));
+  EXPECT_EQ(workers[2].serving.count("t"), 0u);
+  EXPECT_EQ(workers[3].serving.count("t"), 0u);
 }
 
 TEST_F(ControlPlaneTest, ABrokenGroupReformsAfterOneLivenessPeriod) {

@@ -12,6 +12,7 @@
 #include "grpcpp/alarm.h"
 #include "server/completion_tag.h"
 #include "server/grpc_status.h"
+#include "server/security.h"
 #include "server/tensor_codec.h"
 
 namespace shardserve::server {
@@ -270,7 +271,12 @@ class DataService::StreamCall final : public Caller {
         break;
       case v1::StreamRequest::kUpdateRows:
         method = CallMetrics::Method::kUpdateRows;
-        step = service_.Prepare(request.update_rows(), table);
+        step = MayUpdate(context_)
+                   ? service_.Prepare(request.update_rows(), table)
+                   : absl::PermissionDeniedError(
+                         "update_rows: not in a Stream on a port that checks identities (its "
+                         "roles are checked for the whole stream, as a read): send updates "
+                         "with UpdateRows, which takes the write role");
         break;
       default:
         break;

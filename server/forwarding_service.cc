@@ -9,6 +9,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "server/grpc_settings.h"
 #include "server/grpc_status.h"
+#include "server/security.h"
 
 namespace shardserve::server {
 namespace {
@@ -25,6 +26,8 @@ class StreamRelay : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteB
     if (context->deadline() != std::chrono::system_clock::time_point::max()) {
       client_.set_deadline(context->deadline());
     }
+    // The worker sees the coordinator's identity: it is told when the client may not update.
+    if (!MayUpdate(*context)) client_.AddMetadata(std::string(kNoUpdatesMetadata), "1");
     stub_.PrepareBidiStreamingCall(&client_, "/shardserve.v1.DataService/Stream",
                                    grpc::StubOptions(), &upstream_);
     // Held while requests may still be forwarded: a write to the worker may start from the
@@ -212,15 +215,15 @@ grpc::ServerUnaryReactor* ForwardingService::UpdateRows(grpc::CallbackServerCont
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<std::string> table =
       TableOfRequest(*request, "shardserve.v1.UpdateRowsRequest");
-  absl::StatusOr<v1::TableInfo> map =
-      table.ok() ? control_.DescribeTable(*table) : absl::StatusOr<v1::TableInfo>(table.status());
-  if (!map.ok()) {
-    reactor->Finish(ToGrpcStatus(map.status()));
+  absl::StatusOr<v1::TableSpec> spec =
+      table.ok() ? control_.SpecOf(*table) : absl::StatusOr<v1::TableSpec>(table.status());
+  if (!spec.ok()) {
+    reactor->Finish(ToGrpcStatus(spec.status()));
     return reactor;
   }
   const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
                                        absl::Now() + absl::Seconds(60));
-  if (map->replicas_size() > 1) {  // one stream for every replica, sequenced here
+  if (control_.Replicated(*spec)) {  // one stream for every replica, sequenced here
     sequencer_.Update(*request, deadline,
                       [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
                         *response = std::move(answer);

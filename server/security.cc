@@ -111,8 +111,24 @@ std::string JsonString(absl::string_view s) {
 
 }  // namespace
 
+namespace {
+// The auth context property by which the access check marks a connection whose calls it checks
+// identities of (set once per connection: per-call properties pile up on the connection).
+constexpr char kCheckedProperty[] = "shardserve-identities-checked";
+}  // namespace
+
+bool MayUpdate(const grpc::ServerContextBase& context) {
+  if (context.client_metadata().count(grpc::string_ref(kNoUpdatesMetadata.data(),
+                                                       kNoUpdatesMetadata.size())) > 0) {
+    return false;
+  }
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  return auth == nullptr || auth->FindPropertyValues(kCheckedProperty).empty();
+}
+
 unsigned RolesAllowedFor(absl::string_view method) {
   if (absl::StartsWith(method, "/grpc.health.v1.Health/")) return 0;
+  if (method == "/shardserve.v1.DataService/UpdateRows") return kRoleWrite | kRoleCluster;
   if (absl::StartsWith(method, "/shardserve.v1.DataService/")) return kRoleRead | kRoleCluster;
   if (absl::StartsWith(method, "/shardserve.v1.internal.")) return kRoleCluster;
   if (absl::StartsWith(method, "/shardserve.v1.AdminService/")) {
@@ -315,6 +331,9 @@ class ServerSecurity::Access final : public grpc::AuthMetadataProcessor {
             absl::StrCat(who.name, " (roles: ", RoleNames(who.roles), ") may not call ", method,
                          ", which needs one of: ", RoleNames(allowed)));
       }
+    }
+    if (identities != nullptr && context->FindPropertyValues(kCheckedProperty).empty()) {
+      context->AddProperty(kCheckedProperty, "1");
     }
     if (!refusal.ok() || IsAdminMethod(method)) {
       // gRPC does not tell an auth processor the peer's address; what the line can say of where

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_context.h"
 
 namespace shardserve::server {
 
@@ -57,6 +58,14 @@ enum Role : unsigned {
 unsigned RolesAllowedFor(absl::string_view method);
 // Whether `method` changes or reveals tables as an administrator does (audited when allowed).
 bool IsAdminMethod(absl::string_view method);
+// Whether the call `context` serves may carry updates in a Stream. A Stream is a read (the roles
+// of its whole call are checked when it starts, before any of its requests), so only where the
+// port checks no identities (no --tokens_file); elsewhere updates take UpdateRows, which checks
+// the write role. A Stream the coordinator relays carries kNoUpdatesMetadata when its client's
+// connection is checked (the worker sees the coordinator's identity); a caller that sets it
+// itself only gives up updates.
+bool MayUpdate(const grpc::ServerContextBase& context);
+inline constexpr absl::string_view kNoUpdatesMetadata = "shardserve-no-updates";
 // "read,admin" for kRoleRead | kRoleAdmin.
 std::string RoleNames(unsigned roles);
 

@@ -229,6 +229,7 @@ TEST(IdentitiesTest, ParsesEntriesAndSaysWhichLineIsWrong) {
 
 TEST(RolesTest, EachMethodNeedsItsRoles) {
   EXPECT_EQ(RolesAllowedFor(kLookup), kRoleRead | kRoleCluster);
+  EXPECT_EQ(RolesAllowedFor("/shardserve.v1.DataService/UpdateRows"), kRoleWrite | kRoleCluster);
   EXPECT_EQ(RolesAllowedFor(kDescribe), kRoleRead | kRoleAdmin | kRoleCluster);
   EXPECT_EQ(RolesAllowedFor(kDrop), kRoleAdmin);
   EXPECT_EQ(RolesAllowedFor(kExport), kRoleAdmin);

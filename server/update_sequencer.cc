@@ -18,6 +18,9 @@ namespace {
 constexpr absl::Duration kRecoveryPoll = absl::Milliseconds(100);
 // A rank's copy of its shard (its size over a slow link, with room).
 constexpr absl::Duration kRecoveryTimeout = absl::Minutes(10);
+// Threads that check updates and wait for their places: a few, as an update's check is short and
+// its wait rare (a recovery, or a restart's learning).
+constexpr int kThreads = 4;
 
 }  // namespace
 
@@ -34,6 +37,7 @@ struct UpdateSequencer::Call {
 
 UpdateSequencer::UpdateSequencer(ControlPlane& control, ChannelSecurity security)
     : control_(control), security_(std::move(security)) {
+  for (int i = 0; i < kThreads; ++i) threads_.emplace_back([this] { Serve(); });
   recovery_ = std::thread([this] { RecoveryLoop(); });
 }
 
@@ -42,7 +46,30 @@ UpdateSequencer::~UpdateSequencer() {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
+  for (std::thread& t : threads_) t.join();  // (queued updates are answered first)
   recovery_.join();
+}
+
+void UpdateSequencer::Update(const grpc::ByteBuffer& request, absl::Time deadline, Done done) {
+  absl::MutexLock lock(&mu_);
+  queue_.push_back([this, request, deadline, done = std::move(done)]() mutable {
+    Start(request, deadline, std::move(done));
+  });
+}
+
+void UpdateSequencer::Serve() {
+  while (true) {
+    std::function<void()> task;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (queue_.empty()) return;  // stopping, and nothing left
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
 }
 
 std::shared_ptr<v1::internal::WorkerInternal::Stub> UpdateSequencer::StubFor(
@@ -55,17 +82,17 @@ std::shared_ptr<v1::internal::WorkerInternal::Stub> UpdateSequencer::StubFor(
   return stub;
 }
 
-void UpdateSequencer::Update(const grpc::ByteBuffer& request, absl::Time deadline, Done done) {
+void UpdateSequencer::Start(const grpc::ByteBuffer& request, absl::Time deadline, Done done) {
   auto call = std::make_shared<Call>();
   call->done = std::move(done);
   v1::UpdateRowsRequest& update = *call->update.mutable_update();
   absl::Status checked = ParseRaw(request, &update);
   // Checked before it takes a place in the stream, so that every replica applies it alike.
   if (checked.ok()) {
-    absl::StatusOr<v1::TableInfo> info = control_.DescribeTable(update.table());
+    absl::StatusOr<v1::TableSpec> spec = control_.SpecOf(update.table());
     absl::StatusOr<core::TableConfig> config =
-        info.ok() ? ConfigFromSpec(info->spec(), control_.world_size())
-                  : absl::StatusOr<core::TableConfig>(info.status());
+        spec.ok() ? ConfigFromSpec(*spec, control_.world_size())
+                  : absl::StatusOr<core::TableConfig>(spec.status());
     checked = config.ok() ? MakeStepRequest(update, *config, core::InputLimits{}).status()
                           : config.status();
   }

@@ -11,11 +11,13 @@
 #ifndef SHARDSERVE_SERVER_UPDATE_SEQUENCER_H_
 #define SHARDSERVE_SERVER_UPDATE_SEQUENCER_H_
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -36,12 +38,16 @@ class UpdateSequencer {
   ~UpdateSequencer();  // stops recovering (a recovery under way ends first)
 
   // Applies the UpdateRowsRequest `request` to every replica of its table; `done` runs once, on
-  // a gRPC thread or this one. Blocks while the update waits for its place (ControlPlane::
-  // StartUpdate), until `deadline` at most.
+  // a gRPC thread or one of the sequencer's. Returns at once: the update is checked and waits for
+  // its place (ControlPlane::StartUpdate, until `deadline` at most) on the sequencer's threads,
+  // never on gRPC's (whose few callback threads also carry the workers' heartbeats).
   void Update(const grpc::ByteBuffer& request, absl::Time deadline, Done done);
 
  private:
   struct Call;
+  // Update's work, on a sequencer thread.
+  void Start(const grpc::ByteBuffer& request, absl::Time deadline, Done done);
+  void Serve();  // a sequencer thread: runs queued updates' Start
   std::shared_ptr<v1::internal::WorkerInternal::Stub> StubFor(const std::string& address);
   void RecoveryLoop();
   // Runs `plan`: every rank of the replica copies its shard (in parallel).
@@ -53,6 +59,8 @@ class UpdateSequencer {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, std::shared_ptr<v1::internal::WorkerInternal::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);  // updates to Start
+  std::vector<std::thread> threads_;
   std::thread recovery_;
 };
 

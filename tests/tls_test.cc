@@ -198,6 +198,45 @@ TEST_F(TlsClusterTest, EveryPortIsClosedToCallersWithoutTheirRole) {
   EXPECT_EQ(reader->CreateTable(Seeded("u")).status().code(),
             absl::StatusCode::kPermissionDenied);
 
+  // Updates take the write role: the reader's are refused, and so are updates in a Stream on
+  // these ports (straight to a worker, or relayed by the coordinator, whose identity the worker
+  // sees) - a Stream's roles are a read's; nothing changes. The client certificate (read, write,
+  // admin) updates with UpdateRows.
+  v1::UpdateRowsRequest update;
+  update.set_table("t");
+  update.set_op(v1::ADD);
+  *update.mutable_ids() = client::Int64Tensor({1}, {1});
+  *update.mutable_values() = client::FloatTensor({1, 16}, std::vector<float>(16, 1.0f));
+  const absl::Status refused = reader->UpdateRows(update).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(refused.message(), HasSubstr("needs one of: write,cluster"));
+  EXPECT_EQ(ClientAs(Caller("client", kReadToken), /*direct=*/false)
+                ->UpdateRows(update)
+                .status()
+                .code(),
+            absl::StatusCode::kPermissionDenied);
+  for (const std::string& address :
+       {cluster_->worker_address(0), cluster_->coordinator_address()}) {
+    auto data = v1::DataService::NewStub(
+        server::CreateChannel(address, Caller("client", kReadToken)));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    auto stream = data->Stream(&context);
+    v1::StreamRequest request;
+    request.set_id(7);
+    *request.mutable_update_rows() = update;
+    ASSERT_TRUE(stream->Write(request));
+    stream->WritesDone();
+    v1::StreamResponse response;
+    ASSERT_TRUE(stream->Read(&response)) << address;
+    EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::PERMISSION_DENIED)) << address;
+    EXPECT_THAT(response.message(), HasSubstr("UpdateRows")) << address;
+    stream->Finish().ok();
+  }
+  absl::StatusOr<v1::UpdateRowsResponse> updated = admin->UpdateRows(update);
+  ASSERT_TRUE(updated.ok()) << updated.status();
+  EXPECT_EQ(updated->sequence(), 1u);
+
   // A client cannot pose as a worker: no heartbeat, no rendezvous key, no shard read.
   auto internal = v1::internal::CoordinatorInternal::NewStub(
       server::CreateChannel(cluster_->coordinator_address(), Caller("client")));

@@ -104,3 +104,24 @@ def test_a_worker_killed_or_hung_costs_no_call(replicated, fault):
         t.join()
     assert failures == []
     client.close()
+
+
+def test_updates_reach_every_replica_in_one_order(replicated):
+    # The coordinator sequences a replicated table's updates: every replica answers with them,
+    # and both report the same update sequence.
+    with shardserve.Client(replicated.address, deadline=10) as client:
+        name, weight, _ = make_table(client, "r_upd")
+        ids = torch.tensor([5, 7, 5])
+        rows = torch.randn(3, 8)
+        assert client.update_rows(name, ids, rows, op="assign") == (1, 1)
+        weight[5], weight[7] = rows[2], rows[1]  # the last of duplicate ids wins
+        add_ids = torch.tensor([7, 7, 0])
+        deltas = torch.randn(3, 8)
+        assert client.update_rows(name, add_ids, deltas) == (1, 2)
+        weight.index_put_((add_ids,), deltas, accumulate=True)
+        x = torch.arange(120)
+        for _ in range(6):  # round robin: both replicas answer
+            assert torch.equal(client.embedding(name, x), F.embedding(x, weight))
+        with pytest.raises(shardserve.InvalidArgumentError, match="out of range"):
+            client.update_rows(name, torch.tensor([120]), torch.randn(1, 8))
+        assert client.update_rows(name, torch.tensor([1]), torch.randn(1, 8)) == (1, 3)
