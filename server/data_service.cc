@@ -18,12 +18,6 @@
 namespace shardserve::server {
 namespace {
 
-absl::Time DeadlineOf(const grpc::ServerContextBase& context) {
-  const auto deadline = context.deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
-
 // Every tag on the queue points at a CompletionTag; Proceed runs on the serving thread.
 using Tag = CompletionTag;
 
@@ -498,7 +492,9 @@ absl::StatusOr<v1::UpdateRowsResponse> DataService::ApplyReplicated(
       uint64_t& next = next_sequence_[key];
       if (next == 0) {  // not known: the one after the load's
         const std::optional<uint64_t> held = tables_.Sequence(key.first, key.second);
-        if (!held) return absl::NotFoundError(absl::StrCat("table \"", key.first, "\" is not loaded"));
+        if (!held) {
+          return absl::NotFoundError(absl::StrCat("table \"", key.first, "\" is not loaded"));
+        }
         next = *held + 1;
       }
       // One behind or ahead of what came: queued all the same, for the step to refuse.

@@ -1,5 +1,6 @@
 #include "server/grpc_status.h"
 
+#include <chrono>
 #include <string>
 
 namespace shardserve::server {
@@ -13,6 +14,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::Time DeadlineOf(const grpc::ServerContextBase& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
 }
 
 }  // namespace shardserve::server

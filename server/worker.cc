@@ -45,14 +45,6 @@
 
 namespace shardserve::server {
 
-namespace {
-absl::Time DeadlineOf(const grpc::ServerContext& context) {
-  const auto deadline = context.deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
-}  // namespace
-
 // The coordinator's calls: shard reads (ExportTable, and peers' shard recovery), a replicated
 // table's updates, shard recovery.
 class Worker::InternalService final : public v1::internal::WorkerInternal::Service {
