@@ -87,9 +87,7 @@ ReplicaRouter::Replica* ReplicaRouter::Find(const std::string& table, int group)
   return nullptr;
 }
 
-absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& table,
-                                                        absl::Span<const int> avoid) {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<ReplicaRouter::Routes*> ReplicaRouter::Load(const std::string& table) {
   auto it = tables_.find(table);
   if (it == tables_.end()) {
     mu_.Unlock();
@@ -99,7 +97,22 @@ absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& tabl
     Update(table, *info);
     it = tables_.find(table);
   }
-  Routes& routes = it->second;
+  return &it->second;
+}
+
+absl::StatusOr<int> ReplicaRouter::Replicas(const std::string& table) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Routes*> routes = Load(table);
+  if (!routes.ok()) return routes.status();
+  return static_cast<int>((*routes)->replicas.size());
+}
+
+absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& table,
+                                                        absl::Span<const int> avoid) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Routes*> loaded = Load(table);
+  if (!loaded.ok()) return loaded.status();
+  Routes& routes = **loaded;
   const absl::Time now = absl::Now();
   auto usable = [&avoid](const Replica& r) {
     return !r.addresses.empty() && std::find(avoid.begin(), avoid.end(), r.group) == avoid.end();
