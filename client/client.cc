@@ -402,17 +402,17 @@ absl::StatusOr<DenseTensor> Client::Linear(const v1::LinearRequest& request) {
 }
 
 absl::StatusOr<v1::UpdateRowsResponse> Client::UpdateRows(const v1::UpdateRowsRequest& request) {
+  SHARDSERVE_ASSIGN_OR_RETURN(v1::TableInfo info, DescribeTable(request.table()));
   // A table on several replica groups: the coordinator sequences one stream for all of them.
-  // Otherwise a worker of its group takes it (directly, or forwarded by the coordinator). The
-  // placement map is the router's, read once and refreshed in the background. (Should it be
-  // stale, a worker refuses a replicated table's update: FAILED_PRECONDITION, nothing applied.)
-  SHARDSERVE_ASSIGN_OR_RETURN(const int replicas, router_->Replicas(request.table()));
-  std::string address = coordinator_;
-  if (replicas <= 1 && options_.direct) {
-    SHARDSERVE_ASSIGN_OR_RETURN(server::ReplicaRouter::Route route,
-                                router_->Pick(request.table()));
-    if (route.probe) router_->Abandoned(request.table(), route);  // not a probe: sent once
-    address = route.address;
+  // Otherwise a worker of its group takes it (directly, or forwarded by the coordinator).
+  std::string address = info.replicas_size() > 1 || !options_.direct ? coordinator_ : "";
+  for (const v1::ShardInfo& shard : info.shards()) {
+    if (!address.empty()) break;
+    address = shard.address();
+  }
+  if (address.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("table \"", request.table(), "\" has no worker serving it"));
   }
   std::shared_ptr<v1::DataService::Stub> stub;
   {

@@ -87,7 +87,9 @@ ReplicaRouter::Replica* ReplicaRouter::Find(const std::string& table, int group)
   return nullptr;
 }
 
-absl::StatusOr<ReplicaRouter::Routes*> ReplicaRouter::Load(const std::string& table) {
+absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& table,
+                                                        absl::Span<const int> avoid) {
+  absl::MutexLock lock(&mu_);
   auto it = tables_.find(table);
   if (it == tables_.end()) {
     mu_.Unlock();
@@ -97,22 +99,7 @@ absl::StatusOr<ReplicaRouter::Routes*> ReplicaRouter::Load(const std::string& ta
     Update(table, *info);
     it = tables_.find(table);
   }
-  return &it->second;
-}
-
-absl::StatusOr<int> ReplicaRouter::Replicas(const std::string& table) {
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<Routes*> routes = Load(table);
-  if (!routes.ok()) return routes.status();
-  return static_cast<int>((*routes)->replicas.size());
-}
-
-absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& table,
-                                                        absl::Span<const int> avoid) {
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<Routes*> loaded = Load(table);
-  if (!loaded.ok()) return loaded.status();
-  Routes& routes = **loaded;
+  Routes& routes = it->second;
   const absl::Time now = absl::Now();
   auto usable = [&avoid](const Replica& r) {
     return !r.addresses.empty() && std::find(avoid.begin(), avoid.end(), r.group) == avoid.end();

@@ -67,9 +67,6 @@ class ReplicaRouter {
   bool Suspect(const std::string& table, int group);
   // Forgets the table (dropped or created again): the next Pick reads its map afresh.
   void Forget(const std::string& table);
-  // How many replicas (groups) hold `table`, as its map says (read first if there is none yet):
-  // the source's error on that read.
-  absl::StatusOr<int> Replicas(const std::string& table);
 
  private:
   struct Replica {
@@ -88,8 +85,6 @@ class ReplicaRouter {
   };
 
   static std::vector<Replica> ReplicasOf(const v1::TableInfo& info);
-  // The routes of `table`, its map read first if there are none yet (mu_ released meanwhile).
-  absl::StatusOr<Routes*> Load(const std::string& table) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes a fresh read of `table`'s map, keeping its groups' health.
   void Update(const std::string& table, const v1::TableInfo& info)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -149,12 +149,6 @@ class RoutingTable:
         with self._lock:
             return table in self._routes
 
-    def replicas(self, table: str) -> int:
-        """How many replicas (groups) hold ``table`` as its cached map says (0: not cached)."""
-        with self._lock:
-            routes = self._routes.get(table)
-            return 0 if routes is None else len(routes.replicas)
-
     def pick(self, table: str, avoid: Sequence[int] = ()) -> Optional[Tuple[str, int, bool]]:
         """(address, group, probe) for the next call on ``table``, other than in the groups of
         ``avoid``; None when the map is not cached or no replica is left."""

@@ -246,13 +246,13 @@ class Client:
         bias_array = None if bias is None else _codec.as_floats(bias, "bias")[0]
         request = _codec.encode_update_rows(table, id_array, value_array, code, bias_array)
         deadline_at = time.monotonic() + self._timeout(deadline)
-        # The cached placement map (read on the table's first call): a table on several replica
-        # groups takes updates through the coordinator, which sequences one stream for all of
-        # them. (Should the map be stale, a worker refuses a replicated table's update with
-        # FailedPreconditionError, nothing applied.)
-        address, _, _ = self.route(table, False, deadline_at)
-        if self._routes.replicas(table) > 1 or not self.options.direct:
+        info = _common.table_info(self._admin_call_until(
+            "DescribeTable", self._pb.DescribeTableRequest(name=table), deadline_at))
+        if len(info.replicas) > 1:
+            # One stream for every replica: the coordinator sequences it.
             address = self.coordinator
+        else:
+            address, _, _ = self.route(table, False, deadline_at)
         try:
             answer = self._endpoint(address).unary["update_rows"](
                 request, timeout=max(deadline_at - time.monotonic(), 1e-3))
