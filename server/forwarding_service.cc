@@ -224,7 +224,7 @@ grpc::ServerUnaryReactor* ForwardingService::UpdateRows(grpc::CallbackServerCont
   const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
                                        absl::Now() + absl::Seconds(60));
   if (control_.Replicated(*spec)) {  // one stream for every replica, sequenced here
-    sequencer_.Update(*request, deadline,
+    sequencer_.Update(*request, *std::move(spec), deadline,
                       [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
                         *response = std::move(answer);
                         reactor->Finish(status);

@@ -50,11 +50,13 @@ UpdateSequencer::~UpdateSequencer() {
   recovery_.join();
 }
 
-void UpdateSequencer::Update(const grpc::ByteBuffer& request, absl::Time deadline, Done done) {
+void UpdateSequencer::Update(const grpc::ByteBuffer& request, v1::TableSpec spec,
+                             absl::Time deadline, Done done) {
   absl::MutexLock lock(&mu_);
-  queue_.push_back([this, request, deadline, done = std::move(done)]() mutable {
-    Start(request, deadline, std::move(done));
-  });
+  queue_.push_back(
+      [this, request, spec = std::move(spec), deadline, done = std::move(done)]() mutable {
+        Start(request, spec, deadline, std::move(done));
+      });
 }
 
 void UpdateSequencer::Serve() {
@@ -82,17 +84,17 @@ std::shared_ptr<v1::internal::WorkerInternal::Stub> UpdateSequencer::StubFor(
   return stub;
 }
 
-void UpdateSequencer::Start(const grpc::ByteBuffer& request, absl::Time deadline, Done done) {
+void UpdateSequencer::Start(const grpc::ByteBuffer& request, const v1::TableSpec& spec,
+                            absl::Time deadline, Done done) {
   auto call = std::make_shared<Call>();
   call->done = std::move(done);
   v1::UpdateRowsRequest& update = *call->update.mutable_update();
   absl::Status checked = ParseRaw(request, &update);
   // Checked before it takes a place in the stream, so that every replica applies it alike.
+  // (Should the table change meanwhile, StartUpdate answers for the table as it is then, and the
+  // workers check the update again.)
   if (checked.ok()) {
-    absl::StatusOr<v1::TableSpec> spec = control_.SpecOf(update.table());
-    absl::StatusOr<core::TableConfig> config =
-        spec.ok() ? ConfigFromSpec(*spec, control_.world_size())
-                  : absl::StatusOr<core::TableConfig>(spec.status());
+    absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, control_.world_size());
     checked = config.ok() ? MakeStepRequest(update, *config, core::InputLimits{}).status()
                           : config.status();
   }

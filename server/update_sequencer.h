@@ -37,16 +37,19 @@ class UpdateSequencer {
   UpdateSequencer(ControlPlane& control, ChannelSecurity security);
   ~UpdateSequencer();  // stops recovering (a recovery under way ends first)
 
-  // Applies the UpdateRowsRequest `request` to every replica of its table; `done` runs once, on
+  // Applies the UpdateRowsRequest `request` to every replica of its table, whose spec (as the
+  // caller read it, to tell that it is replicated) is `spec`; `done` runs once, on
   // a gRPC thread or one of the sequencer's. Returns at once: the update is checked and waits for
   // its place (ControlPlane::StartUpdate, until `deadline` at most) on the sequencer's threads,
   // never on gRPC's (whose few callback threads also carry the workers' heartbeats).
-  void Update(const grpc::ByteBuffer& request, absl::Time deadline, Done done);
+  void Update(const grpc::ByteBuffer& request, v1::TableSpec spec, absl::Time deadline,
+              Done done);
 
  private:
   struct Call;
   // Update's work, on a sequencer thread.
-  void Start(const grpc::ByteBuffer& request, absl::Time deadline, Done done);
+  void Start(const grpc::ByteBuffer& request, const v1::TableSpec& spec, absl::Time deadline,
+             Done done);
   void Serve();  // a sequencer thread: runs queued updates' Start
   std::shared_ptr<v1::internal::WorkerInternal::Stub> StubFor(const std::string& address);
   void RecoveryLoop();
