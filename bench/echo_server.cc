@@ -4,12 +4,22 @@
 // gRPC's callback API (what a service usually writes); --api=async on one thread draining one
 // completion queue, gRPC's cheapest way to serve many small calls on a small machine (no
 // hand-offs between its pollers). UpdateRows is answered at once (callback API only): the
-// ceiling for updates.
+// ceiling for updates. With --log_dir it is answered once its values are appended to a log there
+// and synced (one fdatasync per batch, as the workers' group commit): the ceiling for durable
+// updates, with none of the service's work (no checks, no agreement, no applying).
 //
-//   echo_server --port=50099 --dim=128 [--api=async]
+//   echo_server --port=50099 --dim=128 [--api=async] [--log_dir=D]
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -26,6 +36,8 @@ ABSL_FLAG(int, port, 50099, "port on 127.0.0.1");
 ABSL_FLAG(int64_t, dim, 128, "floats per id (embedding) or per bag");
 ABSL_FLAG(int64_t, out, 1024, "out_features (linear)");
 ABSL_FLAG(std::string, api, "callback", "callback | async (one thread, one completion queue)");
+ABSL_FLAG(std::string, log_dir, "",
+          "if set, UpdateRows answers once its values are in a log there, synced");
 
 namespace {
 
@@ -73,8 +85,62 @@ void Answer(const StreamRequest& r, StreamResponse* response) {
   response->mutable_output()->Swap(answer.mutable_output());
 }
 
+// Appends updates' values to one file and finishes their calls once a sync covers them: one
+// fdatasync per batch of whatever arrived meanwhile. The file is rewritten from its start past
+// 256 MiB so that a long run does not fill the disk.
+class SyncedLog {
+ public:
+  explicit SyncedLog(const std::string& dir) {
+    fd_ = ::open((dir + "/echo.wal").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd_ < 0) {
+      std::perror("echo_server: open the log");
+      std::exit(2);
+    }
+    syncer_ = std::thread([this] { SyncLoop(); });
+  }
+
+  void Append(const std::string& bytes, grpc::ServerUnaryReactor* reactor) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (offset_ > (int64_t{256} << 20)) offset_ = 0;
+    if (::pwrite(fd_, bytes.data(), bytes.size(), offset_) != static_cast<ssize_t>(bytes.size())) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::INTERNAL, "log write failed"));
+      return;
+    }
+    offset_ += static_cast<int64_t>(bytes.size());
+    waiting_.push_back(reactor);
+    wake_.notify_one();
+  }
+
+ private:
+  void SyncLoop() {
+    std::vector<grpc::ServerUnaryReactor*> batch;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [this] { return !waiting_.empty(); });
+        batch.swap(waiting_);  // all of them were written before this sync starts
+      }
+      const bool synced = ::fdatasync(fd_) == 0;
+      for (grpc::ServerUnaryReactor* r : batch) {
+        r->Finish(synced ? grpc::Status::OK
+                         : grpc::Status(grpc::StatusCode::INTERNAL, "log sync failed"));
+      }
+      batch.clear();
+    }
+  }
+
+  int fd_ = -1;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  int64_t offset_ = 0;
+  std::vector<grpc::ServerUnaryReactor*> waiting_;
+  std::thread syncer_;  // runs until the process is killed
+};
+
 class CallbackEcho final : public DataService::CallbackService {
  public:
+  explicit CallbackEcho(SyncedLog* log) : log_(log) {}
+
   grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* c, const EmbeddingRequest* r,
                                       TensorResponse* response) override {
     return Reply(c, *r, response);
@@ -100,11 +166,17 @@ class CallbackEcho final : public DataService::CallbackService {
     response->set_version(1);
     response->set_sequence(static_cast<uint64_t>(r->ids().shape_size()));
     grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
+    if (log_ != nullptr) {
+      log_->Append(r->values().data(), reactor);
+    } else {
+      reactor->Finish(grpc::Status::OK);
+    }
     return reactor;
   }
 
  private:
+  SyncedLog* const log_;
+
   // Reads a request, writes its answer, reads the next: one in flight, as a waiting caller sends.
   class StreamEcho final : public grpc::ServerBidiReactor<StreamRequest, StreamResponse> {
    public:
@@ -248,7 +320,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "echo_server: --api=%s: expected callback or async\n", api.c_str());
     return 2;
   }
-  CallbackEcho callback_echo;
+  std::unique_ptr<SyncedLog> log;
+  if (!absl::GetFlag(FLAGS_log_dir).empty()) {
+    log = std::make_unique<SyncedLog>(absl::GetFlag(FLAGS_log_dir));
+  }
+  CallbackEcho callback_echo(log.get());
   DataService::AsyncService async_echo;
   // TLS with --tls_cert / --tls_key (the servers' flags, server/security_flags.h): what gRPC
   // alone loses to encryption (bench/run_tls.sh).
