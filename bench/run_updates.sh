@@ -7,8 +7,12 @@
 #      as many connections);
 #   2. lookups (EmbeddingBag 512 x 20, closed loop) alone, then while updates run open-loop at 20 %
 #      of the rate measured in 1;
-#   and the ceiling: the same update calls to a gRPC server that parses and answers them at once
-#   (bench/echo_server): what gRPC and the load generator alone carry here.
+#   and two ceilings: the same update calls to a gRPC server that parses and answers them at once
+#   (bench/echo_server): what gRPC and the load generator alone carry here; and the durable
+#   fan-out: every one of the R x W ranks sent its share of each update (512 rows x D / W floats)
+#   straight from the client, appending it to its own log with one fdatasync per batch before it
+#   answers (echo_server --log_dir): the least work any design does that keeps every replica's
+#   every rank durable, with no checks, ordering, agreement or applying.
 # Shapes: N = 100 000 rows, D = 128, fp32, R = GROUPS replica groups (default 2) x W = 2 CPU
 # workers, col-wise. With R > 1 updates go through the coordinator, which sequences one stream for
 # every replica and answers once every replica synced it. Logs and Redis' AOF on this machine's
@@ -34,6 +38,13 @@ trap cleanup EXIT
 mkdir -p "$work/redis"
 $bin/bench/echo_server --port=50096 --dim=128 >"$work/echo.log" 2>&1 &
 pids+=($!)
+ranks=$((groups * 2))
+for r in $(seq "$ranks"); do  # the durable fan-out's ranks, each with its own log
+  mkdir -p "$work/fanout$r"
+  $bin/bench/echo_server --port=$((50110 + r)) --dim=64 --log_dir="$work/fanout$r" \
+    >"$work/fanout$r.log" 2>&1 &
+  pids+=($!)
+done
 redis-server --port 6398 --bind 127.0.0.1 --save '' --appendonly yes --appendfsync always \
   --dir "$work/redis" --daemonize no >"$work/redis.log" 2>&1 &
 pids+=($!)
@@ -75,6 +86,32 @@ for round in $(seq "$rounds"); do
     --progress=false --op=update --update_rows=512 --concurrency="$conc" --warmup_s=1 \
     --duration_s="$secs" --report="$work/r.json" >/dev/null || true
   record grpc_ceiling
+  fan=()
+  for r in $(seq "$ranks"); do
+    rm -f "$work/f$r.json"
+    $bin/client/shardserve-load --target=127.0.0.1:$((50110 + r)) --rows=100000 --dim=64 \
+      --table=bench --progress=false --op=update --update_rows=512 --concurrency="$conc" \
+      --warmup_s=1 --duration_s="$secs" --report="$work/f$r.json" >/dev/null 2>&1 &
+    fan+=($!)
+  done
+  wait "${fan[@]}" || true
+  # One update is done when every rank has its share: the ranks' mean rate (at least what they
+  # carry together), their slowest p50 and p99.
+  python3 - "$work" "$ranks" >> "$out" <<'PY'
+import json, os, sys
+paths = [f"{sys.argv[1]}/f{r}.json" for r in range(1, int(sys.argv[2]) + 1)]
+if not all(os.path.getsize(p) if os.path.exists(p) else 0 for p in paths):
+    sys.exit(print("run_updates: no report for durable_fanout", file=sys.stderr))
+reports = [json.load(open(p)) for p in paths]
+errors = {}
+for r in reports:
+    for code, n in r["errors_by_code"].items(): errors[code] = errors.get(code, 0) + n
+print(json.dumps({"case": "durable_fanout", "report": {
+    "rows_per_s": sum(r["rows_per_s"] for r in reports) / len(reports),
+    "per_rank_rows_per_s": [r["rows_per_s"] for r in reports],
+    "latency": {k: max(r["latency"][k] for r in reports) for k in ("p50_us", "p99_us")},
+    "errors_by_code": errors}}))
+PY
   load reads --op=embedding_bag --batch=512 --bag=20 --concurrency=4
   qps=$(python3 -c "print(round(0.2 * $(rate update), 1))")
   # Updates at 20 % of their maximum, open loop, beside the same reads.

@@ -24,6 +24,10 @@ print(f"durable updates, 512 rows/call: shardserve {ours:,.0f} rows/s "
 ceiling = med("grpc_ceiling", "rows_per_s")
 print(f"ceiling: the same calls to a gRPC server that only parses them: {ceiling:,.0f} rows/s "
       f"({ceiling / redis:.2f}x Redis; shardserve reaches {ours / ceiling:.0%} of it)")
+fanout = med("durable_fanout", "rows_per_s")
+print(f"ceiling: each of the R x W ranks sent its share straight from the client, logged and "
+      f"synced, nothing else: {fanout:,.0f} rows/s ({fanout / redis:.2f}x Redis; shardserve "
+      f"reaches {ours / fanout:.0%} of it)")
 alone = med("reads", "bags_per_s")
 mixed = med("reads_with_updates", "bags_per_s")
 p99_alone = med("reads", "p99_us", "latency")
