@@ -10,6 +10,7 @@
 #include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
+#include "proto/internal.pb.h"
 
 namespace shardserve::server {
 namespace {
@@ -153,6 +154,22 @@ grpc::ByteBuffer Serialized(const google::protobuf::MessageLite& message) {
   return grpc::ByteBuffer(&only, 1);
 }
 }  // namespace
+
+grpc::ByteBuffer EncodeReplicatedUpdate(const grpc::ByteBuffer& update, uint64_t sequence,
+                                        uint64_t version) {
+  std::vector<grpc::Slice> slices(1);
+  std::string head;
+  AppendLengthKey(v1::internal::ReplicatedUpdate::kUpdateFieldNumber, &head);
+  AppendVarint(update.Length(), &head);
+  slices[0] = grpc::Slice(std::move(head));
+  std::vector<grpc::Slice> body;
+  if (update.Length() > 0 && update.Dump(&body).ok()) {
+    slices.insert(slices.end(), body.begin(), body.end());  // references, not copies
+  }
+  slices.emplace_back(VarintField(v1::internal::ReplicatedUpdate::kSequenceFieldNumber, sequence) +
+                      VarintField(v1::internal::ReplicatedUpdate::kVersionFieldNumber, version));
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
 
 grpc::ByteBuffer EncodeUpdateResponse(uint64_t version, uint64_t sequence) {
   v1::UpdateRowsResponse response;

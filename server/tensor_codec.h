@@ -41,6 +41,10 @@ using RawDataService = v1::DataService::WithRawCallbackMethod_Embedding<
 // `sequence`: that version's update sequence it reflects.
 grpc::ByteBuffer EncodeTensorResponse(core::DenseResult result, uint64_t version = 0,
                                       uint64_t sequence = 0);
+// A WorkerInternal.ApplyUpdate request (a ReplicatedUpdate) around the UpdateRowsRequest
+// `update` as it arrived: its bytes are shared, not copied, however many replicas it goes to.
+grpc::ByteBuffer EncodeReplicatedUpdate(const grpc::ByteBuffer& update, uint64_t sequence,
+                                        uint64_t version);
 // An UpdateRows answer, unary and in a Stream.
 grpc::ByteBuffer EncodeUpdateResponse(uint64_t version, uint64_t sequence);
 grpc::ByteBuffer EncodeStreamUpdateResponse(uint64_t id, uint64_t version, uint64_t sequence);

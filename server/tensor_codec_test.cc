@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "proto/internal.pb.h"
 
 namespace shardserve::server {
 namespace {
@@ -227,6 +228,36 @@ TEST(TensorCodec, ParsesRawRequestsAndRejectsGarbage) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()),
               HasSubstr("not a valid shardserve.v1.EmbeddingRequest"));
+}
+
+// The coordinator wraps a replicated update's bytes as they arrived (in several slices, as gRPC
+// hands them over): the very bytes protobuf gives for the same ReplicatedUpdate.
+TEST(TensorCodec, ReplicatedUpdateWrapsTheUpdateAsItArrived) {
+  v1::UpdateRowsRequest update;
+  update.set_table("t");
+  update.set_op(v1::ADD);
+  *update.mutable_ids() = Ids({3}, {5, 6, 5});
+  core::FloatBuffer values(3 * 200);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * i;
+  SetFloats({3, 200}, values, update.mutable_values());
+  const std::string wire = update.SerializeAsString();
+  std::vector<grpc::Slice> parts;  // in three pieces
+  parts.emplace_back(wire.substr(0, 7));
+  parts.emplace_back(wire.substr(7, 1000));
+  parts.emplace_back(wire.substr(1007));
+  const grpc::ByteBuffer raw(parts.data(), parts.size());
+  for (const auto& [sequence, version] :
+       std::vector<std::pair<uint64_t, uint64_t>>{{1, 1}, {123456789, 3}, {1, 0}}) {
+    v1::internal::ReplicatedUpdate expected;
+    *expected.mutable_update() = update;
+    expected.set_sequence(sequence);
+    expected.set_version(version);
+    EXPECT_EQ(Bytes(EncodeReplicatedUpdate(raw, sequence, version)), expected.SerializeAsString());
+  }
+  v1::internal::ReplicatedUpdate empty;  // an empty update still names field 1
+  empty.mutable_update();
+  empty.set_sequence(2);
+  EXPECT_EQ(Bytes(EncodeReplicatedUpdate(grpc::ByteBuffer(), 2, 0)), empty.SerializeAsString());
 }
 
 TEST(TensorCodec, TableOfRequestReadsTheTableWithoutParsingTheRest) {

@@ -21,15 +21,17 @@ constexpr absl::Duration kRecoveryTimeout = absl::Minutes(10);
 // Threads that check updates and wait for their places: a few, as an update's check is short and
 // its wait rare (a recovery, or a restart's learning).
 constexpr int kThreads = 4;
+// Updates go to the workers as bytes: the client's, wrapped (EncodeReplicatedUpdate).
+const char kApplyUpdate[] = "/shardserve.v1.internal.WorkerInternal/ApplyUpdate";
 
 }  // namespace
 
 // One update on its way to the replicas.
 struct UpdateSequencer::Call {
   UpdatePlan plan;
-  v1::internal::ReplicatedUpdate update;
+  grpc::ByteBuffer update;  // the ReplicatedUpdate, sharing the bytes the client sent
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<v1::UpdateRowsResponse> responses;
+  std::vector<grpc::ByteBuffer> responses;  // UpdateRowsResponses, passed on as they came
   std::vector<absl::Status> results;
   std::atomic<size_t> pending{0};
   Done done;
@@ -74,21 +76,22 @@ void UpdateSequencer::Serve() {
   }
 }
 
-std::shared_ptr<v1::internal::WorkerInternal::Stub> UpdateSequencer::StubFor(
-    const std::string& address) {
+UpdateSequencer::Stubs& UpdateSequencer::StubsFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
-  auto& stub = stubs_[address];
-  if (stub == nullptr) {
-    stub = v1::internal::WorkerInternal::NewStub(CreateChannel(address, security_));
+  std::unique_ptr<Stubs>& stubs = stubs_[address];
+  if (stubs == nullptr) {
+    std::shared_ptr<grpc::Channel> channel = CreateChannel(address, security_);
+    stubs = std::make_unique<Stubs>(Stubs{v1::internal::WorkerInternal::NewStub(channel),
+                                          std::make_unique<grpc::GenericStub>(channel)});
   }
-  return stub;
+  return *stubs;
 }
 
 void UpdateSequencer::Start(const grpc::ByteBuffer& request, const v1::TableSpec& spec,
                             absl::Time deadline, Done done) {
   auto call = std::make_shared<Call>();
   call->done = std::move(done);
-  v1::UpdateRowsRequest& update = *call->update.mutable_update();
+  v1::UpdateRowsRequest update;
   absl::Status checked = ParseRaw(request, &update);
   // Checked before it takes a place in the stream, so that every replica applies it alike.
   // (Should the table change meanwhile, StartUpdate answers for the table as it is then, and the
@@ -106,8 +109,7 @@ void UpdateSequencer::Start(const grpc::ByteBuffer& request, const v1::TableSpec
     return;
   }
   call->plan = *std::move(plan);
-  call->update.set_sequence(call->plan.sequence);
-  call->update.set_version(call->plan.spec.version());
+  call->update = EncodeReplicatedUpdate(request, call->plan.sequence, call->plan.spec.version());
   const size_t n = call->plan.targets.size();
   call->responses.resize(n);
   call->results.resize(n);
@@ -117,25 +119,22 @@ void UpdateSequencer::Start(const grpc::ByteBuffer& request, const v1::TableSpec
     call->contexts[i]->set_deadline(absl::ToChronoTime(deadline));
   }
   for (size_t i = 0; i < n; ++i) {
-    StubFor(call->plan.targets[i].address)
-        ->async()
-        ->ApplyUpdate(call->contexts[i].get(), &call->update, &call->responses[i],
-                      [this, call, i](grpc::Status status) {
-                        call->results[i] = FromGrpcStatus(status);
-                        if (call->pending.fetch_sub(1) != 1) return;
-                        const absl::Status outcome =
-                            control_.FinishUpdate(call->plan, call->results);
-                        if (!outcome.ok()) {
-                          call->done(ToGrpcStatus(outcome), grpc::ByteBuffer());
-                          return;
-                        }
-                        for (size_t j = 0; j < call->results.size(); ++j) {
-                          if (!call->results[j].ok()) continue;
-                          grpc::Slice bytes(call->responses[j].SerializeAsString());
-                          call->done(grpc::Status::OK, grpc::ByteBuffer(&bytes, 1));
-                          return;
-                        }
-                      });
+    grpc::GenericStub& stub = *StubsFor(call->plan.targets[i].address).generic;
+    stub.UnaryCall(call->contexts[i].get(), kApplyUpdate, grpc::StubOptions(), &call->update,
+                   &call->responses[i], [this, call, i](grpc::Status status) {
+                     call->results[i] = FromGrpcStatus(status);
+                     if (call->pending.fetch_sub(1) != 1) return;
+                     const absl::Status outcome = control_.FinishUpdate(call->plan, call->results);
+                     if (!outcome.ok()) {
+                       call->done(ToGrpcStatus(outcome), grpc::ByteBuffer());
+                       return;
+                     }
+                     for (size_t j = 0; j < call->results.size(); ++j) {
+                       if (!call->results[j].ok()) continue;
+                       call->done(grpc::Status::OK, call->responses[j]);
+                       return;
+                     }
+                   });
   }
 }
 
@@ -159,7 +158,7 @@ void UpdateSequencer::Recover(const RecoveryPlan& plan) {
       grpc::ClientContext context;
       context.set_deadline(absl::ToChronoTime(absl::Now() + kRecoveryTimeout));
       results[r] = FromGrpcStatus(
-          StubFor(plan.targets[r])->RecoverShard(&context, plan.requests[r], &responses[r]));
+          StubsFor(plan.targets[r]).typed->RecoverShard(&context, plan.requests[r], &responses[r]));
       if (!results[r].ok()) {
         results[r] = absl::Status(results[r].code(),
                                   absl::StrCat("rank ", r, ": ", results[r].message()));

@@ -22,6 +22,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/status.h"
 #include "proto/internal.grpc.pb.h"
@@ -51,7 +52,12 @@ class UpdateSequencer {
   void Start(const grpc::ByteBuffer& request, const v1::TableSpec& spec, absl::Time deadline,
              Done done);
   void Serve();  // a sequencer thread: runs queued updates' Start
-  std::shared_ptr<v1::internal::WorkerInternal::Stub> StubFor(const std::string& address);
+  // A worker's stubs, on one channel: made at its first use, kept (as its address) for good.
+  struct Stubs {
+    std::unique_ptr<v1::internal::WorkerInternal::Stub> typed;
+    std::unique_ptr<grpc::GenericStub> generic;
+  };
+  Stubs& StubsFor(const std::string& address);
   void RecoveryLoop();
   // Runs `plan`: every rank of the replica copies its shard (in parallel).
   void Recover(const RecoveryPlan& plan);
@@ -60,8 +66,7 @@ class UpdateSequencer {
   const ChannelSecurity security_;
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::map<std::string, std::shared_ptr<v1::internal::WorkerInternal::Stub>> stubs_
-      ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<Stubs>> stubs_ ABSL_GUARDED_BY(mu_);
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);  // updates to Start
   std::vector<std::thread> threads_;
   std::thread recovery_;
