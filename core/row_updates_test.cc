@@ -168,6 +168,20 @@ TEST(RowUpdates, BadUpdatesAreRefusedNamingTheField) {
   r.values[2] = std::nanf("");
   EXPECT_THAT(std::string(ValidateUpdate(config, limits, r).message()),
               HasSubstr("values[0][2]: nan is not finite"));
+  // Many rows: the first bad value is named, in a whole block of the check and in its tail.
+  r = Update(UpdateKind::kAdd, std::vector<int64_t>(103, 1), 5, 0);
+  EXPECT_TRUE(ValidateUpdate(config, limits, r).ok());
+  r.values[5 * 60 + 3] = -INFINITY;
+  r.values[5 * 80 + 1] = std::nanf("");
+  EXPECT_THAT(std::string(ValidateUpdate(config, limits, r).message()),
+              HasSubstr("values[60][3]: -inf is not finite"));
+  r.values[5 * 60 + 3] = 1.0f;
+  EXPECT_THAT(std::string(ValidateUpdate(config, limits, r).message()),
+              HasSubstr("values[80][1]: nan is not finite"));
+  r.values[5 * 80 + 1] = 1.0f;
+  r.values[5 * 102 + 4] = INFINITY;  // 514: past the last whole block of 256
+  EXPECT_THAT(std::string(ValidateUpdate(config, limits, r).message()),
+              HasSubstr("values[102][4]: inf is not finite"));
   r = Update(UpdateKind::kAdd, {1}, 5, 0, /*bias=*/true);
   EXPECT_THAT(std::string(ValidateUpdate(config, limits, r).message()), HasSubstr("no bias"));
   r = Update(UpdateKind::kScale, {1}, 5, 0);

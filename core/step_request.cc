@@ -2,12 +2,41 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 
 namespace shardserve::core {
+namespace {
+
+// The index of the first value that is NaN or infinite, or -1. Whole blocks are checked without
+// a branch (what the compiler vectorizes: this check was an update's largest cost on the
+// coordinator); only a block that has one is looked at again.
+int64_t FirstNonFinite(absl::Span<const float> values) {
+  constexpr size_t kBlock = 256;
+  const size_t n = values.size();
+  for (size_t start = 0; start < n; start += kBlock) {
+    const float* block = values.data() + start;
+    if (n - start >= kBlock) {
+      uint32_t bad = 0;
+      for (size_t i = 0; i < kBlock; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, block + i, sizeof(bits));
+        bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+      }
+      if (bad == 0) continue;
+    }
+    for (size_t i = start; i < std::min(n, start + kBlock); ++i) {
+      if (!std::isfinite(values[i])) return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+}  // namespace
 
 int64_t StepRequest::Rows() const {
   switch (op) {
@@ -98,12 +127,10 @@ absl::Status ValidateUpdate(const TableConfig& table, const InputLimits& limits,
         "values: ", request.values.size(), " floats, but ", k, " ids need ", k, " x ",
         table.num_cols, " = ", want, " (", linear ? "in_features" : "embedding_dim", " per row)"));
   }
-  for (size_t i = 0; i < request.values.size(); ++i) {
-    if (!std::isfinite(request.values[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "values[", i / table.num_cols, "][", i % table.num_cols, "]: ", request.values[i],
-          " is not finite; updates must be finite floats"));
-    }
+  if (const int64_t i = FirstNonFinite(request.values); i >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "values[", i / table.num_cols, "][", i % table.num_cols, "]: ", request.values[i],
+        " is not finite; updates must be finite floats"));
   }
   if (!request.bias.empty()) {
     if (!linear || !table.has_bias) {
