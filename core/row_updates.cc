@@ -82,27 +82,29 @@ absl::Status ApplyRows(ShardedTable& table, UpdateKind kind, const int64_t* ids,
   const int64_t cols = table.shard().cols;
   float* const host = table.HostRows();
   const float* next = values;
-  int64_t local = k > 0 ? LocalRow(table, ids[0]) : -1;
+  // Rows are random, so each is a cache miss, and the misses, not the adds, are what an update
+  // costs: the lines of the row kAhead on are fetched while this one is written.
+  constexpr int64_t kAhead = 4;
+  auto prefetch = [&](int64_t i) {
+    const int64_t local = i < k && host != nullptr ? LocalRow(table, ids[i]) : -1;
+    if (local < 0) return;
+    for (int64_t c = 0; c < cols; c += 16) __builtin_prefetch(host + local * cols + c, 1);
+  };
+  for (int64_t i = 0; i < kAhead; ++i) prefetch(i);
   for (int64_t i = 0; i < k; ++i) {
-    // The next row's lines are fetched while this one is written: rows are random, so each is a
-    // miss, and the misses, not the adds, are what an update costs.
-    const int64_t following = i + 1 < k ? LocalRow(table, ids[i + 1]) : -1;
-    if (host != nullptr && following >= 0) {
-      for (int64_t c = 0; c < cols; c += 16) __builtin_prefetch(host + following * cols + c, 1);
+    prefetch(i + kAhead);
+    const int64_t local = LocalRow(table, ids[i]);
+    if (local < 0) continue;
+    const float* row = packed ? next : values + i * stride;
+    if (host == nullptr) {
+      SHARDSERVE_RETURN_IF_ERROR(table.WriteRow(local, add, row));
+    } else if (add) {
+      float* dst = host + local * cols;
+      for (int64_t c = 0; c < cols; ++c) dst[c] += row[c];
+    } else {
+      std::memcpy(host + local * cols, row, cols * sizeof(float));
     }
-    if (local >= 0) {
-      const float* row = packed ? next : values + i * stride;
-      if (host == nullptr) {
-        SHARDSERVE_RETURN_IF_ERROR(table.WriteRow(local, add, row));
-      } else if (add) {
-        float* dst = host + local * cols;
-        for (int64_t c = 0; c < cols; ++c) dst[c] += row[c];
-      } else {
-        std::memcpy(host + local * cols, row, cols * sizeof(float));
-      }
-      next += cols;
-    }
-    local = following;
+    next += cols;
   }
   if (bias != nullptr) {
     std::vector<float>& b = table.mutable_bias();
