@@ -114,7 +114,13 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     response.set_keep_serving(true);
     return response;
   }
-  response.set_epoch(group.epoch);
+  // A worker that restarted after the epoch formed is not in it: its peers' rendezvous names the
+  // process before, so a join could only wait out gloo's connect timeout (25 s) while the group
+  // re-forms without it. Told of no epoch, it waits for the next one, which includes it.
+  const size_t rank = static_cast<size_t>(request.rank());
+  const bool in_epoch = rank < group.epoch_incarnations.size() &&
+                        group.epoch_incarnations[rank] == m.incarnation;
+  response.set_epoch(in_epoch ? group.epoch : 0);
   for (int r = 0; r < options_.world_size; ++r) {
     const Member& other = group.members[r];
     v1::internal::Member* member = response.add_members();

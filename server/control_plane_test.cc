@@ -318,6 +318,35 @@ TEST_F(ControlPlaneTest, ARestartedWorkerGetsANewEpoch) {
   EXPECT_EQ(workers[1].joined, cp->epoch());
 }
 
+// Both workers of a group killed and restarted, one after the other: until the group re-forms
+// with both, the first one back is told of no epoch - not the one before, whose rendezvous names
+// its peer's dead process (a join would wait out gloo's connect timeout).
+TEST_F(ControlPlaneTest, AWorkerBackBeforeItsPeerIsToldOfNoEpochUntilOneIncludesIt) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  const uint64_t first = cp->epoch();
+  ASSERT_NE(first, 0u);
+  clock_.Advance(absl::Milliseconds(1600));  // both fall silent: dead
+  cp->Tick();
+  FakeWorker back = workers[0];
+  back.incarnation = 901;
+  back.joined = 0;
+  absl::StatusOr<HeartbeatResponse> r = back.Report(*cp);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->epoch(), 0u);
+  EXPECT_EQ(cp->epoch(), first);  // the group's epoch is still the old one (rank 1 is dead)
+  FakeWorker peer = workers[1];
+  peer.incarnation = 902;
+  peer.joined = 0;
+  workers = {back, peer};
+  Settle(*cp, workers);
+  EXPECT_GT(cp->epoch(), first);
+  EXPECT_EQ(workers[0].joined, cp->epoch());
+  EXPECT_EQ(workers[1].joined, cp->epoch());
+  EXPECT_EQ(workers[0].last.epoch(), cp->epoch());
+}
+
 // After a crash in a step, one rank's update log may end past its peer's: the table is not
 // served until the longer log is rolled back to the shorter - and only once every rank of the
 // epoch reports its load as recovered and untouched (a serving load's position moves between
