@@ -216,10 +216,21 @@ class ControlPlane {
   // replicated; a LoadVersion of it is under way); UNAVAILABLE (no replica serves it, or the wait
   // ran out); the registry's errors.
   absl::StatusOr<UpdatePlan> StartUpdate(const std::string& name, absl::Time deadline);
+  // A replica an update marked stale, with each rank's heartbeats counted so far.
+  struct StaleNotice {
+    int group = 0;
+    std::vector<uint64_t> heartbeats;
+  };
   // The update's outcome at each target (in plan order): targets that failed it are marked
-  // stale, unless all did (then the stream's position is learnt again). Returns the call's
-  // status: OK when any applied it.
-  absl::Status FinishUpdate(const UpdatePlan& plan, const std::vector<absl::Status>& results);
+  // stale, unless all did (then the stream's position is learnt again), and listed in `notices`:
+  // the call is not to be answered before they have heard (StaleReplicasTold), lest a lookup
+  // on one miss the update it acknowledges. Returns the call's status: OK when any applied it.
+  absl::Status FinishUpdate(const UpdatePlan& plan, const std::vector<absl::Status>& results,
+                            std::vector<StaleNotice>* notices = nullptr);
+  // Whether every rank of the replicas in `notices` has heard that they are stale: it has sent
+  // two heartbeats since (a worker applies one's answer, which no longer lists the table as
+  // served, before it sends the next), or it is dead (silent for the liveness timeout).
+  bool StaleReplicasTold(const std::vector<StaleNotice>& notices) const;
   // A stale replica whose group is formed and holds the table, with a replica to copy from: no
   // update of the table starts until FinishRecovery (none if updates are still in flight; they
   // end first).

@@ -444,10 +444,34 @@ TEST_F(ControlPlaneTest, AReplicaThatFailsAnUpdateIsStaleUntilRecoveredEvenAcros
     absl::StatusOr<UpdatePlan> second = cp->StartUpdate("t", clock_.Now());
     ASSERT_TRUE(second.ok()) << second.status();
     EXPECT_EQ(second->sequence, 2u);
-    EXPECT_TRUE(
-        cp->FinishUpdate(*second, {absl::OkStatus(), absl::UnavailableError("group broke")}).ok());
+    std::vector<ControlPlane::StaleNotice> notices;
+    EXPECT_TRUE(cp->FinishUpdate(*second, {absl::OkStatus(), absl::UnavailableError("group broke")},
+                                 &notices)
+                    .ok());
     EXPECT_TRUE(cp->Stale("t", 1));
     EXPECT_FALSE(cp->Stale("t", 0));
+    // The call is answered only once group 1's ranks have heard: the second heartbeat of each
+    // since the mark shows it applied the answer to the first (or a rank is dead).
+    ASSERT_EQ(notices.size(), 1u);
+    EXPECT_EQ(notices[0].group, 1);
+    EXPECT_FALSE(cp->StaleReplicasTold(notices));
+    for (int beat = 0; beat < 2; ++beat) {
+      EXPECT_FALSE(cp->StaleReplicasTold(notices));
+      ASSERT_TRUE(workers[2].Report(*cp).ok());
+    }
+    EXPECT_FALSE(cp->StaleReplicasTold(notices));  // rank 1 has not
+    ASSERT_TRUE(workers[3].Report(*cp).ok());
+    EXPECT_FALSE(cp->StaleReplicasTold(notices));
+    absl::Duration silent;
+    while (!cp->StaleReplicasTold(notices) && silent < absl::Seconds(3)) {
+      clock_.Advance(absl::Milliseconds(50));  // rank 1 stays silent, the others beat on
+      silent += absl::Milliseconds(50);
+      for (int w : {0, 1, 2}) ASSERT_TRUE(workers[w].Report(*cp).ok());
+      cp->Tick();
+    }
+    // Rank 1 never heard: told only once it is dead (silent for the liveness timeout, 1.5 s).
+    EXPECT_TRUE(cp->StaleReplicasTold(notices));
+    EXPECT_GE(silent, absl::Milliseconds(1500));
     Settle(*cp, workers);
     EXPECT_EQ(workers[2].serving.count("t"), 0u);
     EXPECT_EQ(workers[0].serving.count("t"), 1u);

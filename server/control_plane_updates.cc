@@ -185,7 +185,8 @@ absl::StatusOr<UpdatePlan> ControlPlane::StartUpdate(const std::string& name,
 }
 
 absl::Status ControlPlane::FinishUpdate(const UpdatePlan& plan,
-                                        const std::vector<absl::Status>& results) {
+                                        const std::vector<absl::Status>& results,
+                                        std::vector<StaleNotice>* notices) {
   absl::MutexLock lock(&mu_);
   std::vector<int> failed;
   absl::Status first_error;
@@ -218,7 +219,24 @@ absl::Status ControlPlane::FinishUpdate(const UpdatePlan& plan,
       !marked.ok()) {
     LOG(ERROR) << "coordinator: the registry could not be saved: " << marked;
   }
+  for (int g : failed) {
+    if (notices == nullptr) break;
+    StaleNotice& notice = notices->emplace_back();
+    notice.group = g;
+    for (const Member& m : groups_[g].members) notice.heartbeats.push_back(m.heartbeats);
+  }
   return absl::OkStatus();
+}
+
+bool ControlPlane::StaleReplicasTold(const std::vector<StaleNotice>& notices) const {
+  absl::MutexLock lock(&mu_);
+  for (const StaleNotice& notice : notices) {
+    const std::vector<Member>& members = groups_[notice.group].members;
+    for (size_t r = 0; r < members.size() && r < notice.heartbeats.size(); ++r) {
+      if (Alive(members[r]) && members[r].heartbeats < notice.heartbeats[r] + 2) return false;
+    }
+  }
+  return true;
 }
 
 std::optional<RecoveryPlan> ControlPlane::StartRecovery() {

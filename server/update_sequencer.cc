@@ -21,6 +21,9 @@ constexpr absl::Duration kRecoveryTimeout = absl::Minutes(10);
 // Threads that check updates and wait for their places: a few, as an update's check is short and
 // its wait rare (a recovery, or a restart's learning).
 constexpr int kThreads = 4;
+// How often an update that marked a replica stale looks whether its ranks have heard (a few
+// heartbeat intervals at most, and only after a failure).
+constexpr absl::Duration kToldPoll = absl::Milliseconds(5);
 // Updates go to the workers as bytes: the client's, wrapped (EncodeReplicatedUpdate).
 const char kApplyUpdate[] = "/shardserve.v1.internal.WorkerInternal/ApplyUpdate";
 
@@ -34,6 +37,7 @@ struct UpdateSequencer::Call {
   std::vector<grpc::ByteBuffer> responses;  // UpdateRowsResponses, passed on as they came
   std::vector<absl::Status> results;
   std::atomic<size_t> pending{0};
+  absl::Time deadline;
   Done done;
 };
 
@@ -90,6 +94,7 @@ UpdateSequencer::Stubs& UpdateSequencer::StubsFor(const std::string& address) {
 void UpdateSequencer::Start(const grpc::ByteBuffer& request, const v1::TableSpec& spec,
                             absl::Time deadline, Done done) {
   auto call = std::make_shared<Call>();
+  call->deadline = deadline;
   call->done = std::move(done);
   v1::UpdateRowsRequest update;
   absl::Status checked = ParseRaw(request, &update);
@@ -124,18 +129,46 @@ void UpdateSequencer::Start(const grpc::ByteBuffer& request, const v1::TableSpec
                    &call->responses[i], [this, call, i](grpc::Status status) {
                      call->results[i] = FromGrpcStatus(status);
                      if (call->pending.fetch_sub(1) != 1) return;
-                     const absl::Status outcome = control_.FinishUpdate(call->plan, call->results);
+                     std::vector<ControlPlane::StaleNotice> notices;
+                     const absl::Status outcome =
+                         control_.FinishUpdate(call->plan, call->results, &notices);
                      if (!outcome.ok()) {
                        call->done(ToGrpcStatus(outcome), grpc::ByteBuffer());
-                       return;
-                     }
-                     for (size_t j = 0; j < call->results.size(); ++j) {
-                       if (!call->results[j].ok()) continue;
-                       call->done(grpc::Status::OK, call->responses[j]);
-                       return;
+                     } else if (notices.empty()) {
+                       Answer(*call);
+                     } else {  // (waited for on a sequencer thread, not on gRPC's)
+                       absl::MutexLock lock(&mu_);
+                       queue_.push_back([this, call, notices = std::move(notices)] {
+                         AnswerOnceTold(*call, notices);
+                       });
                      }
                    });
   }
+}
+
+void UpdateSequencer::Answer(Call& call) {
+  for (size_t j = 0; j < call.results.size(); ++j) {
+    if (!call.results[j].ok()) continue;
+    call.done(grpc::Status::OK, call.responses[j]);
+    return;
+  }
+}
+
+void UpdateSequencer::AnswerOnceTold(Call& call,
+                                     const std::vector<ControlPlane::StaleNotice>& notices) {
+  while (!control_.StaleReplicasTold(notices)) {
+    if (absl::Now() >= call.deadline) {
+      call.done(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                             absl::StrCat("update ", call.plan.sequence, " of table \"",
+                                          call.plan.spec.name(),
+                                          "\" was applied, but a replica that failed it had not "
+                                          "yet heard that it is stale when the deadline came")),
+                grpc::ByteBuffer());
+      return;
+    }
+    absl::SleepFor(kToldPoll);
+  }
+  Answer(call);
 }
 
 void UpdateSequencer::RecoveryLoop() {

@@ -3,7 +3,8 @@
 // here, given its place in the table's update stream, sent to one worker of every replica that
 // holds the stream so far (WorkerInternal.ApplyUpdate; each group applies the stream in order)
 // and answered once every one of them has applied it durably - or once those that failed it are
-// marked stale. A thread of its own runs the shard recoveries that bring stale replicas back
+// marked stale and their ranks have heard so (they no longer serve the table: no lookup on them
+// misses the update), or are dead. A thread of its own runs the shard recoveries that bring stale replicas back
 // (WorkerInternal.RecoverShard on every rank of the replica, each copying the same rank of a
 // replica that is not stale).
 //
@@ -52,6 +53,9 @@ class UpdateSequencer {
   void Start(const grpc::ByteBuffer& request, const v1::TableSpec& spec, absl::Time deadline,
              Done done);
   void Serve();  // a sequencer thread: runs queued updates' Start
+  void Answer(Call& call);  // with the first replica's answer (some replica applied it)
+  // Answers once the replicas the call marked stale have heard it, or its deadline came.
+  void AnswerOnceTold(Call& call, const std::vector<ControlPlane::StaleNotice>& notices);
   // A worker's stubs, on one channel: made at its first use, kept (as its address) for good.
   struct Stubs {
     std::unique_ptr<v1::internal::WorkerInternal::Stub> typed;
