@@ -361,6 +361,8 @@ UpdateLog::~UpdateLog() {
 absl::StatusOr<std::shared_ptr<UpdateLog>> UpdateLog::Open(const std::string& dir,
                                                             ShardedTable& table, Options options,
                                                             uint64_t max_agreed) {
+  struct stat st;
+  const bool created = ::stat(dir.c_str(), &st) != 0 && errno == ENOENT;
   SHARDSERVE_RETURN_IF_ERROR(MakeDirs(dir));
   SHARDSERVE_RETURN_IF_ERROR(ReadSnapshot(dir, table));
   const std::string path = LogPath(dir);
@@ -388,6 +390,7 @@ absl::StatusOr<std::shared_ptr<UpdateLog>> UpdateLog::Open(const std::string& di
   }
   log->bytes_ = good;
   log->recovered_ = table.agreed();
+  log->created_ = created;
   return log;
 }
 

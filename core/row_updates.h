@@ -112,6 +112,9 @@ class UpdateLog {
   void Acknowledge(uint64_t agreed) { acknowledged_.store(agreed, std::memory_order_release); }
   // The agreed position Open recovered the load to: a load still there has run no step since.
   uint64_t recovered() const { return recovered_; }
+  // Open found no directory and made it: nothing was there to recover (a first load, or a disk
+  // that lost the log).
+  bool created() const { return created_; }
 
   // Appends a record of what was just applied to `table`, at its position (pending: in memory
   // until Commit).
@@ -153,6 +156,7 @@ class UpdateLog {
   absl::Status written_status_;  // the last snapshot's (read once the writer has joined)
   std::atomic<uint64_t> acknowledged_{0};
   uint64_t recovered_ = 0;
+  bool created_ = false;
   LogRecords pending_;
 };
 

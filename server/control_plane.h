@@ -285,6 +285,7 @@ class ControlPlane {
       uint64_t sequence = 0;
       bool fresh = false;
       bool logged = false;
+      bool log_created = false;  // TablePosition.log_created
     };
     std::map<std::pair<std::string, uint64_t>, Position> positions;
     std::vector<std::string> serving;  // tables the worker accepts calls for
@@ -422,6 +423,13 @@ class ControlPlane {
   // hold them behind the acknowledged updates, or at different updates on different ranks (a
   // rank lost its log), are marked stale - if another replica is not.
   void CheckReplicaPositions(int group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a heartbeat of `group`: a table on no other replica is marked stale - not served, and
+  // its logs not rolled back - when a rank's load of it started from its base with a log just
+  // made (its log is gone) while a peer's log holds updates: the group cannot rebuild the rank's
+  // shard, and would otherwise serve mixed rows or roll acknowledged updates back. The mark goes
+  // once every rank holds the load at one position again (the log restored, or every rank
+  // reloaded alike).
+  void CheckLostLogs(int group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Loaded on every rank of formed group `group`: its workers may start accepting calls for it.
   // The position a group's ranks must roll their logs of `spec`'s load back to before the group
   // serves it: set when every rank has joined the group's epoch and reports its load as recovered

@@ -85,7 +85,8 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   m.memory_available = request.memory_available_bytes();
   m.positions.clear();
   for (const v1::internal::TablePosition& p : request.positions()) {
-    m.positions[{p.table(), p.version()}] = {p.lsn(), p.sequence(), p.fresh(), p.logged()};
+    m.positions[{p.table(), p.version()}] = {p.lsn(), p.sequence(), p.fresh(), p.logged(),
+                                             p.log_created()};
   }
   m.serving.assign(request.serving_tables().begin(), request.serving_tables().end());
   m.load_errors.clear();
@@ -104,6 +105,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   }
   Reconcile(g);
   CheckReplicaPositions(g);
+  CheckLostLogs(g);
   AdvanceVersions();
   ForgetServedCreations();
   v1::internal::HeartbeatResponse response;

@@ -75,6 +75,7 @@ struct FakeWorker {
   int64_t memory = -1;  // memory_available_bytes
   // Where its loads' update logs end: table -> (position, as recovered and untouched since).
   std::map<std::string, std::pair<uint64_t, bool>> positions;
+  std::set<std::string> created_logs;  // loads whose log directory was made anew
   HeartbeatResponse last;
 
   HeartbeatRequest Request() const {
@@ -101,6 +102,7 @@ struct FakeWorker {
       p->set_lsn(at.first);
       p->set_fresh(at.second);
       p->set_logged(true);
+      p->set_log_created(created_logs.count(name) > 0);
       p->set_sequence(at.first);  // (updates only: a renorm-free table)
     }
     for (const auto& [name, message] : load_errors) {
@@ -394,6 +396,62 @@ TEST_F(ControlPlaneTest, UpdateLogsThatEndApartAreRolledBackBeforeTheTableServes
   workers[0].positions["emb"] = {5, true};
   Settle(*cp, workers);
   EXPECT_TRUE(roll_backs(workers[0]).empty());
+  EXPECT_EQ(workers[0].serving.count("emb"), 1u);
+  EXPECT_EQ(workers[1].serving.count("emb"), 1u);
+}
+
+// A rank back with its update log gone (a lost --data_dir, a new disk) beside a peer whose log
+// holds updates: the table is held back - neither rolled back to the base (acknowledged updates
+// gone) nor served with mixed rows - across restarts of the ranks and of the coordinator, until
+// every rank holds it at one position again.
+TEST_F(ControlPlaneTest, ARankWhoseLogIsGoneHoldsTheTableBackInsteadOfRollingBack) {
+  const std::string state = NewDir();
+  std::vector<FakeWorker> workers = Workers();
+  auto roll_backs = [](const FakeWorker& w) { return w.last.roll_back_size(); };
+  {
+    auto cp = Make(2, state);
+    Serve(*cp, workers, {"emb"});
+    for (FakeWorker& w : workers) w.positions["emb"] = {9, false};
+    Settle(*cp, workers);
+    ASSERT_EQ(workers[0].serving.count("emb"), 1u);
+    EXPECT_FALSE(cp->Stale("emb", 0));
+
+    // Rank 1 comes back with no log: loaded from the base, its log made anew.
+    workers[1] = FakeWorker{};
+    workers[1].rank = 1;
+    workers[1].incarnation = 801;
+    workers[1].positions["emb"] = {0, true};
+    workers[1].created_logs = {"emb"};
+    clock_.Advance(absl::Milliseconds(1600));
+    Settle(*cp, workers, 6);
+    EXPECT_TRUE(cp->Stale("emb", 0));
+    EXPECT_EQ(workers[0].serving.count("emb"), 0u);
+    EXPECT_EQ(workers[1].serving.count("emb"), 0u);
+    EXPECT_EQ(roll_backs(workers[0]), 0);
+
+    // Both restart: rank 1's (empty) log is there now, rank 0's holds 9; still no roll back.
+    for (int r : {0, 1}) {
+      workers[r] = FakeWorker{};
+      workers[r].rank = r;
+      workers[r].incarnation = 900 + r;
+      workers[r].positions["emb"] = {r == 0 ? 9u : 0u, true};
+    }
+    clock_.Advance(absl::Milliseconds(1600));
+    Settle(*cp, workers, 6);
+    EXPECT_TRUE(cp->Stale("emb", 0));
+    EXPECT_EQ(workers[0].serving.count("emb"), 0u);
+    EXPECT_EQ(roll_backs(workers[0]), 0);
+  }
+  // A restarted coordinator still holds it back (the registry).
+  auto cp = Make(2, state);
+  EXPECT_TRUE(cp->Stale("emb", 0));
+  Settle(*cp, workers, 6);
+  EXPECT_EQ(workers[0].serving.count("emb"), 0u);
+  EXPECT_EQ(roll_backs(workers[0]), 0);
+  // Rank 1's log restored: both at 9, the table serves again.
+  workers[1].positions["emb"] = {9, true};
+  Settle(*cp, workers, 6);
+  EXPECT_FALSE(cp->Stale("emb", 0));
   EXPECT_EQ(workers[0].serving.count("emb"), 1u);
   EXPECT_EQ(workers[1].serving.count("emb"), 1u);
 }

@@ -58,8 +58,8 @@ absl::Status ControlPlane::MarkStale(const v1::TableSpec& spec, const std::vecto
   for (int g : groups) {
     stale_[{spec.name(), g}] = {spec.created(), spec.version()};
     LOG(WARNING) << absl::StrFormat(
-        "coordinator: table \"%s\" version %d: group %d's replica is stale (%s); it serves the "
-        "table again after shard recovery",
+        "coordinator: table \"%s\" version %d: group %d's replica is stale (%s); it does not "
+        "serve the table until it is recovered",
         spec.name(), spec.version(), g, why);
   }
   // Kept in memory even if the registry cannot be saved: this coordinator never serves the
@@ -237,6 +237,63 @@ bool ControlPlane::StaleReplicasTold(const std::vector<StaleNotice>& notices) co
     }
   }
   return true;
+}
+
+void ControlPlane::CheckLostLogs(int group) {
+  if (groups_[group].learning) return;
+  for (const auto& [name, spec] : tables_) {
+    if (Replicated(spec) || !PlacedOn(spec, group) || loading_.count(name)) continue;
+    const v1::TableSpec held = SpecFor(spec, group);
+    int empty = -1, holder = -1;  // a rank whose log was made anew, and one whose log has records
+    uint64_t records = 0;
+    bool alike = true;  // every rank reports a logged load, at one position
+    std::optional<uint64_t> at;
+    const std::vector<Member>& members = groups_[group].members;
+    for (size_t r = 0; r < members.size(); ++r) {
+      auto p = members[r].positions.find({name, held.version()});
+      if (!Alive(members[r]) || p == members[r].positions.end() || !p->second.logged ||
+          !Holds(members[r], held)) {
+        alike = false;
+        continue;
+      }
+      const Member::Position& position = p->second;
+      const bool serving = std::find(members[r].serving.begin(), members[r].serving.end(),
+                                     name) != members[r].serving.end();
+      // Only loads no step has run on, and peers that do not serve the table now: a serving
+      // load's position moves between heartbeats (every rank's log starts new at a first load).
+      if (position.log_created && position.fresh && position.lsn == 0 && position.sequence == 0) {
+        empty = r;
+      }
+      if (position.lsn > 0 && !serving) {
+        holder = r;
+        records = position.lsn;
+      }
+      alike = alike && (!at || *at == position.lsn);
+      at = position.lsn;
+    }
+    if (!StaleLocked(spec, group)) {
+      if (empty < 0 || holder < 0) continue;
+      if (absl::Status marked = MarkStale(
+              spec, {group},
+              absl::StrFormat("rank %d's update log of it is gone - its load started from the base "
+                              "with a new log while rank %d's log holds %d records - so the group "
+                              "cannot rebuild rank %d's shard; restore the rank's --data_dir and "
+                              "restart it, or load a new version",
+                              empty, holder, records, empty));
+          !marked.ok()) {
+        LOG(ERROR) << "coordinator: the registry could not be saved: " << marked;
+      }
+    } else if (alike && at && !(empty >= 0 && holder >= 0)) {
+      stale_.erase({name, group});
+      LOG(INFO) << absl::StrFormat(
+          "coordinator: table \"%s\" version %d: every rank of group %d holds it at record %d "
+          "again: it is no longer stale",
+          name, held.version(), group, *at);
+      if (absl::Status saved = SaveRegistry(); !saved.ok()) {
+        LOG(ERROR) << "coordinator: the registry could not be saved: " << saved;
+      }
+    }
+  }
 }
 
 std::optional<RecoveryPlan> ControlPlane::StartRecovery() {

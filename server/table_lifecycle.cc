@@ -168,6 +168,7 @@ void TableLifecycle::Report(v1::internal::HeartbeatRequest& request) const {
             p->set_lsn(shard.agreed());
             p->set_sequence(shard.seq());
             p->set_logged(shard.log() != nullptr);
+            p->set_log_created(shard.log() != nullptr && shard.log()->created());
             p->set_fresh(shard.log() != nullptr ? shard.agreed() == shard.log()->recovered()
                                                 : shard.lsn() == 0);
           }

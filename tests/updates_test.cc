@@ -485,6 +485,67 @@ TEST(Updates, ALogTailOnlyOneRankWroteIsRolledBack) {
   EXPECT_TRUE(at::equal(Exported(*c, "r", dir), w));
 }
 
+// A rank whose --data_dir is gone comes back beside a peer whose log holds updates: its shard
+// cannot be rebuilt, so the table is held back - never answered with rows mixed from the two
+// (rank 0's columns updated, rank 1's at the base), nor rolled back to the base - also when the
+// rank restarts again on its new, empty log, and when both do.
+TEST(Updates, ARankWhoseDataDirIsGoneHoldsTheTableBack) {
+  const std::string state = TempDir();
+  auto cluster = Start(state);
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table t = MakeTable("g", v1::TABLE_KIND_EMBEDDING, 20, 4, 1, {0, 1}, dir);
+  ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  at::Tensor w = t.weight.clone();
+  for (int i = 0; i < 3; ++i) {
+    const at::Tensor values = at::randn({2, 4});
+    ASSERT_TRUE(c->UpdateRows(Request("g", v1::ADD, {i, 10 + i}, values)).ok());
+    ApplyReference(w, v1::ADD, {i, 10 + i}, values);
+  }
+  std::vector<int64_t> all(20);
+  for (int64_t i = 0; i < 20; ++i) all[i] = i;
+  // Asks both workers for every row for a while: each answer must be the reference; returns how
+  // many there were.
+  auto answers = [&](absl::Duration how_long) {
+    int answered = 0;
+    for (const absl::Time end = absl::Now() + how_long; absl::Now() < end;) {
+      for (int rank : {0, 1}) {
+        absl::StatusOr<client::DenseTensor> got =
+            Lookup(cluster->worker_address(rank), "g", all, nullptr);
+        if (!got.ok()) continue;
+        ++answered;
+        EXPECT_EQ(std::memcmp(got->values.data(), w.data_ptr<float>(), 20 * 4 * sizeof(float)), 0)
+            << "rank " << rank << " answered rows that are not the table's";
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return answered;
+  };
+  ASSERT_GT(answers(absl::Milliseconds(100)), 0);
+
+  ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  ASSERT_EQ(std::system(absl::StrCat("rm -rf '", state, "/worker-g0-r1'").c_str()), 0);
+  ASSERT_TRUE(cluster->StartWorker(1).ok());
+  EXPECT_EQ(answers(absl::Seconds(4)), 0);
+  EXPECT_FALSE(Serves(*c, "g"));
+  // Rank 1 again, on the empty log it made: still held back.
+  ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
+  ASSERT_TRUE(cluster->StartWorker(1).ok());
+  EXPECT_EQ(answers(absl::Seconds(3)), 0);
+  // Both: rank 0's log is not rolled back to rank 1's empty one.
+  CrashAndRestart(*cluster);
+  EXPECT_EQ(answers(absl::Seconds(4)), 0);
+  EXPECT_FALSE(Serves(*c, "g"));
+  // A new version (from the base here) serves again.
+  v1::LoadVersionRequest load;
+  load.set_name("g");
+  load.set_checkpoint(t.spec.checkpoint());
+  absl::StatusOr<v1::TableInfo> loaded = c->LoadVersion(load, absl::Seconds(30));
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "g"); }, absl::Seconds(30)));
+}
+
 // Every row of `table` as worker `n` answers (its group's copy), and the sequence it reflects.
 at::Tensor Rows(LocalCluster& cluster, int n, const std::string& table, int64_t rows,
                 uint64_t* sequence) {
