@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "core/cpu_kernels.h"
 #include "core/fault_injecting_collectives.h"
 #include "core/gloo_communicator.h"
@@ -402,18 +403,31 @@ TEST(StepLoop, ANewVersionIsSwitchedToAtOneStepOnEveryRankWithoutErrors) {
     expect(rank, 0, 1);
     EXPECT_EQ(lookup(rank, 2).status().code(), absl::StatusCode::kNotFound);
   }
+  // Each rank reads its table set as a step starts, so a step under way when a rank is told may
+  // still run on the set before: what a rank is told shows from the next step on, on every rank.
+  auto eventually = [](const std::function<bool()>& done) {
+    for (const absl::Time end = absl::Now() + absl::Seconds(10); absl::Now() < end && !done();) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  };
   f.tables[1]->Activate("emb", 2);  // one rank told: the group switches
+  eventually([&] {
+    absl::StatusOr<DenseResult> got = lookup(0, 0);
+    return got.ok() && version_of(*got) == 2;
+  });
   for (int rank : {0, 1}) {
     expect(rank, 0, 2);
     expect(rank, 1, 1);
     expect(rank, 2, 2);
   }
   f.tables[1]->Drop("emb", 1);  // unloaded on one rank: v2 serves on, v1 pinned cannot run
+  eventually([&] { return !lookup(0, 1).ok(); });
   for (int rank : {0, 1}) expect(rank, 0, 2);
   absl::StatusOr<DenseResult> gone = lookup(0, 1);
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable) << gone.status();
   f.tables[0]->Activate("emb", 2);
   f.tables[0]->Drop("emb", 1);
+  eventually([&] { return lookup(1, 1).status().code() == absl::StatusCode::kNotFound; });
   gone = lookup(1, 1);
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
   EXPECT_THAT(gone.status().message(), HasSubstr("version 1 of table \"emb\" is not loaded"));
