@@ -184,6 +184,12 @@ TEST(RowUpdates, BadUpdatesAreRefusedNamingTheField) {
               HasSubstr("values[102][4]: inf is not finite"));
   r = Update(UpdateKind::kAdd, {1}, 5, 0, /*bias=*/true);
   EXPECT_THAT(std::string(ValidateUpdate(config, limits, r).message()), HasSubstr("no bias"));
+  const TableConfig linear = Config(TableKind::kLinear, 0, 2);  // (with a bias)
+  r = Update(UpdateKind::kAdd, {1, 2}, linear.num_cols, 0, /*bias=*/true);
+  EXPECT_TRUE(ValidateUpdate(linear, limits, r).ok());
+  r.bias[1] = std::nanf("");
+  EXPECT_THAT(std::string(ValidateUpdate(linear, limits, r).message()),
+              HasSubstr("bias[1]: nan is not finite"));
   r = Update(UpdateKind::kScale, {1}, 5, 0);
   EXPECT_THAT(std::string(ValidateUpdate(config, limits, r).message()), HasSubstr("op:"));
   EXPECT_TRUE(ValidateUpdate(config, limits, Update(UpdateKind::kAdd, {0, 10}, 5, 0)).ok());

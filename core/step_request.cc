@@ -141,11 +141,9 @@ absl::Status ValidateUpdate(const TableConfig& table, const InputLimits& limits,
       return absl::InvalidArgumentError(absl::StrCat("bias: ", request.bias.size(),
                                                      " floats, but there are ", k, " ids"));
     }
-    for (size_t i = 0; i < request.bias.size(); ++i) {
-      if (!std::isfinite(request.bias[i])) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("bias[", i, "]: ", request.bias[i], " is not finite"));
-      }
+    if (const int64_t i = FirstNonFinite(request.bias); i >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bias[", i, "]: ", request.bias[i], " is not finite"));
     }
   }
   return absl::OkStatus();

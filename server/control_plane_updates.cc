@@ -283,7 +283,7 @@ void ControlPlane::CheckLostLogs(int group) {
           !marked.ok()) {
         LOG(ERROR) << "coordinator: the registry could not be saved: " << marked;
       }
-    } else if (alike && at && !(empty >= 0 && holder >= 0)) {
+    } else if (alike && at) {
       stale_.erase({name, group});
       LOG(INFO) << absl::StrFormat(
           "coordinator: table \"%s\" version %d: every rank of group %d holds it at record %d "

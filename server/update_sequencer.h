@@ -4,9 +4,9 @@
 // holds the stream so far (WorkerInternal.ApplyUpdate; each group applies the stream in order)
 // and answered once every one of them has applied it durably - or once those that failed it are
 // marked stale and their ranks have heard so (they no longer serve the table: no lookup on them
-// misses the update), or are dead. A thread of its own runs the shard recoveries that bring stale replicas back
-// (WorkerInternal.RecoverShard on every rank of the replica, each copying the same rank of a
-// replica that is not stale).
+// misses the update), or are dead. A thread of its own runs the shard recoveries that bring stale
+// replicas back (WorkerInternal.RecoverShard on every rank of the replica, each copying the same
+// rank of a replica that is not stale).
 //
 // Thread-safe. `control` must outlive it.
 #ifndef SHARDSERVE_SERVER_UPDATE_SEQUENCER_H_
