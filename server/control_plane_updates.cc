@@ -1,5 +1,6 @@
 // ControlPlane: the update streams of replicated tables - sequencing, stale replicas, and the
-// shard recoveries that bring them back (control_plane.h, "Updates of replicated tables").
+// shard recoveries that bring them back (control_plane.h, "Updates of replicated tables") - and
+// the stale mark of a table on one replica whose rank lost its update log (CheckLostLogs).
 #include <algorithm>
 #include <map>
 
