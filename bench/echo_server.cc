@@ -8,13 +8,24 @@
 // and synced (one fdatasync per batch, as the workers' group commit): the ceiling for durable
 // updates, with none of the service's work (no checks, no agreement, no applying).
 //
-//   echo_server --port=50099 --dim=128 [--api=async] [--log_dir=D]
+// Two more roles make the ordered fan-out (bench/fanout_client.cc), the least design that gives
+// every replica the same update stream: --sequencer answers each UpdateRows with the next
+// sequence number, nothing else; --shard_rows=N (with --log_dir) is one rank holding an N x dim
+// shard, which checks each update, applies it in the order of its sequence, logs and syncs it.
+//
+//   echo_server --port=50099 --dim=128 [--api=async] [--log_dir=D [--shard_rows=N]] [--sequencer]
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -23,6 +34,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/string_view.h"
 #include "core/process_setup.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
@@ -38,6 +51,10 @@ ABSL_FLAG(int64_t, out, 1024, "out_features (linear)");
 ABSL_FLAG(std::string, api, "callback", "callback | async (one thread, one completion queue)");
 ABSL_FLAG(std::string, log_dir, "",
           "if set, UpdateRows answers once its values are in a log there, synced");
+ABSL_FLAG(int64_t, shard_rows, 0,
+          "with --log_dir: hold a shard_rows x dim shard and apply each update to it in the order "
+          "of its x-sequence header (from a --sequencer) before logging it");
+ABSL_FLAG(bool, sequencer, false, "answer each UpdateRows with the next sequence number only");
 
 namespace {
 
@@ -99,14 +116,22 @@ class SyncedLog {
     syncer_ = std::thread([this] { SyncLoop(); });
   }
 
-  void Append(const std::string& bytes, grpc::ServerUnaryReactor* reactor) {
+  // Writes `parts` as one record, in one system call.
+  void Append(std::initializer_list<absl::string_view> parts, grpc::ServerUnaryReactor* reactor) {
+    iovec io[4];
+    int n = 0;
+    ssize_t bytes = 0;
+    for (absl::string_view p : parts) {
+      io[n++] = {const_cast<char*>(p.data()), p.size()};
+      bytes += static_cast<ssize_t>(p.size());
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (offset_ > (int64_t{256} << 20)) offset_ = 0;
-    if (::pwrite(fd_, bytes.data(), bytes.size(), offset_) != static_cast<ssize_t>(bytes.size())) {
+    if (::pwritev(fd_, io, n, offset_) != bytes) {
       reactor->Finish(grpc::Status(grpc::StatusCode::INTERNAL, "log write failed"));
       return;
     }
-    offset_ += static_cast<int64_t>(bytes.size());
+    offset_ += bytes;
     waiting_.push_back(reactor);
     wake_.notify_one();
   }
@@ -137,9 +162,138 @@ class SyncedLog {
   std::thread syncer_;  // runs until the process is killed
 };
 
+// One rank of the ordered fan-out: an N x dim shard (on huge pages, as the workers' shards) that
+// takes each update in the order of the sequence its client got from the sequencer (the
+// x-sequence header). An update is checked as it arrives (ids in range, values finite, shapes);
+// when its turn comes it is added into the shard and logged (sequence, ids, values), and answered
+// after the sync of its batch. One that arrives before its predecessors waits for them. A refused
+// update still takes its turn, as every rank refuses it alike. Left out, as a real design needs
+// them and they only cost more: a client that dies holding a sequence number, recovery, versions.
+class OrderedShard {
+ public:
+  OrderedShard(int64_t rows, int64_t dim, SyncedLog& log) : rows_(rows), dim_(dim), log_(log) {
+    constexpr size_t kHugePage = size_t{2} << 20;
+    const size_t bytes = static_cast<size_t>(rows * dim) * sizeof(float);
+    const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+    shard_ = static_cast<float*>(std::aligned_alloc(kHugePage, rounded));
+    if (shard_ == nullptr) {
+      std::fprintf(stderr, "echo_server: cannot allocate the shard\n");
+      std::exit(2);
+    }
+    ::madvise(shard_, rounded, MADV_HUGEPAGE);
+    std::memset(shard_, 0, bytes);
+  }
+
+  void Update(grpc::CallbackServerContext* c, const shardserve::v1::UpdateRowsRequest* r,
+              grpc::ServerUnaryReactor* reactor) {
+    uint64_t seq = 0;
+    const auto header = c->client_metadata().find("x-sequence");
+    if (header == c->client_metadata().end() ||
+        !absl::SimpleAtoi(absl::string_view(header->second.data(), header->second.size()), &seq) ||
+        seq == 0) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no x-sequence header"));
+      return;
+    }
+    const bool valid = Valid(*r);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (seq < next_ || pending_.count(seq) != 0) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "sequence taken"));
+      return;
+    }
+    pending_[seq] = {r, reactor, valid};
+    for (auto it = pending_.begin(); it != pending_.end() && it->first == next_;
+         it = pending_.erase(it), ++next_) {
+      const Pending& p = it->second;
+      if (!p.valid) {
+        p.reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "bad update"));
+        continue;
+      }
+      Apply(*p.request);
+      const uint64_t record[2] = {next_, static_cast<uint64_t>(p.request->ids().data().size() / 8)};
+      log_.Append({absl::string_view(reinterpret_cast<const char*>(record), sizeof(record)),
+                   p.request->ids().data(), p.request->values().data()},
+                  p.reactor);
+    }
+  }
+
+ private:
+  struct Pending {
+    const shardserve::v1::UpdateRowsRequest* request;
+    grpc::ServerUnaryReactor* reactor;
+    bool valid;
+  };
+
+  bool Valid(const shardserve::v1::UpdateRowsRequest& r) const {
+    const std::string& ids = r.ids().data();
+    const std::string& values = r.values().data();
+    const size_t k = ids.size() / 8;
+    if (ids.size() % 8 != 0 || values.size() != k * dim_ * sizeof(float)) return false;
+    for (size_t i = 0; i < k; ++i) {
+      int64_t id;
+      std::memcpy(&id, ids.data() + 8 * i, 8);
+      if (id < 0 || id >= rows_) return false;
+    }
+    // Non-finite floats have every exponent bit set; fixed blocks, which the compiler vectorizes.
+    const size_t n = values.size() / 4;
+    uint32_t bad = 0;
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+      for (size_t j = 0; j < 256; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, values.data() + 4 * (i + j), 4);
+        bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+      }
+    }
+    for (; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, values.data() + 4 * i, 4);
+      bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad == 0;
+  }
+
+  // As the workers' ApplyRows: random rows miss the cache, so each row's lines are fetched 4 rows
+  // ahead of its add.
+  void Apply(const shardserve::v1::UpdateRowsRequest& r) {
+    const std::string& ids = r.ids().data();
+    const int64_t k = static_cast<int64_t>(ids.size() / 8);
+    const auto* values = reinterpret_cast<const float*>(r.values().data().data());
+    auto id = [&](int64_t i) {
+      int64_t v;
+      std::memcpy(&v, ids.data() + 8 * i, 8);
+      return v;
+    };
+    auto prefetch = [&](int64_t i) {
+      if (i >= k) return;
+      for (int64_t c = 0; c < dim_; c += 16) __builtin_prefetch(shard_ + id(i) * dim_ + c, 1);
+    };
+    constexpr int64_t kAhead = 4;
+    for (int64_t i = 0; i < kAhead; ++i) prefetch(i);
+    for (int64_t i = 0; i < k; ++i) {
+      prefetch(i + kAhead);
+      Add(shard_ + id(i) * dim_, values + i * dim_, dim_);
+    }
+  }
+
+  static void Add(float* __restrict dst, const float* __restrict src, int64_t n) {
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+      for (int j = 0; j < 16; ++j) dst[c + j] += src[c + j];
+    }
+    for (; c < n; ++c) dst[c] += src[c];
+  }
+
+  const int64_t rows_, dim_;
+  SyncedLog& log_;
+  float* shard_ = nullptr;  // lives as long as the process
+  std::mutex mu_;
+  uint64_t next_ = 1;
+  std::map<uint64_t, Pending> pending_;
+};
+
 class CallbackEcho final : public DataService::CallbackService {
  public:
-  explicit CallbackEcho(SyncedLog* log) : log_(log) {}
+  CallbackEcho(SyncedLog* log, OrderedShard* shard) : log_(log), shard_(shard) {}
 
   grpc::ServerUnaryReactor* Embedding(grpc::CallbackServerContext* c, const EmbeddingRequest* r,
                                       TensorResponse* response) override {
@@ -166,8 +320,13 @@ class CallbackEcho final : public DataService::CallbackService {
     response->set_version(1);
     response->set_sequence(static_cast<uint64_t>(r->ids().shape_size()));
     grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-    if (log_ != nullptr) {
-      log_->Append(r->values().data(), reactor);
+    if (absl::GetFlag(FLAGS_sequencer)) {
+      response->set_sequence(next_sequence_.fetch_add(1) + 1);
+      reactor->Finish(grpc::Status::OK);
+    } else if (shard_ != nullptr) {
+      shard_->Update(c, r, reactor);
+    } else if (log_ != nullptr) {
+      log_->Append({r->values().data()}, reactor);
     } else {
       reactor->Finish(grpc::Status::OK);
     }
@@ -176,6 +335,8 @@ class CallbackEcho final : public DataService::CallbackService {
 
  private:
   SyncedLog* const log_;
+  OrderedShard* const shard_;
+  std::atomic<uint64_t> next_sequence_{0};
 
   // Reads a request, writes its answer, reads the next: one in flight, as a waiting caller sends.
   class StreamEcho final : public grpc::ServerBidiReactor<StreamRequest, StreamResponse> {
@@ -324,7 +485,16 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_log_dir).empty()) {
     log = std::make_unique<SyncedLog>(absl::GetFlag(FLAGS_log_dir));
   }
-  CallbackEcho callback_echo(log.get());
+  std::unique_ptr<OrderedShard> shard;
+  if (absl::GetFlag(FLAGS_shard_rows) > 0) {
+    if (log == nullptr) {
+      std::fprintf(stderr, "echo_server: --shard_rows needs --log_dir\n");
+      return 2;
+    }
+    shard = std::make_unique<OrderedShard>(absl::GetFlag(FLAGS_shard_rows),
+                                           absl::GetFlag(FLAGS_dim), *log);
+  }
+  CallbackEcho callback_echo(log.get(), shard.get());
   DataService::AsyncService async_echo;
   // TLS with --tls_cert / --tls_key (the servers' flags, server/security_flags.h): what gRPC
   // alone loses to encryption (bench/run_tls.sh).

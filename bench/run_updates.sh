@@ -12,7 +12,11 @@
 #   fan-out: every one of the R x W ranks sent its share of each update (512 rows x D / W floats)
 #   straight from the client, appending it to its own log with one fdatasync per batch before it
 #   answers (echo_server --log_dir): the least work any design does that keeps every replica's
-#   every rank durable, with no checks, ordering, agreement or applying.
+#   every rank durable, with no checks, ordering, agreement or applying. And the ordered fan-out
+#   (bench/fanout_client): the same shares, each update first given its place in one stream by a
+#   sequencer (echo_server --sequencer), and each rank (echo_server --shard_rows) checking it and
+#   adding it to its shard in that order before it logs and syncs it: the least design that gives
+#   every replica the same stream, which an exact replicated service needs.
 # Shapes: N = 100 000 rows, D = 128, fp32, R = GROUPS replica groups (default 2) x W = 2 CPU
 # workers, col-wise. With R > 1 updates go through the coordinator, which sequences one stream for
 # every replica and answers once every replica synced it. Logs and Redis' AOF on this machine's
@@ -25,7 +29,7 @@ secs=${2:-5}
 conc=${3:-16}
 groups=${4:-2}
 tools/setup.sh
-bazel build -c opt //client:shardserve //client:shardserve-load //server:all //bench:redis_baseline //bench:echo_server >/dev/null 2>&1
+bazel build -c opt //client:shardserve //client:shardserve-load //server:all //bench:redis_baseline //bench:echo_server //bench:fanout_client >/dev/null 2>&1
 bin=.bazel/bin
 work=$(mktemp -d /var/tmp/shardserve-updates.XXXXXX)  # on disk, not tmpfs: fsync must mean it
 out=bench/results/updates_r${groups}_$(date -u +%Y%m%dT%H%M%SZ).jsonl
@@ -44,6 +48,17 @@ for r in $(seq "$ranks"); do  # the durable fan-out's ranks, each with its own l
   $bin/bench/echo_server --port=$((50110 + r)) --dim=64 --log_dir="$work/fanout$r" \
     >"$work/fanout$r.log" 2>&1 &
   pids+=($!)
+done
+# The ordered fan-out: a sequencer, and a rank per shard, each holding its N x D / W shard.
+$bin/bench/echo_server --port=50120 --sequencer >"$work/sequencer.log" 2>&1 &
+pids+=($!)
+ordered=()
+for r in $(seq "$ranks"); do
+  mkdir -p "$work/ordered$r"
+  $bin/bench/echo_server --port=$((50120 + r)) --dim=64 --shard_rows=100000 \
+    --log_dir="$work/ordered$r" >"$work/ordered$r.log" 2>&1 &
+  pids+=($!)
+  ordered+=("127.0.0.1:$((50120 + r))")
 done
 redis-server --port 6398 --bind 127.0.0.1 --save '' --appendonly yes --appendfsync always \
   --dir "$work/redis" --daemonize no >"$work/redis.log" 2>&1 &
@@ -112,6 +127,15 @@ print(json.dumps({"case": "durable_fanout", "report": {
     "latency": {k: max(r["latency"][k] for r in reports) for k in ("p50_us", "p99_us")},
     "errors_by_code": errors}}))
 PY
+  rm -f "$work/r.json"
+  $bin/bench/fanout_client --sequencer=127.0.0.1:50120 --ranks="$(IFS=,; echo "${ordered[*]}")" \
+    --world=2 --rows=100000 --dim=128 --update_rows=512 --concurrency="$conc" --warmup_s=1 \
+    --duration_s="$secs" --report="$work/r.json" >/dev/null 2>&1 || true
+  record ordered_fanout
+  # The ceilings' logs are flushed before the lookups, so that their write-back does not land on
+  # the lookups' measurements.
+  sync
+  sleep 1
   load reads --op=embedding_bag --batch=512 --bag=20 --concurrency=4
   qps=$(python3 -c "print(round(0.2 * $(rate update), 1))")
   # Updates at 20 % of their maximum, open loop, beside the same reads.

@@ -28,6 +28,12 @@ fanout = med("durable_fanout", "rows_per_s")
 print(f"ceiling: each of the R x W ranks sent its share straight from the client, logged and "
       f"synced, nothing else: {fanout:,.0f} rows/s ({fanout / redis:.2f}x Redis; shardserve "
       f"reaches {ours / fanout:.0%} of it)")
+ordered = med("ordered_fanout", "rows_per_s")
+print(f"ceiling: the same, each update first given its place by a sequencer, and each rank "
+      f"checking and applying it in that order before it logs: {ordered:,.0f} rows/s "
+      f"(p50 {med('ordered_fanout', 'p50_us', 'latency'):,.0f} us, "
+      f"p99 {med('ordered_fanout', 'p99_us', 'latency'):,.0f} us; {ordered / redis:.2f}x Redis; "
+      f"shardserve reaches {ours / ordered:.0%} of it)")
 alone = med("reads", "bags_per_s")
 mixed = med("reads_with_updates", "bags_per_s")
 p99_alone = med("reads", "p99_us", "latency")
