@@ -116,9 +116,10 @@ class SyncedLog {
     syncer_ = std::thread([this] { SyncLoop(); });
   }
 
-  // Writes `parts` as one record, in one system call.
+  // Writes `parts` (up to 4) as one record, in one system call.
   void Append(std::initializer_list<absl::string_view> parts, grpc::ServerUnaryReactor* reactor) {
     iovec io[4];
+    if (parts.size() > 4) std::abort();
     int n = 0;
     ssize_t bytes = 0;
     for (absl::string_view p : parts) {
