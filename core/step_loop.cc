@@ -799,6 +799,9 @@ void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
     const std::shared_ptr<ShardedTable>& table = step.loads[k++];
     const TableConfig& config = table->config();
     if (key.op == StepRequest::Op::kUpdate) {
+      // Updates sort after lookups: the step's lookup answers (which do not reflect its updates)
+      // go out now, not after the updates are applied and logged.
+      sink_.Flush();
       RunUpdates(group, step, key, inputs, table);
       if (!step.broken.ok()) return;
       continue;
