@@ -1,6 +1,8 @@
 #include "server/worker.h"
 
+#include <dirent.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -11,8 +13,11 @@
 #include <cstring>
 #include <deque>
 #include <random>
+#include <set>
+#include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
@@ -374,6 +379,7 @@ void Worker::HeartbeatLoop() {
     // group: keep it, the tables and what we serve, as while it cannot be reached.
     if (response.keep_serving()) continue;
     tables_.Want(response);
+    CollectRetiredData(response);
     if (!response.silent_ranks().empty() && response.epoch() == loop_->epoch()) {
       // A peer of this group is silent: fail the calls now rather than at the collective timeout.
       loop_->BreakGroup(absl::UnavailableError(absl::StrCat(
@@ -543,6 +549,78 @@ std::string Worker::LogDir(const v1::TableSpec& spec) const {
   if (options_.data_dir.empty()) return std::string();
   return absl::StrCat(options_.data_dir, "/", spec.name(), ".", spec.created(), "/v",
                       spec.version());
+}
+
+void Worker::CollectRetiredData(const v1::internal::HeartbeatResponse& response) {
+  const absl::Time now = absl::Now();
+  if (options_.data_dir.empty() || now < next_collection_) return;
+  next_collection_ = now + absl::Seconds(1);
+  std::set<std::string> named;  // table directories, and their version directories
+  auto name = [&](const v1::TableSpec& spec) {
+    const std::string dir = LogDir(spec);
+    named.insert(dir);
+    named.insert(dir.substr(0, dir.rfind('/')));
+  };
+  for (const v1::TableSpec& spec : response.tables()) name(spec);
+  for (const v1::TableSpec& spec : response.other_versions()) name(spec);
+  v1::internal::HeartbeatRequest held;  // what this worker holds still (a drop may be due)
+  tables_.Report(held);
+  for (const v1::TableSpec& spec : held.loaded_specs()) name(spec);
+  for (const v1::TableSpec& spec : held.renorm_unsure()) name(spec);
+
+  // Only what LogDir names is looked at: "<table>.<created>/v<version>".
+  auto numbered = [](absl::string_view s, size_t from) {
+    return s.size() > from && s.find_first_not_of("0123456789", from) == absl::string_view::npos;
+  };
+  auto directories = [](const std::string& path) {
+    std::vector<std::string> out;
+    if (DIR* dir = ::opendir(path.c_str()); dir != nullptr) {
+      while (const dirent* e = ::readdir(dir)) {
+        const std::string child = e->d_name;
+        struct stat st;
+        if (child == "." || child == ".." ||
+            ::lstat((path + "/" + child).c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+          continue;
+        }
+        out.push_back(child);
+      }
+      ::closedir(dir);
+    }
+    return out;
+  };
+  std::set<std::string> seen;
+  // Whether `path` has gone unnamed for the grace period (its clock starts now if it was named).
+  auto retired = [&](const std::string& path) {
+    seen.insert(path);
+    if (named.count(path)) {
+      unnamed_since_.erase(path);
+      return false;
+    }
+    const absl::Time since = unnamed_since_.emplace(path, now).first->second;
+    return now - since >= options_.retired_data_grace;
+  };
+  for (const std::string& table : directories(options_.data_dir)) {
+    const size_t dot = table.rfind('.');
+    if (dot == std::string::npos || !numbered(table, dot + 1)) continue;
+    const std::string table_dir = absl::StrCat(options_.data_dir, "/", table);
+    for (const std::string& version : directories(table_dir)) {
+      if (version[0] != 'v' || !numbered(version, 1)) continue;
+      const std::string dir = absl::StrCat(table_dir, "/", version);
+      if (!retired(dir)) continue;
+      if (absl::Status removed = core::RemoveUpdateLog(dir); !removed.ok()) {
+        LOG(WARNING) << "worker group " << options_.group << " rank " << options_.rank
+                     << ": could not remove retired data " << dir << ": " << removed;
+        continue;
+      }
+      unnamed_since_.erase(dir);
+      LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank
+                << ": removed " << dir << " (its table version is no longer held)";
+    }
+    if (retired(table_dir) && ::rmdir(table_dir.c_str()) == 0) unnamed_since_.erase(table_dir);
+  }
+  for (auto it = unnamed_since_.begin(); it != unnamed_since_.end();) {
+    it = seen.count(it->first) ? std::next(it) : unnamed_since_.erase(it);
+  }
 }
 
 absl::StatusOr<v1::internal::RecoverShardResponse> Worker::RecoverShard(

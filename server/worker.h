@@ -12,6 +12,7 @@
 #define SHARDSERVE_SERVER_WORKER_H_
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -67,6 +68,9 @@ struct WorkerOptions {
   // shards from there (snapshot + log) before it serves. Empty: updates live in memory only.
   std::string data_dir;
   int64_t snapshot_bytes = int64_t{64} << 20;  // a log's size that triggers a snapshot
+  // A load's data (log and snapshot) that the coordinator's heartbeat replies have named for this
+  // long no more - its table dropped, its version unloaded or replaced - is removed (0: at once).
+  absl::Duration retired_data_grace = absl::Minutes(10);
   SecurityOptions security;  // TLS and access control of its port, and of its coordinator calls
 };
 
@@ -116,6 +120,10 @@ class Worker {
   // starting afresh from a snapshot of the copy.
   absl::StatusOr<v1::internal::RecoverShardResponse> RecoverShard(
       const v1::internal::RecoverShardRequest& request, absl::Time deadline);
+  // Removes the data of loads that `response` (a reply that names every table the group holds)
+  // and this worker's own loads no longer name, once they have not been named for
+  // retired_data_grace. On the heartbeat thread, at most once a second.
+  void CollectRetiredData(const v1::internal::HeartbeatResponse& response);
   // The heartbeat this worker sends now.
   v1::internal::HeartbeatRequest HeartbeatNow() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -124,6 +132,10 @@ class Worker {
   std::unique_ptr<core::LocalKernels> kernels_;  // CPU, or one GPU
   int cuda_device_ = -1;                         // >= 0 for a GPU worker
   TableLifecycle tables_;
+  // CollectRetiredData's (the heartbeat thread's): when it looks next, and since when each
+  // directory under data_dir has not been named.
+  absl::Time next_collection_ = absl::InfinitePast();
+  std::map<std::string, absl::Time> unnamed_since_;
   Metrics metrics_;  // its endpoint stops first in Shutdown (its scrapes read the loop)
   CallMetrics call_metrics_{metrics_.registry()};
   StepMetrics step_metrics_{metrics_.registry()};

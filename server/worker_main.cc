@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "absl/flags/flag.h"
+#include "absl/time/time.h"
 #include "absl/strings/numbers.h"
 #include "core/process_setup.h"
 #include "glog/logging.h"
@@ -62,6 +63,11 @@ ABSL_FLAG(std::string, data_dir, "",
 ABSL_FLAG(int64_t, snapshot_mb, 64,
           "MiB a table's update log grows to before the worker snapshots the shard and empties "
           "it");
+ABSL_FLAG(absl::Duration, retired_data_grace, absl::Minutes(10),
+          "how long the data (log and snapshot) of a table version this worker no longer holds - "
+          "its table dropped, the version unloaded or replaced - stays in --data_dir before it is "
+          "removed, counted from the first heartbeat reply of the coordinator that no longer "
+          "names it (0: at once)");
 ABSL_FLAG(int, load_nice, 10, "nice value of the thread that loads tables (0-19)");
 ABSL_FLAG(int64_t, table_memory_mb, 0,
           "MiB of table shards (every version loaded) this worker may hold at once; 0: as memory "
@@ -178,6 +184,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.snapshot_bytes = snapshot_mb << 20;
+  options.retired_data_grace = absl::GetFlag(FLAGS_retired_data_grace);
+  if (options.retired_data_grace < absl::ZeroDuration()) {
+    std::fprintf(stderr, "--retired_data_grace: %s must be >= 0\n",
+                 absl::FormatDuration(options.retired_data_grace).c_str());
+    return 2;
+  }
   options.load_nice = load_nice;
   const std::pair<const char*, int> intervals[] = {
       {"--heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)},

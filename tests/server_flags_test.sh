@@ -28,6 +28,8 @@ expect "--heartbeat_ms: 0 must be >= 1" --coordinator=127.0.0.1:1 --heartbeat_ms
 expect "--collective_timeout_ms: -5 must be >= 1" --coordinator=127.0.0.1:1 \
   --collective_timeout_ms=-5
 expect "--group: -1 must be >= 0" --coordinator=127.0.0.1:1 --group=-1
+expect "--retired_data_grace: -1s must be >= 0" --coordinator=127.0.0.1:1 \
+  --retired_data_grace=-1s
 expect "--drain_s: -1 must be in [0, 3600]" --coordinator=127.0.0.1:1 --drain_s=-1
 expect '--metrics_listen: "9100" is not HOST:PORT' --coordinator=127.0.0.1:1 \
   --listen=127.0.0.1:0 --metrics_listen=9100

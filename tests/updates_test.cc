@@ -2,20 +2,24 @@
 // LibTorch's index_put_ on the full weight, updates in a Stream, durability across SIGKILL (every
 // acknowledged update, max_norm renorms), all-or-nothing per call when a worker dies in the
 // middle of a batch, and bad updates that change nothing.
+#include <dirent.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/local_cluster.h"
@@ -350,6 +354,97 @@ TEST_P(Durability, EveryAcknowledgedUpdateSurvivesSigkill) {
   c = Connect(*cluster);
   ASSERT_TRUE(WaitFor([&] { return Serves(*c, "d"); }, absl::Seconds(30)));
   EXPECT_TRUE(at::equal(Exported(*c, "d", dir), w));
+}
+
+// The names in directory `path`, sorted (none if it cannot be read).
+std::vector<std::string> Listing(const std::string& path) {
+  std::vector<std::string> out;
+  if (DIR* dir = ::opendir(path.c_str()); dir != nullptr) {
+    while (const dirent* e = ::readdir(dir)) {
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+        out.push_back(e->d_name);
+      }
+    }
+    ::closedir(dir);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// "<table>.<created>/v<version>" of every load's data under a worker's --data_dir.
+std::set<std::string> DataDirs(const std::string& data_dir) {
+  std::set<std::string> out;
+  for (const std::string& table : Listing(data_dir)) {
+    for (const std::string& version : Listing(data_dir + "/" + table)) {
+      out.insert(table + "/" + version);
+    }
+  }
+  return out;
+}
+
+// The data of a table version no worker holds any more - its table dropped, the version replaced
+// - leaves every worker's --data_dir once the grace has passed; the serving version's stays, with
+// every update in it.
+TEST(Updates, RetiredVersionsAndDroppedTablesLeaveTheDataDir) {
+  const std::string state = TempDir();
+  auto cluster = Start(state, {"--retired_data_grace=1s"});
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  Table a = MakeTable("a", v1::TABLE_KIND_EMBEDDING, 30, 4, 1, {0, 1}, dir);
+  Table b = MakeTable("b", v1::TABLE_KIND_EMBEDDING, 30, 4, 0, {0, 1}, dir);
+  ASSERT_TRUE(c->CreateTable(a.spec).ok());
+  ASSERT_TRUE(c->CreateTable(b.spec).ok());
+  for (const char* table : {"a", "b"}) {
+    ASSERT_TRUE(c->UpdateRows(Request(table, v1::ADD, {1, 2}, at::ones({2, 4}))).ok());
+  }
+  const std::string data[] = {state + "/worker-g0-r0", state + "/worker-g0-r1"};
+  std::string a_dir, b_dir;  // "<table>.<created>"
+  for (const std::string& d : DataDirs(data[0])) {
+    (d[0] == 'a' ? a_dir : b_dir) = d.substr(0, d.find('/'));
+  }
+  ASSERT_FALSE(a_dir.empty());
+  ASSERT_FALSE(b_dir.empty());
+  for (const std::string& d : data) {
+    EXPECT_EQ(DataDirs(d), (std::set<std::string>{a_dir + "/v1", b_dir + "/v1"})) << d;
+  }
+
+  // Version 2 of "a" replaces version 1 (none kept), "b" is dropped, and "a" takes an update.
+  v1::LoadVersionRequest next;
+  next.set_name("a");
+  next.set_checkpoint(a.spec.checkpoint());
+  next.set_keep_versions(1);
+  absl::StatusOr<v1::TableInfo> loaded = c->LoadVersion(next);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->spec().version(), 2u);
+  ASSERT_TRUE(c->DropTable("b").ok());
+  ASSERT_TRUE(c->UpdateRows(Request("a", v1::ADD, {3}, at::full({1, 4}, 2.0f))).ok());
+  for (const std::string& d : data) {
+    EXPECT_TRUE(WaitFor([&] { return DataDirs(d) == std::set<std::string>{a_dir + "/v2"}; },
+                        absl::Seconds(30)))
+        << d << " holds " << absl::StrJoin(DataDirs(d), " ");
+  }
+  EXPECT_EQ(Listing(data[0]), std::vector<std::string>{a_dir});  // b's directory is gone too
+
+  // What is left is the serving version's log: a crashed group rebuilds its update from it.
+  CrashAndRestart(*cluster);
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "a"); }, absl::Seconds(30)));
+  at::Tensor want = a.weight.clone();
+  want[3] += 2.0f;
+  EXPECT_TRUE(at::equal(Exported(*c, "a", dir), want));
+
+  // A coordinator that starts again (the whole cluster, on the same state) names what it held:
+  // nothing more is removed.
+  cluster.reset();
+  cluster = Start(state, {"--retired_data_grace=1s"});
+  ASSERT_NE(cluster, nullptr);
+  c = Connect(*cluster);
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "a"); }, absl::Seconds(30)));
+  absl::SleepFor(absl::Seconds(3));  // past the grace, and a collection after it
+  for (const std::string& d : data) {
+    EXPECT_EQ(DataDirs(d), std::set<std::string>{a_dir + "/v2"}) << d;
+  }
+  EXPECT_TRUE(at::equal(Exported(*c, "a", dir), want));
 }
 
 TEST(Updates, MaxNormRenormsSurviveARestart) {
