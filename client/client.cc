@@ -10,6 +10,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "core/status_macros.h"
@@ -62,8 +63,10 @@ absl::StatusOr<DenseTensor> ToDense(const v1::Tensor& tensor) {
 Client::Client(std::string coordinator, ClientOptions options)
     : coordinator_(std::move(coordinator)), options_(options) {
   admin_ = v1::AdminService::NewStub(server::CreateChannel(coordinator_, options_.security));
+  server::ReplicaRouter::Options routing;
+  routing.refresh = options_.map_refresh;
   router_ = std::make_unique<server::ReplicaRouter>(
-      [this](const std::string& table) { return MapOf(table); }, server::ReplicaRouter::Options());
+      [this](const std::string& table) { return MapOf(table); }, routing);
   server::ReplicaCallerOptions calls;
   calls.max_attempts = options_.max_attempts;
   calls.backoff = options_.backoff;
@@ -402,36 +405,58 @@ absl::StatusOr<DenseTensor> Client::Linear(const v1::LinearRequest& request) {
 }
 
 absl::StatusOr<v1::UpdateRowsResponse> Client::UpdateRows(const v1::UpdateRowsRequest& request) {
-  SHARDSERVE_ASSIGN_OR_RETURN(v1::TableInfo info, DescribeTable(request.table()));
-  // A table on several replica groups: the coordinator sequences one stream for all of them.
-  // Otherwise a worker of its group takes it (directly, or forwarded by the coordinator).
-  std::string address = info.replicas_size() > 1 || !options_.direct ? coordinator_ : "";
-  for (const v1::ShardInfo& shard : info.shards()) {
-    if (!address.empty()) break;
-    address = shard.address();
-  }
-  if (address.empty()) {
-    return absl::UnavailableError(
-        absl::StrCat("table \"", request.table(), "\" has no worker serving it"));
-  }
-  std::shared_ptr<v1::DataService::Stub> stub;
-  {
-    absl::MutexLock lock(&update_mu_);
-    auto& s = update_stubs_[address];
-    if (s == nullptr) {
-      s = v1::DataService::NewStub(server::CreateChannel(address, options_.security));
+  const std::string& table = request.table();
+  const absl::Time deadline = absl::Now() + options_.deadline;
+  // Where it goes: the coordinator when calls go through it, or for a table on several replica
+  // groups (it sequences one stream for all of them); else an entry rank of the table's group.
+  // Both from the router's placement map (read at a table's first call, then refreshed in the
+  // background): no DescribeTable per update.
+  struct Target {
+    std::string address;
+    int replicas = 0;
+  };
+  auto target = [&]() -> absl::StatusOr<Target> {
+    if (!options_.direct) return Target{coordinator_, 0};
+    SHARDSERVE_ASSIGN_OR_RETURN(server::ReplicaRouter::Route route, router_->Pick(table));
+    router_->Abandoned(table, route);  // (an update is no probe of a suspect group's health)
+    const int replicas = router_->Replicas(table);
+    return Target{replicas > 1 ? coordinator_ : route.address, replicas};
+  };
+  SHARDSERVE_ASSIGN_OR_RETURN(Target to, target());
+  for (int attempt = 0;; ++attempt) {
+    std::shared_ptr<v1::DataService::Stub> stub;
+    {
+      absl::MutexLock lock(&update_mu_);
+      auto& s = update_stubs_[to.address];
+      if (s == nullptr) {
+        s = v1::DataService::NewStub(server::CreateChannel(to.address, options_.security));
+      }
+      stub = s;
     }
-    stub = s;
+    // Sent once, never retried or hedged: after an error the call may or may not have been
+    // applied (all of it or none), and an ADD sent again would add twice.
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    v1::UpdateRowsResponse response;
+    const grpc::Status s = stub->UpdateRows(&context, request, &response);
+    if (s.ok()) return response;
+    const absl::Status error = FromGrpcStatus(s);
+    // The exceptions: a map gone stale, when the update surely changed nothing. Either it never
+    // left (no connection to the worker the map named: it moved, e.g. restarted elsewhere), or a
+    // worker refused it as the table is on several replica groups now (dropped and created
+    // again; FAILED_PRECONDITION). It goes once more where a fresh map says.
+    const bool unsent = absl::IsUnavailable(error) &&
+                        absl::StartsWith(error.message(), "failed to connect to all addresses");
+    const bool refused = absl::IsFailedPrecondition(error) && to.replicas == 1;
+    if (attempt > 0 || !options_.direct || !(unsent || refused)) return error;
+    router_->Forget(table);
+    absl::StatusOr<Target> fresh = target();
+    if (!fresh.ok() || (refused && fresh->replicas == 1) ||
+        (unsent && fresh->address == to.address)) {
+      return error;
+    }
+    to = *std::move(fresh);
   }
-  // Sent once, never retried or hedged: after an error the call may or may not have been applied
-  // (all of it or none), and an ADD sent again would add twice.
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
-  v1::UpdateRowsResponse response;
-  if (grpc::Status s = stub->UpdateRows(&context, request, &response); !s.ok()) {
-    return FromGrpcStatus(s);
-  }
-  return response;
 }
 
 }  // namespace shardserve::client

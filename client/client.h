@@ -33,6 +33,8 @@ struct ClientOptions {
   absl::Duration hedge_after = absl::Milliseconds(50);  // zero: never hedge
   // false: send data calls to the coordinator, which forwards them (one extra hop).
   bool direct = true;
+  // How often the placement maps of the tables called are read again (in the background).
+  absl::Duration map_refresh = absl::Seconds(1);
   // TLS, client certificate and token of every call (server/security.h); default plaintext.
   server::ChannelSecurity security = server::PlaintextChannels();
 };
@@ -101,8 +103,10 @@ class Client {
   // on a worker of its group - or, for a table on several replica groups, through the
   // coordinator, which applies it to every replica in one order: answered once every rank (of
   // every replica that holds the table's updates) has it in its log (when the workers run with
-  // --data_dir). Never retried: after an error the update may or may not have been applied (all
-  // of it or none of it).
+  // --data_dir). Where it goes comes from the cached placement map, not a DescribeTable per call.
+  // Never retried - after an error the update may or may not have been applied (all of it or none
+  // of it) - except once when a stale map made sure nothing changed (no connection to the worker
+  // it named, or a worker's FAILED_PRECONDITION as the table is replicated now).
   absl::StatusOr<v1::UpdateRowsResponse> UpdateRows(const v1::UpdateRowsRequest& request);
 
  private:

@@ -184,6 +184,12 @@ bool ReplicaRouter::Suspect(const std::string& table, int group) {
   return r != nullptr && r->suspect;
 }
 
+int ReplicaRouter::Replicas(const std::string& table) {
+  absl::MutexLock lock(&mu_);
+  auto it = tables_.find(table);
+  return it == tables_.end() ? 0 : static_cast<int>(it->second.replicas.size());
+}
+
 void ReplicaRouter::Forget(const std::string& table) {
   absl::MutexLock lock(&mu_);
   auto it = tables_.find(table);

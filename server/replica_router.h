@@ -65,6 +65,8 @@ class ReplicaRouter {
   void Abandoned(const std::string& table, const Route& route);
   // Whether `table`'s replica on `group` is suspect now (a hedge from it is failover, not a guess).
   bool Suspect(const std::string& table, int group);
+  // How many replica groups hold `table`, as its map last read says (0: not read yet).
+  int Replicas(const std::string& table);
   // Forgets the table (dropped or created again): the next Pick reads its map afresh.
   void Forget(const std::string& table);
 

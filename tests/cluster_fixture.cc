@@ -1,6 +1,9 @@
 #include "tests/cluster_fixture.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -17,7 +20,9 @@
 #include "ATen/ops/randint.h"
 #include "ATen/ops/randn.h"
 #include "ATen/ops/tensor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "c10/core/InferenceMode.h"
 #include "core/safetensors.h"
 #include "grpcpp/create_channel.h"
@@ -285,6 +290,52 @@ grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::string& a
   if (!stub->Check(&context, request, &response).ok())
     return grpc::health::v1::HealthCheckResponse::UNKNOWN;
   return response.status();
+}
+
+int Dial(const std::string& address) {
+  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+std::pair<std::string, std::string> Get(const std::string& address, const std::string& path) {
+  const int fd = Dial(address);
+  if (fd < 0) return {"no connection", ""};
+  const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\n\r\n");
+  (void)!::write(fd, request.data(), request.size());
+  std::string response;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buffer, sizeof(buffer))) > 0) response.append(buffer, n);
+  ::close(fd);
+  const size_t head = response.find("\r\n\r\n");
+  if (head == std::string::npos) return {"no head", response};
+  return {response.substr(0, response.find("\r\n")), response.substr(head + 4)};
+}
+
+std::string Scrape(const std::string& address) {
+  auto [status, body] = Get(address);
+  EXPECT_EQ(status, "HTTP/1.1 200 OK") << address;
+  return body;
+}
+
+double Sample(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.size() > series.size() && line.substr(0, series.size()) == series &&
+        line[series.size()] == ' ') {
+      double value = 0;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &value)) return value;
+    }
+  }
+  return -1;
 }
 
 bool WaitFor(const std::function<bool()>& condition, absl::Duration timeout) {

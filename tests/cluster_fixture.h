@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ATen/core/Tensor.h"
@@ -97,6 +98,16 @@ void CheckOps(client::Client& c, const Table& t, const std::string& label);
 // The health of `service` at `address` (UNKNOWN when the check fails).
 grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::string& address,
                                                             const std::string& service);
+// A TCP connection to HOST:PORT on loopback (-1 if refused).
+int Dial(const std::string& address);
+// GET `path` over HTTP/1.0 from `address`: the status line and the body.
+std::pair<std::string, std::string> Get(const std::string& address,
+                                        const std::string& path = "/metrics");
+// GET /metrics (expecting 200 OK): the text.
+std::string Scrape(const std::string& address);
+// The value of the sample written exactly as `series` (name{labels} as the server orders them),
+// or -1 when there is none.
+double Sample(const std::string& text, const std::string& series);
 // Polls `condition` every 50 ms until it holds or `timeout` passes; returns it.
 bool WaitFor(const std::function<bool()>& condition, absl::Duration timeout);
 

@@ -344,6 +344,59 @@ TEST(ReplicaGroups, ATableOnOneGroupGroupsThatFailAndACoordinatorRestart) {
   CheckOps(*fresh, only1, "only1 after group 1 formed again");
 }
 
+// Updates go where the client's cached placement map says - no DescribeTable per call - and a
+// map gone stale (the table created again on both groups) costs the caller nothing: the
+// worker's refusal changed nothing, and the update goes on to the coordinator.
+TEST(ReplicaGroups, UpdatesFollowTheCachedMapAndAStaleOneCostsNothing) {
+  Replicated r;
+  ASSERT_NO_FATAL_FAILURE(r.Start());
+  Table one = MakeTable("u", v1::TABLE_KIND_EMBEDDING, 50, 4, 1, {0, 1}, TempDir());
+  one.spec.add_groups(1);
+  ASSERT_TRUE(r.admin->CreateTable(one.spec).ok());
+  ClientOptions options;
+  options.map_refresh = absl::Hours(1);  // the map read first stays
+  auto c = *Client::Connect(r.cluster->coordinator_address(), options);
+  v1::UpdateRowsRequest update;
+  update.set_table("u");
+  update.set_op(v1::ADD);
+  *update.mutable_ids() = client::Int64Tensor({1}, {7});
+  *update.mutable_values() = client::FloatTensor({1, 4}, {1, 2, 3, 4});
+  auto describes = [&] {
+    return Sample(Scrape(r.cluster->coordinator_metrics_address()),
+                  R"(shardserve_grpc_calls_total{code="0",method="DescribeTable",)"
+                  R"(service="shardserve.v1.AdminService"})");
+  };
+  ASSERT_TRUE(c->UpdateRows(update).ok());  // reads the map
+  const double before = describes();
+  for (uint64_t i = 2; i <= 30; ++i) {
+    absl::StatusOr<v1::UpdateRowsResponse> done = c->UpdateRows(update);
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_EQ(done->sequence(), i);
+  }
+  EXPECT_EQ(describes(), before);
+
+  // "u" is dropped and created again on both groups; the client's map still says group 1.
+  ASSERT_TRUE(r.admin->DropTable("u").ok());
+  Table two = MakeTable("u", v1::TABLE_KIND_EMBEDDING, 50, 4, 1, {0, 1}, TempDir());
+  absl::StatusOr<v1::TableInfo> created = r.admin->CreateTable(two.spec);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ASSERT_EQ(created->replicas_size(), 2);
+  absl::StatusOr<v1::UpdateRowsResponse> again = c->UpdateRows(update);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->sequence(), 1u);  // applied once, on both replicas
+  for (int g : {0, 1}) {
+    auto stub = DataStub(r.cluster->worker_address(2 * g));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::EmbeddingRequest lookup;
+    lookup.set_table("u");
+    *lookup.mutable_ids() = client::Int64Tensor({1}, {7});
+    v1::TensorResponse response;
+    ASSERT_TRUE(stub->Embedding(&context, lookup, &response).ok());
+    EXPECT_EQ(response.sequence(), 1u) << "group " << g;
+  }
+}
+
 TEST(ReplicaGroups, ATableIsCreatedAndServedWhileAGroupLacksAWorker) {
   Replicated r;
   ASSERT_NO_FATAL_FAILURE(r.Start());

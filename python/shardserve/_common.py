@@ -178,6 +178,13 @@ class RoutingTable:
                 k -= len(r.addresses)
         return None
 
+    def replicated(self, table: str) -> Optional[bool]:
+        """Whether ``table`` is on several replica groups, as its cached map says (None: no map
+        cached)."""
+        with self._lock:
+            routes = self._routes.get(table)
+            return None if routes is None else len(routes.replicas) > 1
+
     def others(self, table: str, avoid: Sequence[int]) -> bool:
         """Whether ``table`` has a replica with an address outside the groups of ``avoid``."""
         with self._lock:

@@ -236,8 +236,10 @@ class Client:
         ``(k, num_cols)``, ``bias`` (a linear layer's, optional) ``(k,)``. Returns ``(version,
         sequence)``: the version updated and its update sequence after the call. Sent once, never
         retried: after an error it was applied whole or not at all (an ``add`` sent again would
-        add twice). A table on several replica groups takes it through the coordinator, which
-        applies it to every replica in one order."""
+        add twice) - except once when a stale placement map made sure that nothing changed (no
+        connection to the worker it named, or a refusal as the table is replicated now). A table on several replica groups takes it through the coordinator, which
+        applies it to every replica in one order. Where it goes comes from the cached placement
+        map: no ``DescribeTable`` per call."""
         code = {"assign": 1, "add": 2}.get(op)
         if code is None:
             raise InvalidArgumentError(f'op: "{op}" is not "assign" or "add"')
@@ -246,18 +248,42 @@ class Client:
         bias_array = None if bias is None else _codec.as_floats(bias, "bias")[0]
         request = _codec.encode_update_rows(table, id_array, value_array, code, bias_array)
         deadline_at = time.monotonic() + self._timeout(deadline)
-        info = _common.table_info(self._admin_call_until(
-            "DescribeTable", self._pb.DescribeTableRequest(name=table), deadline_at))
-        if len(info.replicas) > 1:
-            # One stream for every replica: the coordinator sequences it.
-            address = self.coordinator
-        else:
-            address, _, _ = self.route(table, False, deadline_at)
+
+        def target(fresh: bool) -> Tuple[str, Optional[bool]]:
+            # The coordinator when calls go through it, or for a table on several replica groups
+            # (it sequences one stream for all of them); else a worker of the table's group. From
+            # the cached placement map: no DescribeTable per update.
+            if not self.options.direct:
+                return self.coordinator, None
+            address, _, _ = self.route(table, fresh, deadline_at)
+            replicated = self._routes.replicated(table)
+            return (self.coordinator if replicated else address), replicated
+
+        address, replicated = target(False)
         try:
             answer = self._endpoint(address).unary["update_rows"](
                 request, timeout=max(deadline_at - time.monotonic(), 1e-3))
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            error = from_rpc_error(e)
+            # Sent once, never retried - except when a stale map made sure it changed nothing:
+            # it never left (no connection to the worker the map named: it moved, e.g. restarted
+            # elsewhere), or a worker refused it as the table is on several replica groups now
+            # (dropped and created again; FAILED_PRECONDITION). It goes once more where a fresh
+            # map says.
+            unsent = (e.code() == grpc.StatusCode.UNAVAILABLE and
+                      (e.details() or "").startswith("failed to connect to all addresses"))
+            refused = e.code() == grpc.StatusCode.FAILED_PRECONDITION and not replicated
+            if not self.options.direct or not (unsent or refused):
+                raise error from None
+            fresh, now = target(True)
+            if (refused and not now) or (unsent and fresh == address):
+                raise error from None
+            address = fresh
+            try:
+                answer = self._endpoint(address).unary["update_rows"](
+                    request, timeout=max(deadline_at - time.monotonic(), 1e-3))
+            except grpc.RpcError as e2:
+                raise from_rpc_error(e2) from None
         return _codec.decode_update_response(answer)
 
     def stream(self, *, max_in_flight: int = 1024, deadline: Optional[float] = None) -> "Stream":
