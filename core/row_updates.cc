@@ -1,12 +1,15 @@
 #include "core/row_updates.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
@@ -537,7 +540,18 @@ absl::Status UpdateLog::StartSnapshot(const ShardedTable& table, bool wait) {
 }
 
 absl::Status RemoveUpdateLog(const std::string& dir) {
-  for (const std::string& path : {LogPath(dir), OldLogPath(dir), SnapshotPath(dir)}) {
+  std::vector<std::string> paths = {LogPath(dir), OldLogPath(dir), SnapshotPath(dir)};
+  // And what a snapshot that a crash cut short left (WriteSafetensors' temporary files).
+  const std::string tmp = "snapshot.safetensors.tmp.";
+  if (DIR* d = ::opendir(dir.c_str()); d != nullptr) {
+    while (const dirent* e = ::readdir(d)) {
+      if (std::strncmp(e->d_name, tmp.data(), tmp.size()) == 0) {
+        paths.push_back(absl::StrCat(dir, "/", e->d_name));
+      }
+    }
+    ::closedir(d);
+  }
+  for (const std::string& path : paths) {
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) return Errno("remove", path);
   }
   if (::rmdir(dir.c_str()) != 0 && errno != ENOENT) return Errno("remove", dir);

@@ -160,7 +160,8 @@ class UpdateLog {
   LogRecords pending_;
 };
 
-// Removes a load's log directory (the table was dropped): OK when there is none.
+// Removes a load's log directory (its log, snapshot, and a cut-short snapshot's temporary files):
+// OK when there is none.
 absl::Status RemoveUpdateLog(const std::string& dir);
 
 }  // namespace shardserve::core

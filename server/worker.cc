@@ -609,7 +609,9 @@ void Worker::CollectRetiredData(const v1::internal::HeartbeatResponse& response)
       if (!retired(dir)) continue;
       if (absl::Status removed = core::RemoveUpdateLog(dir); !removed.ok()) {
         LOG(WARNING) << "worker group " << options_.group << " rank " << options_.rank
-                     << ": could not remove retired data " << dir << ": " << removed;
+                     << ": could not remove retired data " << dir << ": " << removed
+                     << " (tried again in " << options_.retired_data_grace << ")";
+        unnamed_since_[dir] = now;
         continue;
       }
       unnamed_since_.erase(dir);

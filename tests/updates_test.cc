@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
@@ -408,6 +409,9 @@ TEST(Updates, RetiredVersionsAndDroppedTablesLeaveTheDataDir) {
   for (const std::string& d : data) {
     EXPECT_EQ(DataDirs(d), (std::set<std::string>{a_dir + "/v1", b_dir + "/v1"})) << d;
   }
+
+  // A snapshot cut short by a crash left its temporary file in b's directory.
+  { std::ofstream(data[0] + "/" + b_dir + "/v1/snapshot.safetensors.tmp.123.0") << "torn"; }
 
   // Version 2 of "a" replaces version 1 (none kept), "b" is dropped, and "a" takes an update.
   v1::LoadVersionRequest next;
