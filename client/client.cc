@@ -179,6 +179,17 @@ absl::StatusOr<v1::TableInfo> Client::UnloadVersion(const std::string& name, uin
   return info;
 }
 
+absl::StatusOr<v1::TableInfo> Client::AddReplica(const std::string& name, int group) {
+  v1::AddReplicaRequest request;
+  request.set_name(name);
+  request.set_group(group);
+  v1::TableInfo info;
+  absl::Status status = CallAdmin(&v1::AdminService::Stub::AddReplica, request, &info);
+  if (!status.ok()) return status;
+  router_->Forget(name);  // its map has one more replica
+  return info;
+}
+
 absl::StatusOr<v1::TableInfo> Client::WaitTable(const std::string& name, absl::Duration timeout) {
   return WaitTableUntil(name, absl::Now() + timeout);
 }

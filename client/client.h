@@ -93,6 +93,9 @@ class Client {
   absl::StatusOr<v1::TableInfo> LoadVersion(const v1::LoadVersionRequest& request,
                                             absl::Duration timeout = absl::ZeroDuration());
   absl::StatusOr<v1::TableInfo> UnloadVersion(const std::string& name, uint64_t version);
+  // Places a replica of the table on `group` too (AdminService.AddReplica): the TableInfo lists
+  // it, not serving until recovered from another replica.
+  absl::StatusOr<v1::TableInfo> AddReplica(const std::string& name, int group);
   // The coordinator's view of the workers (groups, epochs, every member and its tables).
   absl::StatusOr<v1::ClusterInfo> DescribeCluster();
 

@@ -724,7 +724,8 @@ int Up(const std::string& argv0) {
 
 constexpr char kCommands[] =
     "up | demo | create-table | wait | tables | describe | drop | export | load-version | "
-    "versions | unload-version | cluster | health | embedding | bag | linear | update";
+    "versions | unload-version | add-replica | cluster | health | embedding | bag | linear | "
+    "update";
 
 // grpc.health.v1 Check of one server, over the caller's TLS: exit 0 when it says SERVING, 1
 // otherwise (a probe that needs TLS, where Kubernetes' gRPC probe has none).
@@ -819,6 +820,12 @@ server::Usage UsageOf(const std::vector<std::string>& args) {
   if (command == "unload-version") {
     return {"shardserve unload-version T V [flags]", "Unloads T's kept version V.", admin};
   }
+  if (command == "add-replica") {
+    return {"shardserve add-replica T G [flags]",
+            "Places a replica of T (which has two or more) on group G too: it serves once "
+            "recovered from another replica.",
+            admin};
+  }
   if (command == "drop") {
     return {"shardserve drop T [flags]",
             "Drops T; returns once no worker serves it, within --deadline_ms.", admin};
@@ -878,7 +885,8 @@ int Main(int argc, char** argv) {
   Client& c = **client;
   auto arg = [&](size_t i) -> std::string { return args.size() > i ? args[i] : ""; };
   if ((command == "wait" || command == "describe" || command == "drop" || command == "export" ||
-       command == "load-version" || command == "versions" || command == "unload-version") &&
+       command == "load-version" || command == "versions" || command == "unload-version" ||
+       command == "add-replica") &&
       arg(2).empty()) {
     return BadUsage(absl::InvalidArgumentError(absl::StrCat(command, ": give the table's name")));
   }
@@ -950,6 +958,17 @@ int Main(int argc, char** argv) {
     absl::StatusOr<v1::TableInfo> info = c.UnloadVersion(arg(2), version);
     if (!info.ok()) return Fail(info.status());
     return PrintVersions(*info);
+  }
+  if (command == "add-replica") {
+    int group = -1;
+    if (!absl::SimpleAtoi(arg(3), &group) || group < 0) {
+      return BadUsage(absl::InvalidArgumentError(
+          absl::StrCat("add-replica: give T and a group number (got \"", arg(3), "\")")));
+    }
+    absl::StatusOr<v1::TableInfo> info = c.AddReplica(arg(2), group);
+    if (!info.ok()) return Fail(info.status());
+    PrintInfos({*info}, /*one=*/true);
+    return 0;
   }
   if (command == "drop") {
     std::vector<int> serving;

@@ -520,8 +520,7 @@ bool ControlPlane::Holds(const Member& m, const v1::TableSpec& spec) {
   if (std::find(m.loaded.begin(), m.loaded.end(), spec.name()) == m.loaded.end()) return false;
   if (m.loaded_specs.empty()) return true;  // a worker that does not say which spec
   auto it = m.loaded_specs.find({spec.name(), spec.version()});
-  return it != m.loaded_specs.end() &&
-         google::protobuf::util::MessageDifferencer::Equals(it->second, spec);
+  return it != m.loaded_specs.end() && SameLoad(it->second, spec);
 }
 
 const absl::Status* ControlPlane::LoadError(const v1::TableSpec& spec) const {

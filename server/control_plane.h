@@ -171,6 +171,9 @@ class ControlPlane {
                                             absl::Time deadline);
   // Unloads a kept version: NOT_FOUND, FAILED_PRECONDITION (the serving or a loading version).
   absl::StatusOr<v1::TableInfo> UnloadVersion(const std::string& name, uint64_t version);
+  // Places a replica of `name` on `group` too (AdminService.AddReplica): stale until recovered
+  // from another replica.
+  absl::StatusOr<v1::TableInfo> AddReplica(const std::string& name, int group);
   // UNAVAILABLE while learning (no state_dir).
   absl::StatusOr<std::vector<v1::TableInfo>> ListTables() const;
   // NOT_FOUND; UNAVAILABLE while learning (no state_dir).

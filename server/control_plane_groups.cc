@@ -15,7 +15,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "glog/logging.h"
-#include "google/protobuf/util/message_differencer.h"
 #include "server/table_spec.h"
 
 namespace shardserve::server {
@@ -424,9 +423,14 @@ void ControlPlane::LearnTables(int g) {
       // Learnt from another group already: the same table but for a replica's own generation.
       v1::TableSpec base = spec;
       base.set_generation(known->second.generation());
-      if (google::protobuf::util::MessageDifferencer::Equals(base, known->second) &&
-          spec.generation() != known->second.generation()) {
-        replica_generations_[{name, g}] = spec.generation();
+      if (SameLoad(base, known->second)) {
+        // A group that took the table with a replica added later (AddReplica) names more groups.
+        for (const int32_t placed : spec.groups()) {
+          if (!PlacedOn(known->second, placed)) known->second.add_groups(placed);
+        }
+        if (spec.generation() != known->second.generation()) {
+          replica_generations_[{name, g}] = spec.generation();
+        }
       }
       continue;
     }

@@ -229,6 +229,58 @@ absl::Status ControlPlane::FinishUpdate(const UpdatePlan& plan,
   return absl::OkStatus();
 }
 
+absl::StatusOr<v1::TableInfo> ControlPlane::AddReplica(const std::string& name, int group) {
+  absl::MutexLock lock(&mu_);
+  SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
+  auto it = tables_.find(name);
+  if (it == tables_.end()) {
+    return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
+  }
+  v1::TableSpec& spec = it->second;
+  if (group < 0 || group >= options_.groups) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group: ", group, " is out of range [0, ", options_.groups, ")"));
+  }
+  if (PlacedOn(spec, group)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("table \"", name, "\" has a replica on group ", group, " already"));
+  }
+  // A table on one group takes updates straight at its workers: a second replica would need that
+  // stream moved to the coordinator without losing an update in flight.
+  if (!Replicated(spec)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "table \"", name, "\" is on one replica group, whose workers take its updates; a replica "
+        "can be added online only to a table that has two or more (create it on several "
+        "groups)"));
+  }
+  if (unserved_.count(name) || loading_.count(name)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "table \"", name, "\" is ", unserved_.count(name) ? "still being created"
+                                                      : "loading a version",
+        "; add the replica once that is done"));
+  }
+  // The new replica loads the serving version only: it could not rebuild a kept version's updates.
+  if (kept_.count(name)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "table \"", name, "\" keeps older versions for pinned calls; unload them "
+        "(UnloadVersion) before adding a replica"));
+  }
+  // Stale from the start: it serves once recovered from another replica, and updates skip it
+  // meanwhile.
+  spec.add_groups(group);
+  stale_[{name, group}] = {spec.created(), spec.version()};
+  if (absl::Status saved = SaveRegistry(); !saved.ok()) {
+    spec.mutable_groups()->RemoveLast();  // a failed save changes nothing
+    stale_.erase({name, group});
+    return saved;
+  }
+  LOG(INFO) << absl::StrFormat(
+      "coordinator: table \"%s\" version %d: a replica added on group %d; it serves once "
+      "recovered from another",
+      name, spec.version(), group);
+  return InfoOf(spec);
+}
+
 bool ControlPlane::StaleReplicasTold(const std::vector<StaleNotice>& notices) const {
   absl::MutexLock lock(&mu_);
   for (const StaleNotice& notice : notices) {

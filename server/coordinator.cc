@@ -147,6 +147,11 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
     return ToGrpcStatus(Into(control_.UnloadVersion(request->name(), request->version()), response));
   }
 
+  grpc::Status AddReplica(grpc::ServerContext*, const v1::AddReplicaRequest* request,
+                          v1::TableInfo* response) override {
+    return ToGrpcStatus(Into(control_.AddReplica(request->name(), request->group()), response));
+  }
+
   grpc::Status ListTables(grpc::ServerContext*, const v1::ListTablesRequest*,
                           v1::ListTablesResponse* response) override {
     absl::StatusOr<std::vector<v1::TableInfo>> tables = control_.ListTables();

@@ -141,7 +141,8 @@ bool IsAdminMethod(absl::string_view method) {
   // (Runs on every call: no string is built.)
   if (!absl::ConsumePrefix(&method, "/shardserve.v1.AdminService/")) return false;
   return method == "CreateTable" || method == "DropTable" || method == "ExportTable" ||
-         method == "ExportTableStream" || method == "LoadVersion" || method == "UnloadVersion";
+         method == "ExportTableStream" || method == "LoadVersion" || method == "UnloadVersion" ||
+         method == "AddReplica";
 }
 
 std::string RoleNames(unsigned roles) {

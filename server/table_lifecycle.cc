@@ -7,7 +7,7 @@
 #include "absl/strings/str_format.h"
 #include "core/row_updates.h"
 #include "glog/logging.h"
-#include "google/protobuf/util/message_differencer.h"
+#include "server/table_spec.h"
 
 namespace shardserve::server {
 
@@ -200,8 +200,7 @@ TableLifecycle::Plan TableLifecycle::NextPlan() {
     if (r.wanted) wanted[r.wanted->version()] = &*r.wanted;
     for (auto it = r.loads.begin(); it != r.loads.end();) {
       auto w = wanted.find(it->first);
-      const bool keep = w != wanted.end() && google::protobuf::util::MessageDifferencer::Equals(
-                                                 it->second.spec, *w->second);
+      const bool keep = w != wanted.end() && SameLoad(it->second.spec, *w->second);
       if (keep) {
         ++it;
       } else if (it->second.phase == Phase::kLoaded) {
@@ -214,7 +213,7 @@ TableLifecycle::Plan TableLifecycle::NextPlan() {
     for (const auto& [version, spec] : wanted) {
       auto held = r.loads.find(version);
       if (held == r.loads.end() ||
-          !google::protobuf::util::MessageDifferencer::Equals(held->second.spec, *spec)) {
+          !SameLoad(held->second.spec, *spec)) {
         plan.loads.push_back(*spec);
       } else if (held->second.roll_back) {
         plan.loads.push_back(*spec);

@@ -1,5 +1,6 @@
 #include "server/table_spec.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -8,6 +9,7 @@
 #include "core/safetensors.h"
 #include "core/sharding_spec.h"
 #include "core/status_macros.h"
+#include "google/protobuf/util/message_differencer.h"
 
 namespace shardserve::server {
 
@@ -95,6 +97,17 @@ absl::Status CheckCheckpoint(const v1::TableSpec& spec) {
     }
   }
   return absl::OkStatus();
+}
+
+bool SameLoad(const v1::TableSpec& a, const v1::TableSpec& b) {
+  if (a.groups_size() == b.groups_size() &&
+      std::equal(a.groups().begin(), a.groups().end(), b.groups().begin())) {
+    return google::protobuf::util::MessageDifferencer::Equals(a, b);
+  }
+  v1::TableSpec x = a, y = b;
+  x.clear_groups();
+  y.clear_groups();
+  return google::protobuf::util::MessageDifferencer::Equals(x, y);
 }
 
 }  // namespace shardserve::server

@@ -20,6 +20,9 @@ std::string DTypeName(v1::DType d);
 // INVALID_ARGUMENT naming the field, the value and the bound. The placements name 1 to
 // `world_size` different ranks; ranks without one hold an empty shard.
 absl::StatusOr<core::TableConfig> ConfigFromSpec(const v1::TableSpec& spec, int world_size);
+// Whether a shard loaded from `a` is one loaded from `b`: the specs are equal but for `groups`
+// (a table that gains a replica is not loaded anew where it is already).
+bool SameLoad(const v1::TableSpec& a, const v1::TableSpec& b);
 
 // For a spec initialised from a checkpoint: the file holds "weight" (and a layer's "bias") as F32
 // of the spec's shape. NOT_FOUND / INVALID_ARGUMENT (names the file and what is missing).

@@ -43,7 +43,7 @@ grep -q -- "--workers" <<<"$out" && fail "bag --help lists up's flags: $out"
 expect_rc 0 "$shardserve" --help
 grep -q "up | demo | create-table" <<<"$out" || fail "shardserve --help: $out"
 for cmd in up demo create-table wait tables describe drop export load-version versions \
-    unload-version cluster health embedding bag linear update; do
+    unload-version add-replica cluster health embedding bag linear update; do
   expect_rc 0 "$shardserve" "$cmd" --help
   grep -q "^usage: shardserve $cmd" <<<"$out" || fail "$cmd --help: $out"
   grep -q -- "--coordinator\|--workers" <<<"$out" || fail "$cmd --help lists no flags: $out"
@@ -109,6 +109,9 @@ python3 -c 'import json, sys; assert [v["version"] for v in json.loads(sys.argv[
 expect_rc 0 "$shardserve" unload-version t 1 "${c[@]}"
 expect_rc 73 "$shardserve" unload-version t 2 "${c[@]}"  # the serving one: FAILED_PRECONDITION (9)
 expect_rc 2 "$shardserve" unload-version t x "${c[@]}"
+expect_rc 70 "$shardserve" add-replica t 0 "${c[@]}"  # on its one group already: ALREADY_EXISTS
+expect_rc 67 "$shardserve" add-replica t 1 "${c[@]}"  # no group 1: INVALID_ARGUMENT
+expect_rc 2 "$shardserve" add-replica t "${c[@]}"
 expect_rc 67 "$shardserve" load-version t "${c[@]}" --checkpoint=relative.safetensors  # INVALID_ARG.
 # Updates: assign then add (duplicates summed); lookups see them and say the sequence.
 expect_rc 0 "$shardserve" update --table=t --op=assign --ids='[1,1]' \

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <random>
@@ -763,6 +764,102 @@ TEST(Updates, ReplicasApplyOneStreamAndRecoverFromEachOther) {
   expect_every_worker("after group 1 restarted");
   update(3);
   expect_every_worker("at the end");
+}
+
+// A replica added online (AddReplica) loads the table, is recovered from another replica while
+// updates go on, then serves the same bytes and takes the stream like the others - also after
+// the coordinator restarts (the placement is in the registry).
+TEST(Updates, AReplicaAddedOnlineIsRecoveredAndTakesTheStream) {
+  const std::string state = TempDir();
+  LocalClusterOptions options = ClusterOptions(2);
+  options.groups = 3;
+  options.state_dir = state;
+  absl::StatusOr<std::unique_ptr<LocalCluster>> started = LocalCluster::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<LocalCluster> cluster = *std::move(started);
+  ASSERT_TRUE(WaitUntilGroupsServe(*cluster));
+  auto c = Connect(*cluster);
+  const std::string dir = TempDir();
+  constexpr int64_t kRows = 80, kCols = 6;
+  Table t = MakeTable("grow", v1::TABLE_KIND_EMBEDDING, kRows, kCols, 1, {1, 0}, dir);
+  t.spec.add_groups(0);
+  t.spec.add_groups(1);
+  absl::StatusOr<v1::TableInfo> created = c->CreateTable(t.spec);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ASSERT_EQ(created->replicas_size(), 2);
+  at::Tensor w = t.weight.clone();
+  std::mt19937 rng(5);
+  uint64_t last = 0;
+  auto update = [&] {
+    const v1::UpdateOp op = rng() % 3 == 0 ? v1::ASSIGN : v1::ADD;
+    std::vector<int64_t> ids;
+    for (int i = 0; i < 7; ++i) ids.push_back(static_cast<int64_t>(rng() % kRows));
+    const at::Tensor values = at::randn({7, kCols});
+    absl::StatusOr<v1::UpdateRowsResponse> r = c->UpdateRows(Request("grow", op, ids, values));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->sequence(), last + 1);
+    last = r->sequence();
+    ApplyReference(w, op, ids, values);
+  };
+  auto expect_every_worker = [&](const std::string& when) {
+    for (int n = 0; n < cluster->workers(); ++n) {
+      uint64_t seq = 0;
+      EXPECT_TRUE(SameBytes(Rows(*cluster, n, "grow", kRows, &seq), w)) << when << ", worker " << n;
+      EXPECT_EQ(seq, last) << when << ", worker " << n;
+    }
+  };
+  for (int i = 0; i < 30; ++i) update();
+
+  absl::StatusOr<v1::TableInfo> added = c->AddReplica("grow", 2);
+  ASSERT_TRUE(added.ok()) << added.status();
+  ASSERT_EQ(added->replicas_size(), 3);
+  EXPECT_EQ(added->replicas(2).group(), 2);
+  for (int i = 0; i < 10; ++i) update();  // the stream goes on while group 2 catches up
+  ASSERT_TRUE(WaitFor([&] { return ReplicaServes(*c, "grow", 2); }, absl::Seconds(60)));
+  expect_every_worker("once group 2 serves");
+  for (int i = 0; i < 10; ++i) update();
+  expect_every_worker("after 10 more updates");
+  // The groups that held it already kept their loads (the spec's groups are no part of a load).
+  for (int n = 0; n < 4; ++n) {
+    std::ifstream in(absl::StrCat(cluster->work_dir(), "/worker", n, ".log"));
+    const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    size_t loads = 0;
+    for (size_t at = 0; (at = log.find("loaded table \"grow\"", at)) != std::string::npos; ++at) {
+      ++loads;
+    }
+    EXPECT_EQ(loads, 1u) << "worker " << n;
+  }
+
+  // What AddReplica refuses, changing nothing.
+  EXPECT_EQ(c->AddReplica("grow", 2).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(c->AddReplica("grow", 3).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->AddReplica("none", 1).status().code(), absl::StatusCode::kNotFound);
+  Table solo = MakeTable("solo", v1::TABLE_KIND_EMBEDDING, 10, 4, 1, {0, 1}, dir);
+  solo.spec.add_groups(0);
+  ASSERT_TRUE(c->CreateTable(solo.spec).ok());
+  absl::StatusOr<v1::TableInfo> refused = c->AddReplica("solo", 1);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  absl::StatusOr<v1::TableInfo> info = c->DescribeTable("solo");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->replicas_size(), 1);
+
+  // A coordinator started again keeps the three replicas.
+  ASSERT_TRUE(cluster->KillCoordinator(SIGKILL).ok());
+  ASSERT_TRUE(cluster->StartCoordinator().ok());
+  ASSERT_TRUE(WaitFor([&] { return ReplicaServes(*c, "grow", 2); }, absl::Seconds(30)));
+  info = c->DescribeTable("grow");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->replicas_size(), 3);
+  // (Adding zeros: however often a retry here applies, the rows stay.)
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        absl::StatusOr<v1::UpdateRowsResponse> r =
+            c->UpdateRows(Request("grow", v1::ADD, {1}, at::zeros({1, kCols})));
+        if (r.ok()) last = r->sequence();
+        return r.ok();
+      },
+      absl::Seconds(30)));
+  expect_every_worker("after the coordinator restarted");
 }
 
 }  // namespace

@@ -411,6 +411,17 @@ class Client:
             "UnloadVersion", self._pb.UnloadVersionRequest(name=table, version=version), deadline
         ))
 
+    def add_replica(
+        self, table: str, group: int, *, deadline: Optional[float] = None
+    ) -> TableInfo:
+        """Places a replica of ``table`` (which has two or more) on ``group`` too: it serves once
+        recovered from another replica; the returned description lists it, not serving yet."""
+        info = _common.table_info(self._admin_call(
+            "AddReplica", self._pb.AddReplicaRequest(name=table, group=group), deadline
+        ))
+        self._routes.forget(table)
+        return info
+
     def drop(self, table: str, *, deadline: Optional[float] = None) -> None:
         """Drops a table (NOT_FOUND if there is none). Checkpoints written by create_table are
         left where they are."""

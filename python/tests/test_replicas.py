@@ -47,6 +47,18 @@ def test_describe_lists_every_replica_and_each_answers_the_same(replicated):
         assert len(answers) == 1
 
 
+def test_add_replica_refuses_what_it_cannot_add(replicated):
+    with shardserve.Client(replicated.address, deadline=DEADLINE) as client:
+        name, _, _ = make_table(client, "r_add")
+        with pytest.raises(shardserve.AlreadyExistsError, match="group 1 already"):
+            client.add_replica(name, 1)  # on every group already
+        with pytest.raises(shardserve.InvalidArgumentError, match="out of range"):
+            client.add_replica(name, 2)
+        with pytest.raises(shardserve.NotFoundError):
+            client.add_replica("r_none", 1)
+        assert [r.group for r in client.describe(name).replicas] == [0, 1]
+
+
 def run_callers(client, name, x, weight, stop, failures, n=3):
     def loop():
         with client.stream() as s:
