@@ -822,8 +822,8 @@ server::Usage UsageOf(const std::vector<std::string>& args) {
   }
   if (command == "add-replica") {
     return {"shardserve add-replica T G [flags]",
-            "Places a replica of T (which has two or more) on group G too: it serves once "
-            "recovered from another replica.",
+            "Places a replica of T on group G too: it serves once recovered from another "
+            "replica.",
             admin};
   }
   if (command == "drop") {

@@ -245,14 +245,10 @@ absl::StatusOr<v1::TableInfo> ControlPlane::AddReplica(const std::string& name, 
     return absl::AlreadyExistsError(
         absl::StrCat("table \"", name, "\" has a replica on group ", group, " already"));
   }
-  // A table on one group takes updates straight at its workers: a second replica would need that
-  // stream moved to the coordinator without losing an update in flight.
-  if (!Replicated(spec)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "table \"", name, "\" is on one replica group, whose workers take its updates; a replica "
-        "can be added online only to a table that has two or more (create it on several "
-        "groups)"));
-  }
+  // (A table on one group takes its updates at its workers until they hear it is replicated; the
+  // stream's position is then learnt from them, and a direct update that was still queued
+  // there makes the coordinator's next one fail FAILED_PRECONDITION - applied nowhere - and the
+  // position be learnt again.)
   if (unserved_.count(name) || loading_.count(name)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "table \"", name, "\" is ", unserved_.count(name) ? "still being created"

@@ -414,8 +414,8 @@ class Client:
     def add_replica(
         self, table: str, group: int, *, deadline: Optional[float] = None
     ) -> TableInfo:
-        """Places a replica of ``table`` (which has two or more) on ``group`` too: it serves once
-        recovered from another replica; the returned description lists it, not serving yet."""
+        """Places a replica of ``table`` on ``group`` too: it serves once recovered from another
+        replica; the returned description lists it, not serving yet."""
         info = _common.table_info(self._admin_call(
             "AddReplica", self._pb.AddReplicaRequest(name=table, group=group), deadline
         ))
