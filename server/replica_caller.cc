@@ -66,11 +66,13 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
 
   // Picks a replica and readies an attempt on it (started by Go, outside the lock). The router's
   // refusal (UNAVAILABLE: no replica left to try; or the map's own error) otherwise.
-  absl::StatusOr<Attempt*> Launch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // `serving_only`: a hedge's guess, which goes only to a replica the map calls serving.
+  absl::StatusOr<Attempt*> Launch(bool serving_only = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (attempts_.size() >= static_cast<size_t>(std::max(1, caller_.options_.max_attempts))) {
       return last_.ok() ? absl::UnavailableError("no attempt left") : last_;
     }
-    absl::StatusOr<ReplicaRouter::Route> route = caller_.router_.Pick(table_, tried_);
+    absl::StatusOr<ReplicaRouter::Route> route =
+        caller_.router_.Pick(table_, tried_, serving_only);
     if (!route.ok()) return route.status();
     tried_.push_back(route->group);
     auto attempt = std::make_unique<Attempt>();
@@ -181,8 +183,12 @@ class ReplicaCaller::CallState : public std::enable_shared_from_this<CallState> 
       }
       // The budget bounds guesses; once the slow attempt's group is known to have failed (an
       // earlier hedge or call found it out), a hedge is failover, as a retry after UNAVAILABLE.
-      if (!caller_.router_.Suspect(table_, slow->route.group) && !caller_.TakeHedge()) return;
-      absl::StatusOr<Attempt*> launched = Launch();  // (not to the slow attempt's group)
+      // A guess goes only to a replica that serves: a draining one may still hold the version
+      // before a swap, and its answer would go back a version.
+      const bool failover = caller_.router_.Suspect(table_, slow->route.group);
+      if (!failover && !caller_.TakeHedge()) return;
+      absl::StatusOr<Attempt*> launched = Launch(/*serving_only=*/!failover);
+      // (not to the slow attempt's group)
       if (!launched.ok()) return;
       caller_.router_.Failed(table_, slow->route);
       hedge = *launched;

@@ -6,8 +6,9 @@
 //   connection) makes the router avoid that group, and the call goes at once to another replica;
 //   once every replica has failed it, it waits `backoff` (doubling) and tries them again.
 // - An attempt without an answer after the hedge delay (a hung worker: its sockets stay open and
-//   nothing fails) makes its group suspect, and the same request goes to another replica too; the
-//   first answer wins and the other attempt is cancelled. The delay is `hedge_after`, or three
+//   nothing fails) makes its group suspect, and the same request goes to another replica too - one
+//   the map calls serving, unless the group was found failed before (a draining replica may still
+//   hold the version before a swap); the first answer wins and the other attempt is cancelled. The delay is `hedge_after`, or three
 //   times the recent typical answer time if that is longer (calls that are slow by nature are not
 //   hedged for it), and hedges are budgeted (about one call in ten over a second), so that a slow
 //   cluster is not sent double its load - but not those of calls stuck on a group already found

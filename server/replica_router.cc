@@ -88,7 +88,8 @@ ReplicaRouter::Replica* ReplicaRouter::Find(const std::string& table, int group)
 }
 
 absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& table,
-                                                        absl::Span<const int> avoid) {
+                                                        absl::Span<const int> avoid,
+                                                        bool serving_only) {
   absl::MutexLock lock(&mu_);
   auto it = tables_.find(table);
   if (it == tables_.end()) {
@@ -120,7 +121,7 @@ absl::StatusOr<ReplicaRouter::Route> ReplicaRouter::Pick(const std::string& tabl
       if (usable(r) && r.serving && !r.suspect) tier.push_back(&r);
     }
   }
-  if (tier.empty()) {
+  if (tier.empty() && !serving_only) {
     for (Replica& r : routes.replicas) {
       if (usable(r)) tier.push_back(&r);
     }

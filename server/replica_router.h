@@ -52,9 +52,12 @@ class ReplicaRouter {
   ~ReplicaRouter();  // stops the refresher thread
 
   // The next entry address for `table`, other than in the groups of `avoid` (tried already by
-  // this call). The source's error on a table's first read (NOT_FOUND, ...); UNAVAILABLE when the
-  // table has no replica with an address, or every one is in `avoid`.
-  absl::StatusOr<Route> Pick(const std::string& table, absl::Span<const int> avoid = {});
+  // this call); with `serving_only`, never a replica the map calls not serving (a hedge's guess
+  // must not go to a draining replica, which may still hold the version before). The source's
+  // error on a table's first read (NOT_FOUND, ...); UNAVAILABLE when the table has no replica
+  // with an address, or every one is in `avoid`.
+  absl::StatusOr<Route> Pick(const std::string& table, absl::Span<const int> avoid = {},
+                             bool serving_only = false);
   // A call sent where Pick said answered (an answer or an error of the request's own): the group
   // is healthy again.
   void Succeeded(const std::string& table, const Route& route);

@@ -126,6 +126,10 @@ TEST(ReplicaRouter, ReplicasTheMapCallsNotServingAreUsedOnlyWhenNoneElseIsLeft) 
   absl::StatusOr<ReplicaRouter::Route> r = router.Pick("t", /*avoid=*/{1});
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->address, "a");
+  // A hedge's guess never goes to it (it may be draining, a version behind).
+  EXPECT_EQ(router.Pick("t", /*avoid=*/{1}, /*serving_only=*/true).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(router.Pick("t", {}, /*serving_only=*/true)->address, "b");
   // With one group, every call still goes to it, suspect or not.
   FakeMap one;
   one.Set(0, true, {"x"});
