@@ -431,9 +431,11 @@ TEST_F(SecurityTest, CertificatesRotateUnderLoadWithoutAFailedCall) {
   std::atomic<bool> stop{false};
   std::atomic<int> calls{0}, failures{0};
   std::vector<std::thread> callers;
+  // Made once: Caller writes the token's file, which a second thread's Caller could read half
+  // written (a test race that made a caller plaintext).
+  const ChannelSecurity caller = Caller(Path("both.pem"), "", kReadToken);
   for (int t = 0; t < 2; ++t) {
     callers.emplace_back([&, t] {
-      const ChannelSecurity caller = Caller(Path("both.pem"), "", kReadToken);
       while (!stop) {
         // Half the calls on a fresh channel, so that handshakes happen throughout.
         auto channel = CreateChannel(absl::StrCat("127.0.0.1:", port_), caller);
