@@ -237,9 +237,10 @@ class Client:
         sequence)``: the version updated and its update sequence after the call. Sent once, never
         retried: after an error it was applied whole or not at all (an ``add`` sent again would
         add twice) - except once when a stale placement map made sure that nothing changed (no
-        connection to the worker it named, or a refusal as the table is replicated now). A table on several replica groups takes it through the coordinator, which
-        applies it to every replica in one order. Where it goes comes from the cached placement
-        map: no ``DescribeTable`` per call."""
+        connection to the worker it named, or a refusal as the table is replicated now). A table
+        on several replica groups takes it through the coordinator, which applies it to every
+        replica in one order. Where it goes comes from the cached placement map: no
+        ``DescribeTable`` per call."""
         code = {"assign": 1, "add": 2}.get(op)
         if code is None:
             raise InvalidArgumentError(f'op: "{op}" is not "assign" or "add"')
