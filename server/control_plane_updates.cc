@@ -245,10 +245,6 @@ absl::StatusOr<v1::TableInfo> ControlPlane::AddReplica(const std::string& name, 
     return absl::AlreadyExistsError(
         absl::StrCat("table \"", name, "\" has a replica on group ", group, " already"));
   }
-  // (A table on one group takes its updates at its workers until they hear it is replicated; the
-  // stream's position is then learnt from them, and a direct update that was still queued
-  // there makes the coordinator's next one fail FAILED_PRECONDITION - applied nowhere - and the
-  // position be learnt again.)
   if (unserved_.count(name) || loading_.count(name)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "table \"", name, "\" is ", unserved_.count(name) ? "still being created"
@@ -262,7 +258,10 @@ absl::StatusOr<v1::TableInfo> ControlPlane::AddReplica(const std::string& name, 
         "(UnloadVersion) before adding a replica"));
   }
   // Stale from the start: it serves once recovered from another replica, and updates skip it
-  // meanwhile.
+  // meanwhile. A table on one group becomes replicated here: its workers take updates until they
+  // hear so, the stream's position is then learnt from them, and a direct update still queued
+  // there makes the coordinator's next one fail FAILED_PRECONDITION (applied nowhere) and the
+  // position be learnt again.
   spec.add_groups(group);
   stale_[{name, group}] = {spec.created(), spec.version()};
   if (absl::Status saved = SaveRegistry(); !saved.ok()) {

@@ -379,7 +379,7 @@ void Worker::HeartbeatLoop() {
     // group: keep it, the tables and what we serve, as while it cannot be reached.
     if (response.keep_serving()) continue;
     tables_.Want(response);
-    CollectRetiredData(response);
+    CollectRetiredData(request, response);
     if (!response.silent_ranks().empty() && response.epoch() == loop_->epoch()) {
       // A peer of this group is silent: fail the calls now rather than at the collective timeout.
       loop_->BreakGroup(absl::UnavailableError(absl::StrCat(
@@ -551,7 +551,8 @@ std::string Worker::LogDir(const v1::TableSpec& spec) const {
                       spec.version());
 }
 
-void Worker::CollectRetiredData(const v1::internal::HeartbeatResponse& response) {
+void Worker::CollectRetiredData(const v1::internal::HeartbeatRequest& request,
+                                const v1::internal::HeartbeatResponse& response) {
   const absl::Time now = absl::Now();
   if (options_.data_dir.empty() || now < next_collection_) return;
   next_collection_ = now + absl::Seconds(1);
@@ -563,10 +564,9 @@ void Worker::CollectRetiredData(const v1::internal::HeartbeatResponse& response)
   };
   for (const v1::TableSpec& spec : response.tables()) name(spec);
   for (const v1::TableSpec& spec : response.other_versions()) name(spec);
-  v1::internal::HeartbeatRequest held;  // what this worker holds still (a drop may be due)
-  tables_.Report(held);
-  for (const v1::TableSpec& spec : held.loaded_specs()) name(spec);
-  for (const v1::TableSpec& spec : held.renorm_unsure()) name(spec);
+  // What this worker held as it sent the heartbeat (a drop may still be due).
+  for (const v1::TableSpec& spec : request.loaded_specs()) name(spec);
+  for (const v1::TableSpec& spec : request.renorm_unsure()) name(spec);
 
   // Only what LogDir names is looked at: "<table>.<created>/v<version>".
   auto numbered = [](absl::string_view s, size_t from) {

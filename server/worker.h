@@ -120,10 +120,11 @@ class Worker {
   // starting afresh from a snapshot of the copy.
   absl::StatusOr<v1::internal::RecoverShardResponse> RecoverShard(
       const v1::internal::RecoverShardRequest& request, absl::Time deadline);
-  // Removes the data of loads that `response` (a reply that names every table the group holds)
-  // and this worker's own loads no longer name, once they have not been named for
-  // retired_data_grace. On the heartbeat thread, at most once a second.
-  void CollectRetiredData(const v1::internal::HeartbeatResponse& response);
+  // Removes the data of loads that neither `response` (a reply that names every table the group
+  // holds) nor this worker's loads as `request` reported them name, once they have not been named
+  // for retired_data_grace. On the heartbeat thread, at most once a second.
+  void CollectRetiredData(const v1::internal::HeartbeatRequest& request,
+                          const v1::internal::HeartbeatResponse& response);
   // The heartbeat this worker sends now.
   v1::internal::HeartbeatRequest HeartbeatNow() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
