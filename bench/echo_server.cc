@@ -19,6 +19,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -30,6 +31,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -253,26 +255,26 @@ class OrderedShard {
     return bad == 0;
   }
 
-  // As the workers' ApplyRows: random rows miss the cache, so each row's lines are fetched 4 rows
-  // ahead of its add.
+  // As the workers' ApplyRows: random rows miss the cache and the TLB, so they are added in the
+  // order they lie in memory (ties in call order), each row's lines fetched 8 rows ahead.
   void Apply(const shardserve::v1::UpdateRowsRequest& r) {
     const std::string& ids = r.ids().data();
     const int64_t k = static_cast<int64_t>(ids.size() / 8);
     const auto* values = reinterpret_cast<const float*>(r.values().data().data());
-    auto id = [&](int64_t i) {
-      int64_t v;
-      std::memcpy(&v, ids.data() + 8 * i, 8);
-      return v;
-    };
-    auto prefetch = [&](int64_t i) {
-      if (i >= k) return;
-      for (int64_t c = 0; c < dim_; c += 16) __builtin_prefetch(shard_ + id(i) * dim_ + c, 1);
-    };
-    constexpr int64_t kAhead = 4;
-    for (int64_t i = 0; i < kAhead; ++i) prefetch(i);
+    std::vector<std::pair<int64_t, const float*>> rows(k);
     for (int64_t i = 0; i < k; ++i) {
-      prefetch(i + kAhead);
-      Add(shard_ + id(i) * dim_, values + i * dim_, dim_);
+      std::memcpy(&rows[i].first, ids.data() + 8 * i, 8);
+      rows[i].second = values + i * dim_;
+    }
+    std::sort(rows.begin(), rows.end());
+    constexpr int64_t kAhead = 8;
+    for (int64_t j = 0; j < k; ++j) {
+      if (j + kAhead < k) {
+        for (int64_t c = 0; c < dim_; c += 16) {
+          __builtin_prefetch(shard_ + rows[j + kAhead].first * dim_ + c, 1);
+        }
+      }
+      Add(shard_ + rows[j].first * dim_, rows[j].second, dim_);
     }
   }
 

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -137,6 +138,59 @@ TEST(RowUpdates, AssignAndAddWithDuplicatesMatchIndexPutOnTheFullWeight) {
         EXPECT_EQ(s->seq(), 2u);
         EXPECT_EQ(s->lsn(), 2u);
       }
+    }
+  }
+}
+
+// Rows are applied in the order they lie in memory, not in call order: the many duplicates of a
+// row must still add up (and assign) in call order, which float sums tell apart.
+TEST(RowUpdates, ManyDuplicatesApplyInCallOrderBitForBit) {
+  for (int dim : {0, 1}) {
+    for (int world : {1, 2}) {
+      CpuKernels kernels;
+      const TableConfig config = Config(TableKind::kEmbedding, dim, world);
+      auto shards = Shards(config, kernels);
+      std::vector<float> reference = Full(shards);
+      at::Tensor w = at::from_blob(reference.data(), {11, 5}).clone();
+      std::mt19937 rng(3);
+      std::vector<StepRequest> calls;
+      for (UpdateKind kind : {UpdateKind::kAdd, UpdateKind::kAssign}) {
+        StepRequest r = Update(kind, {}, 5, 0);
+        for (int i = 0; i < 300; ++i) {
+          // ADD to rows 5-10, ASSIGN to rows 0-4 (so that no ASSIGN hides an ADD).
+          const bool adds = kind == UpdateKind::kAdd;
+          r.ids.push_back(static_cast<int64_t>(adds ? 5 + rng() % 6 : rng() % 5));
+          // Magnitudes from 1e-3 to 1e7, both signs: another order rounds differently.
+          for (int c = 0; c < 5; ++c) {
+            r.values.push_back(std::ldexp(static_cast<float>(rng() % 1000) - 500.0f,
+                                          static_cast<int>(rng() % 24) - 10));
+          }
+        }
+        calls.push_back(std::move(r));
+      }
+      ApplyAll(shards, calls);
+      at::Tensor add_ids = at::from_blob(calls[0].ids.data(), {300}, at::kLong);
+      w = at::index_put(w, {add_ids}, at::from_blob(calls[0].values.data(), {300, 5}),
+                        /*accumulate=*/true);
+      for (size_t i = 0; i < calls[1].ids.size(); ++i) {
+        w[calls[1].ids[i]].copy_(at::from_blob(calls[1].values.data() + i * 5, {5}));
+      }
+      // Summed in sorted order instead, the rows differ (the test can tell).
+      at::Tensor sorted = at::from_blob(reference.data(), {11, 5}).clone();
+      std::vector<int64_t> order(300);
+      for (int64_t i = 0; i < 300; ++i) order[i] = i;
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return calls[0].values[a * 5] < calls[0].values[b * 5];
+      });
+      for (int64_t i : order) {
+        sorted[calls[0].ids[i]] += at::from_blob(calls[0].values.data() + i * 5, {5});
+      }
+      ASSERT_FALSE(at::equal(sorted, at::from_blob(reference.data(), {11, 5}).clone().index_put_(
+                                         {add_ids},
+                                         at::from_blob(calls[0].values.data(), {300, 5}), true)));
+      std::vector<float> got = Full(shards);
+      EXPECT_TRUE(at::equal(at::from_blob(got.data(), {11, 5}), w))
+          << "dim " << dim << " world " << world;
     }
   }
 }
