@@ -149,9 +149,11 @@ class RoutingTable:
         with self._lock:
             return table in self._routes
 
-    def pick(self, table: str, avoid: Sequence[int] = ()) -> Optional[Tuple[str, int, bool]]:
+    def pick(self, table: str, avoid: Sequence[int] = (),
+             serving_only: bool = False) -> Optional[Tuple[str, int, bool]]:
         """(address, group, probe) for the next call on ``table``, other than in the groups of
-        ``avoid``; None when the map is not cached or no replica is left."""
+        ``avoid`` (and with ``serving_only``, never a replica the map calls not serving); None
+        when the map is not cached or no replica is left."""
         now = time.monotonic()
         with self._lock:
             routes = self._routes.get(table)
@@ -165,7 +167,7 @@ class RoutingTable:
             probe = bool(tier)
             if not tier:
                 tier = [r for r in usable if r.serving and not r.suspect]
-            if not tier:
+            if not tier and not serving_only:
                 tier = usable
             if not tier:
                 return None
@@ -177,6 +179,21 @@ class RoutingTable:
                     return r.addresses[k], r.group, probe
                 k -= len(r.addresses)
         return None
+
+    def hedge(self, table: str, group: int,
+              avoid: Sequence[int]) -> Optional[Tuple[str, int, bool]]:
+        """Where a call that ``group`` has not answered within the hedge delay goes too, other
+        than in the groups of ``avoid`` (None: nowhere, and nothing changes); ``group`` is then
+        suspect. A guess goes only to a replica that serves: a draining one may still hold the
+        version before a swap, and its answer would go back a version. Once ``group`` is known
+        to have failed, a hedge is failover, and any replica will do."""
+        with self._lock:
+            slow = self._find(table, group)
+            failover = slow is not None and slow.suspect
+        picked = self.pick(table, avoid, serving_only=not failover)
+        if picked is not None:
+            self.failed(table, group)
+        return picked
 
     def replicated(self, table: str) -> Optional[bool]:
         """Whether ``table`` is on several replica groups, as its cached map says (None: no map

@@ -381,11 +381,11 @@ class Client:
         attempts = {start(route[0]): route}
         done, _ = await asyncio.wait(list(attempts), timeout=hedge)
         group = route[1]
-        if not done and self._routes.others(table, tried + [group]):
+        if not done:
             # A hung worker: its group is suspect, and the call goes to another replica too.
-            self._routes.failed(table, group)
-            other = self._routes.pick(table, tried + [group])
-            attempts[start(other[0])] = other
+            other = self._routes.hedge(table, group, tried + [group])
+            if other is not None:
+                attempts[start(other[0])] = other
         error: Optional[Error] = None
         pending = set(attempts)
         while pending:
@@ -452,7 +452,7 @@ class _WorkerStream:
 
 class _StreamCall:
     __slots__ = ("table", "op_field", "request", "kind", "future", "deadline_at", "attempts",
-                 "refresh", "group", "tried", "hedged", "request_id")
+                 "refresh", "group", "tried", "hedged", "request_id", "next")
 
     def __init__(self, table: str, op_field: int, request: bytes, kind: _codec.Kind,
                  future: "asyncio.Future[Any]", deadline_at: float) -> None:
@@ -468,6 +468,7 @@ class _StreamCall:
         self.tried: List[int] = []  # groups that failed it since the last back-off
         self.hedged = False  # sent to a second replica while the first had not answered
         self.request_id = -1  # of the attempt in flight
+        self.next: Optional[Tuple[str, int, bool]] = None  # where the next attempt goes (a hedge)
 
 
 class Stream:
@@ -570,8 +571,9 @@ class Stream:
         call.attempts += 1
         call.group = -1
         try:
-            address, call.group, _ = await self._client.route(call.table, call.refresh,
-                                                              call.deadline_at, call.tried)
+            address, call.group, _ = call.next or await self._client.route(
+                call.table, call.refresh, call.deadline_at, call.tried)
+            call.next = None
             call.refresh = False
             if self._closed:
                 raise CancelledError("stream closed before the request was sent")
@@ -653,11 +655,12 @@ class Stream:
 
     def _hedge(self, call: _StreamCall, request_id: int) -> None:
         """See :meth:`shardserve.client.Stream._hedge`."""
-        routes = self._client._routes
-        if (call.future.done() or call.hedged or call.request_id != request_id
-                or not routes.others(call.table, call.tried + [call.group])):
+        if call.future.done() or call.hedged or call.request_id != request_id:
             return
-        routes.failed(call.table, call.group)
+        call.next = self._client._routes.hedge(call.table, call.group,
+                                               call.tried + [call.group])
+        if call.next is None:
+            return
         call.tried.append(call.group)
         call.hedged = True
         self._retry(call)

@@ -625,9 +625,9 @@ class Client:
         except grpc.FutureTimeoutError:
             # A hung worker (its sockets open, nothing fails): its group is suspect, and the
             # call goes to another replica too.
-            if self._routes.others(table, tried + [group]):
-                self._routes.failed(table, group)
-                other, other_group, other_probe = self._routes.pick(table, tried + [group])
+            hedge_to = self._routes.hedge(table, group, tried + [group])
+            if hedge_to is not None:
+                other, other_group, other_probe = hedge_to
                 remaining = max(deadline_at - time.monotonic(), 1e-3)
                 attempts.append((
                     self._endpoint(other).unary[method].future(request, timeout=remaining),
@@ -758,7 +758,7 @@ class _StreamCall:
     """One request of a Stream, across its attempts."""
 
     __slots__ = ("table", "op_field", "request", "kind", "future", "attempts", "refresh", "last",
-                 "request_id", "released", "group", "tried", "hedged")
+                 "request_id", "released", "group", "tried", "hedged", "next")
 
     def __init__(self, table: str, op_field: int, request: bytes, kind: _codec.Kind,
                  future: StreamFuture) -> None:
@@ -775,6 +775,7 @@ class _StreamCall:
         self.group = -1  # the replica of the attempt in flight
         self.tried: List[int] = []  # groups that failed it since the last back-off
         self.hedged = False  # sent to a second replica while the first had not answered
+        self.next: Optional[Tuple[str, int, bool]] = None  # where the next attempt goes (a hedge)
 
 
 class _WorkerStream:
@@ -975,11 +976,12 @@ class Stream:
     def _hedge(self, call: _StreamCall, request_id: int) -> None:
         """No answer to ``request_id`` after the hedge delay (a hung worker): its group is
         suspect, and the call goes to another replica too; the first answer wins."""
-        routes = self._client._routes
-        if (call.future.done() or call.hedged or call.request_id != request_id
-                or not routes.others(call.table, call.tried + [call.group])):
+        if call.future.done() or call.hedged or call.request_id != request_id:
             return
-        routes.failed(call.table, call.group)
+        call.next = self._client._routes.hedge(call.table, call.group,
+                                               call.tried + [call.group])
+        if call.next is None:
+            return
         call.tried.append(call.group)
         call.hedged = True
         self._send(call)
@@ -992,8 +994,9 @@ class Stream:
         call.attempts += 1
         call.group = -1
         try:
-            address, call.group, _ = self._client.route(
+            address, call.group, _ = call.next or self._client.route(
                 call.table, call.refresh, call.future.deadline_at, call.tried)
+            call.next = None
             call.refresh = False
             request_id = next(self._ids)
             with self._lock:
