@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
+#include <fstream>
 #include <iterator>
 #include <cstdlib>
 
@@ -62,6 +64,25 @@ std::unique_ptr<LocalCluster> StartCluster(
   if (!cluster.ok()) return nullptr;
   WaitUntilGroupsServe(**cluster);
   return std::move(*cluster);
+}
+
+std::string ClusterLogs(const LocalCluster& cluster, int lines) {
+  std::vector<std::string> names = {"coordinator"};
+  for (int w = 0; w < cluster.workers(); ++w) {
+    names.push_back(absl::StrCat("worker", w));
+  }
+  std::string out;
+  for (const std::string& name : names) {
+    std::ifstream in(absl::StrCat(cluster.work_dir(), "/", name, ".log"));
+    std::deque<std::string> last;
+    for (std::string line; std::getline(in, line);) {
+      last.push_back(std::move(line));
+      if (static_cast<int>(last.size()) > lines) last.pop_front();
+    }
+    absl::StrAppend(&out, "--- ", name, ".log (the last ", last.size(), " lines)\n");
+    for (const std::string& line : last) absl::StrAppend(&out, line, "\n");
+  }
+  return out;
 }
 
 bool WaitUntilGroupsServe(const LocalCluster& cluster) {

@@ -40,6 +40,10 @@ std::unique_ptr<client::LocalCluster> StartCluster(
 // for groups already formed); false if one is not by then.
 bool WaitUntilGroupsServe(const client::LocalCluster& cluster);
 
+// The last `lines` lines of each process's log in the cluster's work directory, for a failure's
+// message: what a wait that ran out was waiting for.
+std::string ClusterLogs(const client::LocalCluster& cluster, int lines = 30);
+
 // A client of the cluster (calls straight to the workers, or through the coordinator), with a
 // 20 s deadline and the client's retries.
 std::unique_ptr<client::Client> Connect(const client::LocalCluster& cluster, bool direct = true);

@@ -344,7 +344,8 @@ TEST_P(Durability, EveryAcknowledgedUpdateSurvivesSigkill) {
     ApplyReference(w, op, ids, values);
   }
   CrashAndRestart(*cluster);
-  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "d"); }, absl::Seconds(30)));
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "d"); }, absl::Seconds(30)))
+      << ClusterLogs(*cluster);
   EXPECT_TRUE(at::equal(Exported(*c, "d", dir), w));
   uint64_t seq = 0;
   ASSERT_TRUE(Lookup(cluster->worker_address(1), "d", {0}, &seq).ok());
@@ -355,7 +356,8 @@ TEST_P(Durability, EveryAcknowledgedUpdateSurvivesSigkill) {
   cluster = Start(state, {GetParam()});
   ASSERT_NE(cluster, nullptr);
   c = Connect(*cluster);
-  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "d"); }, absl::Seconds(30)));
+  ASSERT_TRUE(WaitFor([&] { return Serves(*c, "d"); }, absl::Seconds(30)))
+      << ClusterLogs(*cluster);
   EXPECT_TRUE(at::equal(Exported(*c, "d", dir), w));
 }
 
