@@ -176,7 +176,8 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   {
     absl::MutexLock lock(&mu_);
     auto it = tables_.find(name);
-    registered = it != tables_.end() && SpecDifference(it->second, stored).empty();
+    registered =
+        it != tables_.end() && SpecDifference(it->second, AsHeld(it->second, stored)).empty();
   }
   if (spec.init_case() == v1::TableSpec::kCheckpoint && !registered) {
     // (Reads the file: not under the lock.) A retry's answer does not depend on the file, which
@@ -189,7 +190,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
     const uint64_t generation = it->second.generation();
     if (!unserved_.count(name) || LoadError(it->second) == nullptr) {
       // A retry (its answer lost, or its wait over) finds its own table: the same answer again.
-      const std::string differs = SpecDifference(it->second, stored);
+      const std::string differs = SpecDifference(it->second, AsHeld(it->second, stored));
       if (!differs.empty()) {
         return absl::AlreadyExistsError(absl::StrCat(
             "table \"", name, "\" already exists with another spec (registered -> asked: ",
@@ -510,6 +511,14 @@ absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanReads(
 }
 
 // --- Table states ---
+
+v1::TableSpec ControlPlane::AsHeld(const v1::TableSpec& registered, v1::TableSpec asked) const {
+  for (int g = 0; g < options_.groups; ++g) {
+    if (PlacedOn(asked, g) && !PlacedOn(registered, g)) return asked;
+  }
+  *asked.mutable_groups() = registered.groups();
+  return asked;
+}
 
 bool ControlPlane::PlacedOn(const v1::TableSpec& spec, int group) {
   return spec.groups().empty() ||

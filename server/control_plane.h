@@ -123,8 +123,9 @@ class ControlPlane {
   // group it is placed on serves it (and one replica at least), a rank cannot load it, or the wait
   // for a caller whose call ends at `deadline` ends (see above): the table's TableInfo (SERVING,
   // or LOADING / UNAVAILABLE if the wait ran out: the table stays registered and goes on
-  // loading). Idempotent: the same spec again (equal once normalised, its generation aside)
-  // registers nothing, waits for the table the same way and answers its state; another spec under
+  // loading). Idempotent: the same spec again (equal once normalised, its generation aside; its
+  // groups may be fewer than the table's, which AddReplica grows) registers nothing, waits for
+  // the table the same way and answers its state; another spec under
   // the name is ALREADY_EXISTS, naming the fields that differ. A creation that failed on the
   // workers after its caller's wait had ended (FAILED, never served) is undone by the next
   // CreateTable of the name, which creates the table anew.
@@ -405,6 +406,10 @@ class ControlPlane {
   v1::TableSpec SpecFor(const v1::TableSpec& spec, int g) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Whether `spec` is placed on `group`.
   static bool PlacedOn(const v1::TableSpec& spec, int group);
+  // `asked` (a CreateTable's spec for a table registered as `registered`) with the registered
+  // groups, if the table is on every group it names already: a replica added since (AddReplica)
+  // does not make a retry of the original spec another table's.
+  v1::TableSpec AsHeld(const v1::TableSpec& registered, v1::TableSpec asked) const;
   // Whether `m` holds the table as `spec` says (loaded from that spec, where the worker says).
   static bool Holds(const Member& m, const v1::TableSpec& spec);
   // Why a worker could not load the table as its group holds `spec` (null: none could not).

@@ -1281,6 +1281,31 @@ TEST_F(ReplicaGroupsTest, ATablePlacedOnOneGroupIsHeldThereOnly) {
   EXPECT_EQ(stranger.Report(*cp_).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// CreateTable again may name fewer groups than the table is on (AddReplica grows them), never a
+// group it is not on.
+TEST_F(ReplicaGroupsTest, CreateTableAgainMayNameFewerGroupsButNoOther) {
+  Settle(*cp_, workers_);
+  v1::TableSpec every = Seeded("every");  // (no groups: on both)
+  ASSERT_TRUE(Create(every).ok());
+  v1::TableSpec fewer = every;
+  fewer.add_groups(1);
+  absl::StatusOr<v1::TableInfo> again = Create(fewer);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->replicas_size(), 2);
+  v1::TableSpec one = Seeded("one");
+  one.add_groups(1);
+  ASSERT_TRUE(Create(one).ok());
+  v1::TableSpec more = one;
+  more.add_groups(0);
+  absl::Status s = Create(more).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("groups"));
+  v1::TableSpec moved = Seeded("one");
+  moved.add_groups(0);
+  EXPECT_EQ(Create(moved).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(cp_->DescribeTable("one")->replicas_size(), 1);
+}
+
 TEST_F(ReplicaGroupsTest, CreateTableDoesNotWaitForAGroupWhoseWorkerNeverCame) {
   std::vector<FakeWorker> live = {workers_[0], workers_[1], workers_[2]};  // (1, 1) never comes
   live_ = &live;

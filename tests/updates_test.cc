@@ -830,6 +830,15 @@ TEST(Updates, AReplicaAddedOnlineIsRecoveredAndTakesTheStream) {
     EXPECT_EQ(loads, 1u) << "worker " << n;
   }
 
+  // The original spec again (a deploy's idempotent create) answers the table, now on 3 groups;
+  // another spec under the name is still refused.
+  absl::StatusOr<v1::TableInfo> again = c->CreateTable(t.spec);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->replicas_size(), 3);
+  v1::TableSpec other = t.spec;
+  other.set_max_norm(1.0f);
+  EXPECT_EQ(c->CreateTable(other).status().code(), absl::StatusCode::kAlreadyExists);
+
   // What AddReplica refuses, changing nothing.
   EXPECT_EQ(c->AddReplica("grow", 2).status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(c->AddReplica("grow", 3).status().code(), absl::StatusCode::kInvalidArgument);
