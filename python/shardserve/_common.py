@@ -144,16 +144,29 @@ class RoutingTable:
         self._lock = threading.Lock()
         self._cooldown = cooldown
         self._routes: Dict[str, "_Routes"] = {}
+        # The hedge budget (as the C++ ReplicaCaller's): attempts routed and hedges sent in the
+        # current one-second window; a guess fits while hedges are at most a tenth of the calls.
+        self._window_start = 0.0
+        self._window_calls = 0
+        self._window_hedges = 0
 
     def has(self, table: str) -> bool:
         with self._lock:
             return table in self._routes
 
-    def pick(self, table: str, avoid: Sequence[int] = (),
-             serving_only: bool = False) -> Optional[Tuple[str, int, bool]]:
+    def pick(self, table: str, avoid: Sequence[int] = ()) -> Optional[Tuple[str, int, bool]]:
         """(address, group, probe) for the next call on ``table``, other than in the groups of
-        ``avoid`` (and with ``serving_only``, never a replica the map calls not serving); None
-        when the map is not cached or no replica is left."""
+        ``avoid``; None when the map is not cached or no replica is left."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window_start >= 1.0:
+                self._window_start, self._window_calls, self._window_hedges = now, 0, 0
+            self._window_calls += 1
+        return self._pick(table, avoid, serving_only=False)
+
+    def _pick(self, table: str, avoid: Sequence[int],
+              serving_only: bool) -> Optional[Tuple[str, int, bool]]:
+        """pick's choice (with ``serving_only``, never a replica the map calls not serving)."""
         now = time.monotonic()
         with self._lock:
             routes = self._routes.get(table)
@@ -185,13 +198,19 @@ class RoutingTable:
         """Where a call that ``group`` has not answered within the hedge delay goes too, other
         than in the groups of ``avoid`` (None: nowhere, and nothing changes); ``group`` is then
         suspect. A guess goes only to a replica that serves: a draining one may still hold the
-        version before a swap, and its answer would go back a version. Once ``group`` is known
-        to have failed, a hedge is failover, and any replica will do."""
+        version before a swap, and its answer would go back a version; and only within the
+        budget (about one call in ten over a second), so that a slow cluster is not sent double
+        its load. Once ``group`` is known to have failed, a hedge is failover, and any replica
+        will do, whatever the budget."""
         with self._lock:
             slow = self._find(table, group)
             failover = slow is not None and slow.suspect
-        picked = self.pick(table, avoid, serving_only=not failover)
+            if not failover and self._window_hedges > self._window_calls // 10:
+                return None
+        picked = self._pick(table, avoid, serving_only=not failover)
         if picked is not None:
+            with self._lock:
+                self._window_hedges += 0 if failover else 1
             self.failed(table, group)
         return picked
 

@@ -74,7 +74,8 @@ class Client:
         direct: send data calls straight to workers (default); False sends them to the
             coordinator, which forwards them (for clients that cannot reach the workers).
         hedge_after: seconds without an answer after which a call also goes to another
-            replica (a hung worker fails nothing; the first answer wins); 0: never.
+            replica that serves (a hung worker fails nothing; the first answer wins), for about
+            one call in ten at most; 0: never.
         checkpoint_dir: where :meth:`create_table` writes checkpoints of tensors and modules
             (default: ``$SHARDSERVE_CHECKPOINT_DIR`` or ``<tmp>/shardserve-checkpoints``). The
             coordinator and every worker read the file by its absolute path, so it must be

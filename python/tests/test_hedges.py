@@ -126,3 +126,19 @@ def test_hedges_fail_over_to_any_replica_once_a_group_failed():
     assert routes.pick("t") == ("a:1", 0, False)  # and group 0 was not made suspect
     routes.failed("t", 0)  # group 0 failed a call: a hedge now is failover, to any replica
     assert routes.hedge("t", 0, [0]) == ("b:1", 1, False)
+
+
+def test_guesses_are_budgeted_to_about_one_call_in_ten():
+    routes = _common.RoutingTable(cooldown=60)
+    routes.update("t", _common.table_info(_info("t", ["a:1", "b:1"], [SERVING, SERVING])))
+    for _ in range(5):
+        routes.pick("t")
+    assert routes.hedge("t", 0, [0]) == ("b:1", 1, False)  # the window's first hedge
+    routes.succeeded("t", 0)
+    assert routes.hedge("t", 0, [0]) is None  # 5 calls: no second one
+    assert routes.pick("t", [1]) == ("a:1", 0, False)  # (and group 0 was not made suspect)
+    for _ in range(14):
+        routes.pick("t")
+    assert routes.hedge("t", 0, [0]) == ("b:1", 1, False)  # 20 calls: a second one
+    # Failover (group 0 failed a call) is no guess: it needs no budget.
+    assert routes.hedge("t", 0, [0]) == ("b:1", 1, False)
