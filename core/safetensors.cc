@@ -10,7 +10,9 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -336,12 +338,81 @@ std::string SafetensorsHeader(const std::vector<SafetensorsEntry>& entries) {
   return std::string(reinterpret_cast<const char*>(&len), 8) + header;
 }
 
+namespace {
+
+// Writes `bytes` at `offset` in full (0, or the errno that stopped it).
+int WriteAt(int fd, const char* data, int64_t bytes, int64_t offset) {
+  for (int64_t done = 0; done < bytes;) {
+    const ssize_t n = ::pwrite(fd, data + done, static_cast<size_t>(bytes - done), offset + done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno;
+    if (n == 0) return EIO;
+    done += n;
+  }
+  return 0;
+}
+
+using Pieces = std::vector<std::pair<const char*, int64_t>>;
+
+// Writes the pieces one after another from the start of the file: 0, or the errno that stopped
+// it. `direct`: around the page cache (O_DIRECT, through an aligned buffer) where the file system
+// allows it.
+int WritePieces(int fd, const Pieces& pieces, bool direct) {
+  // O_DIRECT wants the memory, the offset and the length aligned to the device's logical block:
+  // 4 KiB is a multiple of every one we know; where it is not, a write answers EINVAL and the
+  // rest goes through the page cache.
+  constexpr int64_t kBlock = 4096, kChunk = 4 << 20;
+  const int flags = ::fcntl(fd, F_GETFL);
+  std::unique_ptr<char, void (*)(void*)> chunk(nullptr, std::free);
+  if (direct && flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_DIRECT) == 0) {
+    chunk.reset(static_cast<char*>(std::aligned_alloc(kBlock, kChunk)));
+    if (chunk == nullptr) ::fcntl(fd, F_SETFL, flags);
+  }
+  int64_t offset = 0;
+  if (chunk == nullptr) {
+    for (const auto& [data, bytes] : pieces) {
+      if (const int error = WriteAt(fd, data, bytes, offset); error != 0) return error;
+      offset += bytes;
+    }
+    return 0;
+  }
+  int64_t filled = 0;
+  // The chunk's `filled` bytes, padded to a block (the file is cut to its length at the end).
+  auto flush = [&]() -> int {
+    const int64_t padded = (filled + kBlock - 1) / kBlock * kBlock;
+    std::memset(chunk.get() + filled, 0, static_cast<size_t>(padded - filled));
+    int error = WriteAt(fd, chunk.get(), padded, offset);
+    if (error == EINVAL && ::fcntl(fd, F_SETFL, flags) == 0) {
+      error = WriteAt(fd, chunk.get(), filled, offset);
+    }
+    offset += filled;
+    filled = 0;
+    return error;
+  };
+  for (const auto& [data, bytes] : pieces) {
+    for (int64_t done = 0; done < bytes;) {
+      const int64_t n = std::min(bytes - done, kChunk - filled);
+      std::memcpy(chunk.get() + filled, data + done, static_cast<size_t>(n));
+      filled += n;
+      done += n;
+      if (filled == kChunk) {
+        if (const int error = flush(); error != 0) return error;
+      }
+    }
+  }
+  if (filled > 0) {
+    if (const int error = flush(); error != 0) return error;
+  }
+  return ::ftruncate(fd, offset) == 0 ? 0 : errno;
+}
+
+}  // namespace
+
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<SafetensorsEntry>& entries, bool durable) {
   SHARDSERVE_RETURN_IF_ERROR(CheckOutputPath(path));
   const std::string header = SafetensorsHeader(entries);
-  std::vector<std::pair<const char*, int64_t>> pieces = {
-      {header.data(), static_cast<int64_t>(header.size())}};
+  Pieces pieces = {{header.data(), static_cast<int64_t>(header.size())}};
   for (const SafetensorsEntry& e : entries) {
     pieces.emplace_back(static_cast<const char*>(e.data), e.bytes);
   }
@@ -358,14 +429,11 @@ absl::Status WriteSafetensors(const std::string& path,
     return absl::InvalidArgumentError(
         absl::StrCat("path \"", path, "\": cannot create \"", tmp, "\": ", std::strerror(errno)));
   }
-  int error = 0;
-  for (const auto& [data, bytes] : pieces) {
-    for (int64_t done = 0; error == 0 && done < bytes;) {
-      const ssize_t n = ::write(fd, data + done, static_cast<size_t>(bytes - done));
-      if (n < 0 && errno != EINTR) error = errno;
-      if (n > 0) done += n;
-    }
-  }
+  // A durable file (a worker's snapshot) is read again only after a restart: it goes around the
+  // page cache. Copying a 25 MB shard into it took 160-230 ms of CPU beside updates on our VM
+  // (fresh pages: freed memory goes back to the host) against ~2 ms direct, and it pushed out
+  // pages the service reads.
+  int error = WritePieces(fd, pieces, /*direct=*/durable);
   if (durable && error == 0 && ::fsync(fd) != 0) error = errno;
   if (::close(fd) != 0 && error == 0) error = errno;
   if (error == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) error = errno;

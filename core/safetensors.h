@@ -74,8 +74,9 @@ absl::Status CheckOutputPath(const std::string& path);
 std::string SafetensorsHeader(const std::vector<SafetensorsEntry>& entries);
 
 // Writes the tensors to `path` (atomically: a temporary file renamed into place; nothing is left
-// behind when it fails). `path` must pass CheckOutputPath. `durable`: the data is synced to disk
-// before the rename (the caller syncs the directory).
+// behind when it fails). `path` must pass CheckOutputPath. `durable`: written around the page
+// cache (O_DIRECT where the file system has it) and synced to disk before the rename (the caller
+// syncs the directory).
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
                               bool durable = false);
 

@@ -187,6 +187,41 @@ TEST(Safetensors, WritesOnlyRegularFilesAtAbsolutePaths) {
   EXPECT_EQ((*opened)->Find("weight")->bytes, 24);
 }
 
+// A durable write goes around the page cache in 4 KiB blocks through a 4 MiB buffer: whatever
+// the sizes (a block's, the buffer's, or neither), the file holds the same bytes as one written
+// through the page cache, and nothing after them.
+TEST(Safetensors, DurableFilesHoldTheBytesOfBufferedOnes) {
+  for (const int64_t floats : {int64_t{1}, int64_t{1024}, int64_t{(4 << 20) / 4 - 30},
+                               int64_t{(4 << 20) / 4}, int64_t{3 * (1 << 20) + 777}}) {
+    std::vector<float> weight(floats), bias(floats % 5 + 1);
+    for (int64_t i = 0; i < floats; ++i) weight[i] = 0.25f * static_cast<float>(i % 9973) - 7;
+    for (size_t i = 0; i < bias.size(); ++i) bias[i] = -0.5f * i;
+    const std::vector<SafetensorsEntry> entries = {
+        {"weight", "F32", {floats}, weight.data(), floats * 4},
+        {"bias", "F32", {static_cast<int64_t>(bias.size())}, bias.data(),
+         static_cast<int64_t>(bias.size() * 4)}};
+    const std::string buffered = TempPath("buffered.safetensors");
+    const std::string durable = TempPath("durable.safetensors");
+    ASSERT_TRUE(WriteSafetensors(buffered, entries).ok());
+    ASSERT_TRUE(WriteSafetensors(durable, entries, /*durable=*/true).ok());
+    auto read = [](const std::string& path) {
+      std::ifstream in(path, std::ios::binary);
+      return std::string(std::istreambuf_iterator<char>(in), {});
+    };
+    const std::string expected = read(buffered);
+    EXPECT_EQ(static_cast<int64_t>(expected.size()),
+              static_cast<int64_t>(SafetensorsHeader(entries).size()) + (floats + bias.size()) * 4);
+    EXPECT_TRUE(read(durable) == expected) << floats << " floats";
+    auto opened = SafetensorsFile::Open(durable);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    std::vector<float> back(floats);
+    const SafetensorsTensor* t = (*opened)->Find("weight");
+    ASSERT_NE(t, nullptr);
+    ASSERT_TRUE((*opened)->Read(t->data, t->bytes, back.data()).ok());
+    EXPECT_EQ(back, weight);
+  }
+}
+
 // Headers a corrupt or hostile file may hold are refused with INVALID_ARGUMENT, not a crash:
 // integers past 64 bits (std::stoll threw), a lone '-', negative or overflowing dimensions, and
 // metadata nested deep enough to exhaust the stack.
