@@ -209,9 +209,18 @@ absl::Status ShardedTable::LoadCheckpoint(const std::string& path, const LoadPac
 absl::StatusOr<std::vector<float>> ShardedTable::ReadShard() const {
   SHARDSERVE_ASSIGN_OR_RETURN(std::vector<float> host,
                               HostFloats(shard_rows_ * shard_cols_, "a copy of the shard"));
-  SHARDSERVE_RETURN_IF_ERROR(kernels_.CopyToHost(
-      storage_.data(), host.data(), static_cast<int64_t>(host.size() * sizeof(float))));
+  SHARDSERVE_RETURN_IF_ERROR(ReadShard(absl::MakeSpan(host)));
   return host;
+}
+
+absl::Status ShardedTable::ReadShard(absl::Span<float> out) const {
+  if (static_cast<int64_t>(out.size()) != shard_rows_ * shard_cols_) {
+    return absl::InvalidArgumentError(absl::StrCat("a copy of the shard needs ",
+                                                   shard_rows_ * shard_cols_, " floats, not ",
+                                                   out.size()));
+  }
+  return kernels_.CopyToHost(storage_.data(), out.data(),
+                             static_cast<int64_t>(out.size() * sizeof(float)));
 }
 
 }  // namespace shardserve::core
