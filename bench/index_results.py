@@ -15,6 +15,10 @@ WHAT = {
     "faults": ("bench/run_faults.sh", "fault drill: coordinator outages, a hung worker, unread streams, a full disk"),
     "ab": ("bench/run_ab.sh", "two builds side by side (a change's performance check)"),
     "failover": ("bench/run_failover.sh", "replica groups: a worker killed or hung under load; throughput against groups"),
+    "updates": ("bench/run_updates.sh", "online updates vs Redis appendfsync always; lookups beside updates"),
+    "updates_r1": ("bench/run_updates.sh ... 1", "the same with one replica group"),
+    "updates_r2": ("bench/run_updates.sh ... 2", "the same with two replica groups, with the fan-out ceilings"),
+    "updates_ab": ("bench/run_updates_ab.sh", "two builds side by side: lookups beside updates, CPU per update"),
 }
 groups = defaultdict(list)
 for name in sorted(os.listdir(HERE)):
