@@ -154,6 +154,8 @@ class UpdateLog {
   Options options_;
   int fd_ = -1;
   std::atomic<int64_t> bytes_{0};
+  // A rotation's renames are not yet durable (the next Write syncs the directory).
+  std::atomic<bool> dir_unsynced_{false};
   std::thread writer_;  // the snapshot being written, or the next one's buffer being allocated
   std::atomic<bool> written_{true};  // writer_ is done
   absl::Status written_status_;  // the last snapshot's (read once the writer has joined)
