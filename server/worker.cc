@@ -378,6 +378,14 @@ void Worker::HeartbeatLoop() {
     // A coordinator that has just started and not yet heard from every rank does not know the
     // group: keep it, the tables and what we serve, as while it cannot be reached.
     if (response.keep_serving()) continue;
+    {
+      // The group before the tables: the reconcile loop reads the group's size after its plan, so
+      // a table planned for loading is loaded for it (it was once loaded for 0 ranks, and failed
+      // for good: the table never served after a restart).
+      absl::MutexLock lock(&mu_);
+      world_size_ = response.world_size();
+      target_epoch_ = response.epoch();
+    }
     tables_.Want(response);
     CollectRetiredData(request, response);
     if (!response.silent_ranks().empty() && response.epoch() == loop_->epoch()) {
@@ -388,8 +396,6 @@ void Worker::HeartbeatLoop() {
           "off)")));
     }
     absl::MutexLock lock(&mu_);
-    world_size_ = response.world_size();
-    target_epoch_ = response.epoch();
     UpdateHealth();
   }
 }
@@ -431,6 +437,11 @@ void Worker::ReconcileLoop() {
       }
     }
     const TableLifecycle::Plan plan = tables_.NextPlan();
+    int load_world = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      load_world = world_size_;  // set before the tables the plan has (HeartbeatLoop)
+    }
     for (const auto& [name, version] : plan.drops) {
       tables_.Dropped(name, version);
       LOG(INFO) << "worker group " << options_.group << " rank " << options_.rank
@@ -453,7 +464,7 @@ void Worker::ReconcileLoop() {
                       << "; reloading up to there (what follows was never acknowledged)";
           }
           absl::StatusOr<std::shared_ptr<core::ShardedTable>> table = LoadShard(
-              spec, world, roll_back == plan.roll_back.end() ? ~uint64_t{0} : roll_back->second);
+              spec, load_world, roll_back == plan.roll_back.end() ? ~uint64_t{0} : roll_back->second);
           if (!table.ok()) {
             tables_.LoadFailed(spec, table.status());
             continue;
