@@ -10,6 +10,7 @@
 #include <deque>
 #include <fstream>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -98,6 +99,19 @@ void FreeHostBuffer(void* data, size_t bytes) {
     return;
   }
   Releaser::Get().Add(data, bytes);
+}
+
+absl::StatusOr<std::vector<float>> HostFloats(int64_t count, absl::string_view what) {
+  if (absl::Status checked = CheckHostAllocation(count * static_cast<int64_t>(sizeof(float)), what);
+      !checked.ok()) {
+    return checked;
+  }
+  try {
+    return std::vector<float>(static_cast<size_t>(count));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ": cannot allocate ", count * sizeof(float), " bytes"));
+  }
 }
 
 }  // namespace shardserve::core

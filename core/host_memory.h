@@ -5,8 +5,10 @@
 #define SHARDSERVE_CORE_HOST_MEMORY_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace shardserve::core {
@@ -15,6 +17,10 @@ namespace shardserve::core {
 // and more than the kernel says can be allocated without swapping (MemAvailable). Smaller sizes
 // are left to the allocator (nothing is read for them: kernels check every allocation).
 absl::Status CheckHostAllocation(int64_t bytes, absl::string_view what);
+
+// `count` zeroed floats of host memory (every page faulted in), or RESOURCE_EXHAUSTED (naming
+// `what`) where there is not that much.
+absl::StatusOr<std::vector<float>> HostFloats(int64_t count, absl::string_view what);
 
 // What the kernel says can be allocated without swapping (MemAvailable), or -1 if unknown.
 int64_t AvailableHostBytes();

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -495,25 +494,15 @@ absl::Status UpdateLog::MaybeSnapshot(const ShardedTable& table) {
   if (writer_.joinable() && !written_.load(std::memory_order_acquire)) {
     return absl::OkStatus();  // one snapshot at a time: the log grows until it is written
   }
-  const int64_t floats = table.shard().rows * table.shard().cols;
-  if (static_cast<int64_t>(buffer_.size()) == floats) return StartSnapshot(table, /*wait=*/false);
+  if (buffer_.ok() && !buffer_->empty()) return StartSnapshot(table, /*wait=*/false);
   if (writer_.joinable()) writer_.join();
   if (!written_status_.ok()) return written_status_;
-  if (absl::Status failed = std::exchange(buffer_status_, absl::OkStatus()); !failed.ok()) {
-    return failed;  // tried again at the next call
+  if (!buffer_.ok()) {
+    return std::exchange(buffer_, std::vector<float>()).status();  // tried again at the next call
   }
   written_.store(false, std::memory_order_release);
-  writer_ = std::thread([this, floats] {
-    buffer_status_ = CheckHostAllocation(floats * static_cast<int64_t>(sizeof(float)),
-                                         "a copy of the shard");
-    if (buffer_status_.ok()) {
-      try {
-        buffer_.assign(static_cast<size_t>(floats), 0.0f);  // zeroed: every page faulted in
-      } catch (const std::bad_alloc&) {
-        buffer_status_ = absl::ResourceExhaustedError(absl::StrCat(
-            "a copy of the shard: cannot allocate ", floats * sizeof(float), " bytes"));
-      }
-    }
+  writer_ = std::thread([this, floats = table.shard().rows * table.shard().cols] {
+    buffer_ = HostFloats(floats, "a copy of the shard");
     written_.store(true, std::memory_order_release);
   });
   return absl::OkStatus();
@@ -536,8 +525,9 @@ absl::Status UpdateLog::StartSnapshot(const ShardedTable& table, bool wait) {
   if (!pending_.empty()) return absl::FailedPreconditionError("update log: records not committed");
   // The shard as of now, copied on this (the step loop's) thread; written on another, so that a
   // step waits for the copy only, not for the disk.
-  std::vector<float> shard = std::exchange(buffer_, {});
-  if (shard.size() == static_cast<size_t>(table.shard().rows * table.shard().cols)) {
+  std::vector<float> shard;
+  if (buffer_.ok()) shard = std::exchange(*buffer_, {});
+  if (!shard.empty()) {
     SHARDSERVE_RETURN_IF_ERROR(table.ReadShard(absl::MakeSpan(shard)));
   } else {
     SHARDSERVE_ASSIGN_OR_RETURN(shard, table.ReadShard());

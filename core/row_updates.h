@@ -159,8 +159,9 @@ class UpdateLog {
   std::thread writer_;  // the snapshot being written, or the next one's buffer being allocated
   std::atomic<bool> written_{true};  // writer_ is done
   absl::Status written_status_;  // the last snapshot's (read once the writer has joined)
-  std::vector<float> buffer_;    // the next snapshot's copy, allocated ahead by writer_
-  absl::Status buffer_status_;   // why it could not be (read once the writer has joined)
+  // The next snapshot's copy, allocated ahead by writer_ (or why it could not be; read once the
+  // writer is done).
+  absl::StatusOr<std::vector<float>> buffer_ = std::vector<float>();
   std::atomic<uint64_t> acknowledged_{0};
   uint64_t recovered_ = 0;
   bool created_ = false;

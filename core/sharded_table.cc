@@ -5,7 +5,6 @@
 #include <cstring>
 #include <vector>
 #include <functional>
-#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -23,19 +22,6 @@ namespace {
 // that each burst of page faults and copying a paced load makes takes a fraction of a millisecond
 // (the serving p99 feels the bursts' length more than the load's average rate).
 constexpr int64_t kPaceChunk = int64_t{1} << 20;
-
-// `count` floats of host memory, or RESOURCE_EXHAUSTED (naming `what`) where there is not that
-// much.
-absl::StatusOr<std::vector<float>> HostFloats(int64_t count, absl::string_view what) {
-  SHARDSERVE_RETURN_IF_ERROR(
-      CheckHostAllocation(count * static_cast<int64_t>(sizeof(float)), what));
-  try {
-    return std::vector<float>(static_cast<size_t>(count));
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(what, ": cannot allocate ", count * sizeof(float), " bytes"));
-  }
-}
 
 }  // namespace
 

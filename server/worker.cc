@@ -463,8 +463,10 @@ void Worker::ReconcileLoop() {
                       << ": a peer's update log ends at record " << roll_back->second
                       << "; reloading up to there (what follows was never acknowledged)";
           }
-          absl::StatusOr<std::shared_ptr<core::ShardedTable>> table = LoadShard(
-              spec, load_world, roll_back == plan.roll_back.end() ? ~uint64_t{0} : roll_back->second);
+          const uint64_t max_agreed =
+              roll_back == plan.roll_back.end() ? ~uint64_t{0} : roll_back->second;
+          absl::StatusOr<std::shared_ptr<core::ShardedTable>> table =
+              LoadShard(spec, load_world, max_agreed);
           if (!table.ok()) {
             tables_.LoadFailed(spec, table.status());
             continue;
