@@ -494,14 +494,17 @@ absl::Status UpdateLog::MaybeSnapshot(const ShardedTable& table) {
   if (writer_.joinable() && !written_.load(std::memory_order_acquire)) {
     return absl::OkStatus();  // one snapshot at a time: the log grows until it is written
   }
-  if (buffer_.ok() && !buffer_->empty()) return StartSnapshot(table, /*wait=*/false);
+  const int64_t floats = table.shard().rows * table.shard().cols;
+  if (floats == 0 || (buffer_.ok() && !buffer_->empty())) {
+    return StartSnapshot(table, /*wait=*/false);  // an empty shard needs no buffer
+  }
   if (writer_.joinable()) writer_.join();
   if (!written_status_.ok()) return written_status_;
   if (!buffer_.ok()) {
     return std::exchange(buffer_, std::vector<float>()).status();  // tried again at the next call
   }
   written_.store(false, std::memory_order_release);
-  writer_ = std::thread([this, floats = table.shard().rows * table.shard().cols] {
+  writer_ = std::thread([this, floats] {
     buffer_ = HostFloats(floats, "a copy of the shard");
     written_.store(true, std::memory_order_release);
   });
