@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/process_setup.h"
 
 namespace shardserve::core {
 int64_t AvailableHostBytes() {
@@ -63,6 +64,7 @@ class Releaser {
  private:
   Releaser() { std::thread([this] { Run(); }).detach(); }
   void Run() {
+    NameThread("mem_release");
     static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     while (true) {
       std::pair<void*, size_t> next;

@@ -1,7 +1,10 @@
 #include "core/process_setup.h"
 
 #include <malloc.h>
+#include <pthread.h>
 #include <sys/resource.h>
+
+#include <cstring>
 
 #include "absl/synchronization/mutex.h"
 
@@ -24,6 +27,12 @@ void SetUpServingProcess() {
     files.rlim_cur = files.rlim_max;
     setrlimit(RLIMIT_NOFILE, &files);
   }
+}
+
+void NameThread(const char* name) {
+  char cut[16] = {};
+  std::strncpy(cut, name, sizeof(cut) - 1);
+  pthread_setname_np(pthread_self(), cut);
 }
 
 }  // namespace shardserve::core

@@ -14,6 +14,10 @@ namespace shardserve::core {
 //   server's time.
 void SetUpServingProcess();
 
+// Names the calling thread as `top -H`, `perf` and /proc/PID/task/*/comm show it (at most 15
+// characters are kept).
+void NameThread(const char* name);
+
 }  // namespace shardserve::core
 
 #endif  // SHARDSERVE_CORE_PROCESS_SETUP_H_

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/host_memory.h"
+#include "core/process_setup.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 
@@ -505,6 +506,7 @@ absl::Status UpdateLog::MaybeSnapshot(const ShardedTable& table) {
   }
   written_.store(false, std::memory_order_release);
   writer_ = std::thread([this, floats] {
+    NameThread("snapshot");
     buffer_ = HostFloats(floats, "a copy of the shard");
     written_.store(true, std::memory_order_release);
   });
@@ -554,6 +556,7 @@ absl::Status UpdateLog::StartSnapshot(const ShardedTable& table, bool wait) {
   written_.store(false, std::memory_order_release);
   writer_ = std::thread([this, shard = std::move(shard), bias = std::move(bias), view,
                          position = std::move(position)] {
+    NameThread("snapshot");
     std::vector<SafetensorsEntry> entries = {
         {"shard", "F32", {view.rows, view.cols}, shard.data(),
          static_cast<int64_t>(shard.size() * sizeof(float))},

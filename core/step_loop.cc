@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/input_message.h"
+#include "core/process_setup.h"
 #include "core/row_updates.h"
 #include "core/sharded_ops.h"
 #include "core/status_macros.h"
@@ -87,7 +88,10 @@ class StepLoop::Syncer {
 
   // `progress` runs (on the syncer's thread) after each round's records are synced.
   explicit Syncer(std::function<void()> progress)
-      : progress_(std::move(progress)), thread_([this] { SyncLoop(); }) {}
+      : progress_(std::move(progress)), thread_([this] {
+          NameThread("wal_syncer");
+          SyncLoop();
+        }) {}
   ~Syncer() {
     {
       absl::MutexLock lock(&mu_);
@@ -180,8 +184,12 @@ void StepLoop::Start() {
     absl::MutexLock lock(&mu_);
     running_ = true;
   }
-  thread_ = std::thread([this] { Run(); });
+  thread_ = std::thread([this] {
+    NameThread("step_loop");
+    Run();
+  });
   park_checker_ = std::thread([this] {
+    NameThread("park_check");
     absl::MutexLock lock(&mu_);
     while (!mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.park_check)) {
       UnparkLocked();

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "core/process_setup.h"
 #include "core/status_macros.h"
 #include "grpcpp/alarm.h"
 #include "server/completion_tag.h"
@@ -419,7 +420,10 @@ void DataService::Start() {
   }
   new StreamCall(*this);
   health_.Start(cq_.get(), [this](absl::AnyInvocable<void()> fn) { HandBack(std::move(fn)); });
-  thread_ = std::thread([this] { Run(); });
+  thread_ = std::thread([this] {
+    core::NameThread("serving");
+    Run();
+  });
 }
 
 void DataService::Stop() {

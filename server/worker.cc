@@ -22,10 +22,11 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "glog/logging.h"
 #include "absl/strings/str_join.h"
+#include "glog/logging.h"
 #include "core/fault_injecting_collectives.h"
 #include "core/host_memory.h"
+#include "core/process_setup.h"
 #include "core/row_updates.h"
 #include "core/status_macros.h"
 #include "grpcpp/create_channel.h"
@@ -220,8 +221,14 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   }
   w->data_service_->Start();
   w->loop_->Start();
-  w->heartbeat_thread_ = std::thread([w] { w->HeartbeatLoop(); });
-  w->reconcile_thread_ = std::thread([w] { w->ReconcileLoop(); });
+  w->heartbeat_thread_ = std::thread([w] {
+    core::NameThread("heartbeat");
+    w->HeartbeatLoop();
+  });
+  w->reconcile_thread_ = std::thread([w] {
+    core::NameThread("reconcile");
+    w->ReconcileLoop();
+  });
   return worker;
 }
 
@@ -453,6 +460,7 @@ void Worker::ReconcileLoop() {
       // Loads run on a thread of lower priority, so that a version loaded beside the serving one
       // takes the CPU the step loop leaves (a large load must not stretch steps).
       std::thread loader([&] {
+        core::NameThread("loader");
         setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), options_.load_nice);
         kernels_->InitThread();  // tables are loaded into the device from this thread
         for (const v1::TableSpec& spec : plan.loads) {
