@@ -103,11 +103,11 @@ absl::Status PrepareRequest(const TableConfig& table, const InputLimits& limits,
 }
 
 absl::Status ValidateUpdate(const TableConfig& table, const InputLimits& limits,
-                            const StepRequest& request) {
+                            const UpdateRows& update) {
   const bool linear = table.kind == TableKind::kLinear;
   const char* const rows = linear ? "out_features" : "num_embeddings";
-  const int64_t k = static_cast<int64_t>(request.ids.size());
-  if (request.update != UpdateKind::kAssign && request.update != UpdateKind::kAdd) {
+  const int64_t k = static_cast<int64_t>(update.ids.size());
+  if (update.kind != UpdateKind::kAssign && update.kind != UpdateKind::kAdd) {
     return absl::InvalidArgumentError("op: must be ASSIGN or ADD");
   }
   if (k > limits.max_elements) {
@@ -115,38 +115,44 @@ absl::Status ValidateUpdate(const TableConfig& table, const InputLimits& limits,
                                                    limits.max_elements, " per request"));
   }
   for (int64_t i = 0; i < k; ++i) {
-    const int64_t id = request.ids[i];
+    const int64_t id = update.ids[i];
     if (id < 0 || id >= table.num_rows) {
       return absl::InvalidArgumentError(absl::StrCat("ids[", i, "]: ", id, " is out of range [0, ",
                                                      table.num_rows, ") (", rows, ")"));
     }
   }
   const int64_t want = k * table.num_cols;
-  if (static_cast<int64_t>(request.values.size()) != want) {
+  if (static_cast<int64_t>(update.values.size()) != want) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "values: ", request.values.size(), " floats, but ", k, " ids need ", k, " x ",
+        "values: ", update.values.size(), " floats, but ", k, " ids need ", k, " x ",
         table.num_cols, " = ", want, " (", linear ? "in_features" : "embedding_dim", " per row)"));
   }
-  if (const int64_t i = FirstNonFinite(request.values); i >= 0) {
+  if (const int64_t i = FirstNonFinite(update.values); i >= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "values[", i / table.num_cols, "][", i % table.num_cols, "]: ", request.values[i],
+        "values[", i / table.num_cols, "][", i % table.num_cols, "]: ", update.values[i],
         " is not finite; updates must be finite floats"));
   }
-  if (!request.bias.empty()) {
+  if (!update.bias.empty()) {
     if (!linear || !table.has_bias) {
       return absl::InvalidArgumentError(absl::StrCat(
           "bias: table \"", table.name, "\" has no bias (only a linear layer with one has)"));
     }
-    if (static_cast<int64_t>(request.bias.size()) != k) {
-      return absl::InvalidArgumentError(absl::StrCat("bias: ", request.bias.size(),
+    if (static_cast<int64_t>(update.bias.size()) != k) {
+      return absl::InvalidArgumentError(absl::StrCat("bias: ", update.bias.size(),
                                                      " floats, but there are ", k, " ids"));
     }
-    if (const int64_t i = FirstNonFinite(request.bias); i >= 0) {
+    if (const int64_t i = FirstNonFinite(update.bias); i >= 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("bias[", i, "]: ", request.bias[i], " is not finite"));
+          absl::StrCat("bias[", i, "]: ", update.bias[i], " is not finite"));
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateUpdate(const TableConfig& table, const InputLimits& limits,
+                            const StepRequest& request) {
+  return ValidateUpdate(table, limits,
+                        UpdateRows{request.update, request.ids, request.values, request.bias});
 }
 
 }  // namespace shardserve::core

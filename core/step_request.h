@@ -65,8 +65,18 @@ absl::Status PrepareRequest(const TableConfig& table, const InputLimits& limits,
                             StepRequest& request, absl::Span<const int64_t> raw_offsets,
                             bool has_offsets, bool include_last_offset);
 
+// An update call's rows, as its check reads them: views, wherever they lie.
+struct UpdateRows {
+  UpdateKind kind = UpdateKind::kAssign;
+  absl::Span<const int64_t> ids;
+  absl::Span<const float> values;  // k x num_cols
+  absl::Span<const float> bias;    // k, or empty
+};
+
 // An update request's check (op kUpdate; PrepareRequest calls it): ids in [0, num_rows), values
 // k x num_cols finite floats, a bias (k floats) only for a linear layer that has one.
+absl::Status ValidateUpdate(const TableConfig& table, const InputLimits& limits,
+                            const UpdateRows& update);
 absl::Status ValidateUpdate(const TableConfig& table, const InputLimits& limits,
                             const StepRequest& request);
 

@@ -1,5 +1,6 @@
 #include "server/tensor_codec.h"
 
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -15,9 +16,12 @@
 namespace shardserve::server {
 namespace {
 
+// `tensor`'s elements, checked (dtype `want`, shape, bytes) and viewed where they lie. Only bytes not
+// aligned for T (protobuf's buffers always are) are copied, into `scratch`.
 template <typename T>
-absl::Status Decode(const v1::Tensor& tensor, const std::string& field, v1::DType want,
-                    std::vector<T>* values, std::vector<int64_t>* shape) {
+absl::StatusOr<absl::Span<const T>> View(const v1::Tensor& tensor, const std::string& field,
+                                         v1::DType want, std::vector<int64_t>* shape,
+                                         std::vector<T>* scratch) {
   if (tensor.dtype() != want) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", DTypeName(tensor.dtype()),
                                                    " where ", DTypeName(want), " is required"));
@@ -41,8 +45,22 @@ absl::Status Decode(const v1::Tensor& tensor, const std::string& field, v1::DTyp
         field, ".data: ", tensor.data().size(), " bytes, but shape [", absl::StrJoin(*shape, ", "),
         "] x ", sizeof(T), " bytes = ", n * static_cast<int64_t>(sizeof(T))));
   }
-  values->resize(n);
-  if (n > 0) std::memcpy(values->data(), tensor.data().data(), n * sizeof(T));
+  const char* bytes = tensor.data().data();
+  if (reinterpret_cast<uintptr_t>(bytes) % alignof(T) == 0) {
+    return absl::MakeConstSpan(reinterpret_cast<const T*>(bytes), n);
+  }
+  scratch->resize(n);
+  if (n > 0) std::memcpy(scratch->data(), bytes, n * sizeof(T));
+  return absl::MakeConstSpan(*scratch);
+}
+
+template <typename T>
+absl::Status Decode(const v1::Tensor& tensor, const std::string& field, v1::DType want,
+                    std::vector<T>* values, std::vector<int64_t>* shape) {
+  SHARDSERVE_ASSIGN_OR_RETURN(const absl::Span<const T> view,
+                              View(tensor, field, want, shape, values));
+  // (assign copies once; resize would zero the values first, a tenth of a large update's decode)
+  if (view.data() != values->data()) values->assign(view.begin(), view.end());
   return absl::OkStatus();
 }
 
@@ -186,45 +204,83 @@ grpc::ByteBuffer EncodeStreamUpdateResponse(uint64_t id, uint64_t version, uint6
   return Serialized(response);
 }
 
-absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
-    const v1::UpdateRowsRequest& request, const core::TableConfig& table,
-    const core::InputLimits& limits) {
-  auto r = std::make_unique<core::StepRequest>();
-  r->op = core::StepRequest::Op::kUpdate;
-  r->table = request.table();
+namespace {
+
+// An UpdateRows request's rows as views into it (copied into `scratch_*` only where misaligned),
+// their shapes checked against `table`.
+struct UpdateView {
+  core::UpdateRows rows;
+  std::vector<int64_t> ids_shape;
+  std::vector<int64_t> scratch_ids;
+  std::vector<float> scratch_values, scratch_bias;
+};
+
+absl::Status ViewUpdate(const v1::UpdateRowsRequest& request, const core::TableConfig& table,
+                        UpdateView* view) {
   switch (request.op()) {
     case v1::ASSIGN:
-      r->update = core::UpdateKind::kAssign;
+      view->rows.kind = core::UpdateKind::kAssign;
       break;
     case v1::ADD:
-      r->update = core::UpdateKind::kAdd;
+      view->rows.kind = core::UpdateKind::kAdd;
       break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("op: ", request.op(), " is not one of ASSIGN, ADD"));
   }
-  SHARDSERVE_RETURN_IF_ERROR(DecodeInt64(request.ids(), "ids", &r->ids, &r->shape));
-  if (r->shape.size() != 1) {
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      view->rows.ids,
+      View(request.ids(), "ids", v1::INT64, &view->ids_shape, &view->scratch_ids));
+  if (view->ids_shape.size() != 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("ids.shape: must be 1-D (k), has ", r->shape.size(), " dims"));
+        absl::StrCat("ids.shape: must be 1-D (k), has ", view->ids_shape.size(), " dims"));
   }
   std::vector<int64_t> shape;
-  SHARDSERVE_RETURN_IF_ERROR(DecodeFloat(request.values(), "values", &r->values, &shape));
-  const int64_t k = r->shape[0];
+  SHARDSERVE_ASSIGN_OR_RETURN(
+      view->rows.values,
+      View(request.values(), "values", v1::FLOAT32, &shape, &view->scratch_values));
+  const int64_t k = view->ids_shape[0];
   if (shape != std::vector<int64_t>{k, table.num_cols}) {
     return absl::InvalidArgumentError(
         absl::StrCat("values.shape: [", absl::StrJoin(shape, ", "), "] must be [", k, ", ",
                      table.num_cols, "] (one row of ", table.num_cols, " per id)"));
   }
   if (request.has_bias()) {
-    SHARDSERVE_RETURN_IF_ERROR(DecodeFloat(request.bias(), "bias", &r->bias, &shape));
+    SHARDSERVE_ASSIGN_OR_RETURN(
+        view->rows.bias,
+        View(request.bias(), "bias", v1::FLOAT32, &shape, &view->scratch_bias));
     if (shape != std::vector<int64_t>{k}) {
       return absl::InvalidArgumentError(absl::StrCat(
           "bias.shape: [", absl::StrJoin(shape, ", "), "] must be [", k, "] (one per id)"));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
+    const v1::UpdateRowsRequest& request, const core::TableConfig& table,
+    const core::InputLimits& limits) {
+  UpdateView view;
+  SHARDSERVE_RETURN_IF_ERROR(ViewUpdate(request, table, &view));
+  auto r = std::make_unique<core::StepRequest>();
+  r->op = core::StepRequest::Op::kUpdate;
+  r->table = request.table();
+  r->update = view.rows.kind;
+  r->shape = std::move(view.ids_shape);
+  r->ids.assign(view.rows.ids.begin(), view.rows.ids.end());
+  r->values.assign(view.rows.values.begin(), view.rows.values.end());
+  r->bias.assign(view.rows.bias.begin(), view.rows.bias.end());
   SHARDSERVE_RETURN_IF_ERROR(core::PrepareRequest(table, limits, *r, {}, false, false));
   return r;
+}
+
+absl::Status CheckUpdate(const v1::UpdateRowsRequest& request, const core::TableConfig& table,
+                         const core::InputLimits& limits) {
+  UpdateView view;
+  SHARDSERVE_RETURN_IF_ERROR(ViewUpdate(request, table, &view));
+  return core::ValidateUpdate(table, limits, view.rows);
 }
 
 grpc::ByteBuffer EncodeStreamResponse(uint64_t id, absl::StatusOr<core::DenseResult> result,

@@ -75,6 +75,10 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
 absl::StatusOr<std::unique_ptr<core::StepRequest>> MakeStepRequest(
     const v1::UpdateRowsRequest& request, const core::TableConfig& table,
     const core::InputLimits& limits);
+// The same checks of an update, on its bytes where they lie (no StepRequest, nothing copied): the
+// coordinator's, before the update takes its place in a replicated table's stream.
+absl::Status CheckUpdate(const v1::UpdateRowsRequest& request, const core::TableConfig& table,
+                         const core::InputLimits& limits);
 
 }  // namespace shardserve::server
 

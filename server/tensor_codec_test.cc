@@ -1,5 +1,6 @@
 #include "server/tensor_codec.h"
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -124,6 +125,85 @@ TEST(TensorCodec, BagRequestBecomesCanonicalStepRequest) {
   request.set_mode(static_cast<v1::PoolMode>(9));  // not taken for the default, MEAN
   EXPECT_THAT(std::string(MakeStepRequest(request, table, {}).status().message()),
               HasSubstr("mode: 9 is not one of POOL_MODE_MEAN (or unset), POOL_MODE_SUM"));
+}
+
+v1::Tensor Floats(std::vector<int64_t> shape, std::vector<float> values) {
+  v1::Tensor t;
+  t.set_dtype(v1::FLOAT32);
+  t.mutable_shape()->Assign(shape.begin(), shape.end());
+  t.set_data(values.data(), values.size() * sizeof(float));
+  return t;
+}
+
+// The coordinator checks a replicated update on its bytes (CheckUpdate) before it takes a place in
+// the stream; every worker checks it again as a StepRequest. They must agree on every update, or
+// a place would be taken by an update every replica refuses (or one refused that they would take).
+TEST(TensorCodec, AnUpdatesCheckInPlaceAgreesWithItsStepRequest) {
+  core::TableConfig table;
+  table.name = "lin";
+  table.kind = core::TableKind::kLinear;
+  table.num_rows = 6;
+  table.num_cols = 2;
+  table.has_bias = true;
+  ASSERT_TRUE(table.Validate().ok());
+  v1::UpdateRowsRequest good;
+  good.set_table("lin");
+  good.set_op(v1::ADD);
+  *good.mutable_ids() = Ids({3}, {5, 0, 5});
+  *good.mutable_values() = Floats({3, 2}, {1, 2, 3, 4, 5, 6});
+  *good.mutable_bias() = Floats({3}, {0.5f, 1, 2});
+  std::vector<std::pair<std::string, v1::UpdateRowsRequest>> bad;
+  auto with = [&](const std::string& error, auto change) {
+    v1::UpdateRowsRequest r = good;
+    change(r);
+    bad.emplace_back(error, r);
+  };
+  with("op: 0 is not one of ASSIGN, ADD", [](auto& r) { r.set_op(v1::UPDATE_OP_UNSPECIFIED); });
+  with("ids[1]: 6 is out of range [0, 6)", [](auto& r) { *r.mutable_ids() = Ids({3}, {5, 6, 5}); });
+  with("ids[0]: -1 is out of range", [](auto& r) { *r.mutable_ids() = Ids({3}, {-1, 0, 5}); });
+  with("ids.shape: must be 1-D", [](auto& r) { *r.mutable_ids() = Ids({3, 1}, {5, 0, 5}); });
+  with("ids.dtype: FLOAT32", [](auto& r) { *r.mutable_ids() = Floats({2}, {1, 2}); });
+  with("values.shape: [2, 3] must be [3, 2]",
+       [](auto& r) { *r.mutable_values() = Floats({2, 3}, {1, 2, 3, 4, 5, 6}); });
+  with("values.data: 20 bytes", [](auto& r) {
+    r.mutable_values()->mutable_data()->resize(20);
+  });
+  with("values[2][1]: nan is not finite", [](auto& r) {
+    *r.mutable_values() = Floats({3, 2}, {1, 2, 3, 4, 5, std::nanf("")});
+  });
+  with("values[0][0]: inf is not finite", [](auto& r) {
+    *r.mutable_values() = Floats({3, 2}, {INFINITY, 2, 3, 4, 5, 6});
+  });
+  with("bias.shape: [2] must be [3]", [](auto& r) { *r.mutable_bias() = Floats({2}, {1, 2}); });
+  with("bias[1]: -inf is not finite",
+       [](auto& r) { *r.mutable_bias() = Floats({3}, {1, -INFINITY, 2}); });
+  for (const auto& [error, request] : bad) {
+    const absl::Status in_place = CheckUpdate(request, table, {});
+    const absl::Status step = MakeStepRequest(request, table, {}).status();
+    EXPECT_EQ(in_place.code(), absl::StatusCode::kInvalidArgument) << error;
+    EXPECT_THAT(std::string(in_place.message()), HasSubstr(error));
+    EXPECT_EQ(in_place, step) << error;
+  }
+  // And a bias where the table has none.
+  table.has_bias = false;
+  EXPECT_THAT(std::string(CheckUpdate(good, table, {}).message()), HasSubstr("has no bias"));
+  EXPECT_EQ(CheckUpdate(good, table, {}), MakeStepRequest(good, table, {}).status());
+  table.has_bias = true;
+  // Limits apply alike.
+  core::InputLimits two;
+  two.max_elements = 2;
+  EXPECT_THAT(std::string(CheckUpdate(good, table, two).message()),
+              HasSubstr("more than the limit of 2"));
+  EXPECT_EQ(CheckUpdate(good, table, two), MakeStepRequest(good, table, two).status());
+
+  ASSERT_TRUE(CheckUpdate(good, table, {}).ok());
+  absl::StatusOr<std::unique_ptr<core::StepRequest>> step = MakeStepRequest(good, table, {});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ((*step)->update, core::UpdateKind::kAdd);
+  EXPECT_THAT((*step)->ids, ElementsAre(5, 0, 5));
+  EXPECT_THAT((*step)->shape, ElementsAre(3));
+  EXPECT_THAT((*step)->values, ElementsAre(1, 2, 3, 4, 5, 6));
+  EXPECT_THAT((*step)->bias, ElementsAre(0.5f, 1, 2));
 }
 
 // What protobuf itself makes of a float tensor: the reference for the hand-written encoding.

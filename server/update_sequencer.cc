@@ -103,8 +103,7 @@ void UpdateSequencer::Start(const grpc::ByteBuffer& request, const v1::TableSpec
   // workers check the update again.)
   if (checked.ok()) {
     absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, control_.world_size());
-    checked = config.ok() ? MakeStepRequest(update, *config, core::InputLimits{}).status()
-                          : config.status();
+    checked = config.ok() ? CheckUpdate(update, *config, core::InputLimits{}) : config.status();
   }
   absl::StatusOr<UpdatePlan> plan =
       checked.ok() ? control_.StartUpdate(update.table(), deadline)
