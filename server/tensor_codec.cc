@@ -16,8 +16,8 @@
 namespace shardserve::server {
 namespace {
 
-// `tensor`'s elements, checked (dtype `want`, shape, bytes) and viewed where they lie. Only bytes not
-// aligned for T (protobuf's buffers always are) are copied, into `scratch`.
+// `tensor`'s elements, checked (dtype `want`, shape, bytes) and viewed where they lie. Only bytes
+// not aligned for T (protobuf's buffers always are) are copied, into `scratch`.
 template <typename T>
 absl::StatusOr<absl::Span<const T>> View(const v1::Tensor& tensor, const std::string& field,
                                          v1::DType want, std::vector<int64_t>* shape,
