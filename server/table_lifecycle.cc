@@ -1,5 +1,6 @@
 #include "server/table_lifecycle.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <utility>
 
@@ -191,7 +192,7 @@ void TableLifecycle::Report(v1::internal::HeartbeatRequest& request) const {
   }
 }
 
-TableLifecycle::Plan TableLifecycle::NextPlan() {
+TableLifecycle::Plan TableLifecycle::NextPlan(absl::Time now) {
   absl::MutexLock lock(&mu_);
   Plan plan;
   for (auto& [name, r] : records_) {
@@ -215,10 +216,12 @@ TableLifecycle::Plan TableLifecycle::NextPlan() {
       if (held == r.loads.end() ||
           !SameLoad(held->second.spec, *spec)) {
         plan.loads.push_back(*spec);
-      } else if (held->second.roll_back) {
+      } else if (Load& load = held->second;
+                 load.roll_back || (load.phase == Phase::kFailed && now >= load.retry_at)) {
         plan.loads.push_back(*spec);
-        plan.roll_back[{name, version}] = *held->second.roll_back;
-        held->second.roll_back.reset();
+        if (load.roll_back) plan.roll_back[{name, version}] = *load.roll_back;
+        load.roll_back.reset();
+        if (load.phase == Phase::kFailed) load.retry_at = absl::InfiniteFuture();  // one at a time
       }
     }
   }
@@ -247,12 +250,20 @@ void TableLifecycle::Loaded(const v1::TableSpec& spec, std::shared_ptr<core::Sha
   PublishLocked();
 }
 
-void TableLifecycle::LoadFailed(const v1::TableSpec& spec, const absl::Status& error) {
-  LOG(WARNING) << absl::StrFormat("worker rank %d: loading table \"%s\" (version %d) failed: %s",
-                                  rank_, spec.name().c_str(), spec.version(),
-                                  error.ToString().c_str());
+void TableLifecycle::LoadFailed(const v1::TableSpec& spec, const absl::Status& error,
+                                absl::Time now) {
   absl::MutexLock lock(&mu_);
   Load& load = records_[spec.name()].loads[spec.version()];
+  const bool again = load.phase == Phase::kFailed && SameLoad(load.spec, spec);
+  load.failures = again ? load.failures + 1 : 1;
+  const absl::Duration backoff =
+      std::min(absl::Seconds(1) * (int64_t{1} << std::min(load.failures - 1, 20)),
+               absl::Minutes(5));
+  load.retry_at = now + backoff;
+  LOG(WARNING) << absl::StrFormat(
+      "worker rank %d: loading table \"%s\" (version %d) failed: %s (try %d; the next in %s)",
+      rank_, spec.name().c_str(), spec.version(), error.ToString().c_str(), load.failures,
+      absl::FormatDuration(backoff).c_str());
   load.spec = spec;
   load.shard.reset();
   load.config.reset();

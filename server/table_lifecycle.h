@@ -12,6 +12,11 @@
 // generation, which every rank loads anew). A new generation of a table replaces the record's
 // load: the old shard is dropped first, then the new one loaded.
 //
+// A load that failed is tried again with the same spec, 1 s after the first failure and twice as
+// long after each next one (5 min at most): what failed for a while (memory another load held, a
+// checkpoint's volume not mounted yet) heals without an operator. Meanwhile it stays kFailed and
+// says why, to calls and to the coordinator.
+//
 // Versions: a record holds one load per table version - the serving one (what the coordinator's
 // `tables` say), a next one being loaded beside it and older ones kept (`other_versions`). Each
 // load has its own phase; the record's phase is its serving version's. When the coordinator
@@ -31,6 +36,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "core/sharded_table.h"
 #include "core/table_config.h"
 #include "core/table_source.h"
@@ -77,12 +83,13 @@ class TableLifecycle : public core::TableSource {
   // come sequenced from the coordinator, not from clients.
   bool Replicated(const std::string& name) const;
 
-  // What the reconcile thread must do to hold what is wanted. Forgets the errors of tables no
-  // longer wanted.
-  Plan NextPlan();
+  // What the reconcile thread must do at `now` to hold what is wanted (failed loads whose retry
+  // is due among the loads). Forgets the errors of tables no longer wanted.
+  Plan NextPlan(absl::Time now);
   void Dropped(const std::string& name, uint64_t version);
   void Loaded(const v1::TableSpec& spec, std::shared_ptr<core::ShardedTable> shard);
-  void LoadFailed(const v1::TableSpec& spec, const absl::Status& error);
+  // Loading `spec` failed at `now`: its next try is due after the backoff.
+  void LoadFailed(const v1::TableSpec& spec, const absl::Status& error, absl::Time now);
 
   // The shard of `name` as loaded from the spec of `generation` (NOT_FOUND if this rank holds
   // none; ABORTED if it holds another load).
@@ -116,6 +123,8 @@ class TableLifecycle : public core::TableSource {
     std::shared_ptr<core::ShardedTable> shard;        // kLoaded
     std::shared_ptr<const core::TableConfig> config;  // kLoaded
     absl::Status error;                               // kFailed
+    int failures = 0;          // kFailed: tries of this spec that failed in a row
+    absl::Time retry_at;       // kFailed: when the next is due
     std::optional<uint64_t> roll_back;  // to be reloaded from its log up to this position
   };
   struct Record {

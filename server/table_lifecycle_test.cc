@@ -50,7 +50,7 @@ class TableLifecycleTest : public ::testing::Test {
   }
   // Runs the reconcile thread's plan: drops, then loads (every load succeeds).
   void Reconcile() {
-    TableLifecycle::Plan plan = tables_.NextPlan();
+    TableLifecycle::Plan plan = tables_.NextPlan(now_);
     for (const auto& [name, version] : plan.drops) tables_.Dropped(name, version);
     for (const v1::TableSpec& spec : plan.loads) tables_.Loaded(spec, Load(spec));
   }
@@ -63,6 +63,7 @@ class TableLifecycleTest : public ::testing::Test {
 
   core::CpuKernels kernels_;
   TableLifecycle tables_{0};
+  absl::Time now_ = absl::FromUnixSeconds(1000);
 };
 
 TEST_F(TableLifecycleTest, ATableGoesFromLoadingToLoadedToServing) {
@@ -105,7 +106,7 @@ TEST_F(TableLifecycleTest, ANewGenerationReplacesTheLoadAndADroppedTableGoes) {
   tables_.Want(Reply({Spec("t", 2)}));
   // Until the reconcile thread replaces it, calls are retried (UNAVAILABLE), not refused.
   EXPECT_EQ(AdmitCode("t"), absl::StatusCode::kUnavailable);
-  TableLifecycle::Plan plan = tables_.NextPlan();
+  TableLifecycle::Plan plan = tables_.NextPlan(now_);
   EXPECT_EQ(plan.drops, (std::vector<std::pair<std::string, uint64_t>>{{"t", 0}}));
   ASSERT_EQ(plan.loads.size(), 1u);
   EXPECT_EQ(plan.loads[0].generation(), 2u);
@@ -121,28 +122,63 @@ TEST_F(TableLifecycleTest, ANewGenerationReplacesTheLoadAndADroppedTableGoes) {
   EXPECT_TRUE(tables_.Phases().empty());
 }
 
-TEST_F(TableLifecycleTest, ALoadThatFailedIsRefusedUntilANewGenerationIsWanted) {
-  tables_.Want(Reply({Spec("t", 1)}));
-  TableLifecycle::Plan plan = tables_.NextPlan();
-  tables_.LoadFailed(plan.loads[0], absl::ResourceExhaustedError("cannot allocate"));
+// A failed load is refused as such, and tried again with the same spec after a backoff that
+// doubles (1 s, 2 s, ... 5 min at most), one try at a time; a new generation is loaded at once.
+TEST_F(TableLifecycleTest, ALoadThatFailedIsRefusedAndTriedAgainAfterABackoff) {
+  tables_.Want(Reply({Spec("t", 1)}, {"t"}));
+  TableLifecycle::Plan plan = tables_.NextPlan(now_);
+  tables_.LoadFailed(plan.loads[0], absl::ResourceExhaustedError("cannot allocate"), now_);
   EXPECT_EQ(tables_.Phases().at("t"), Phase::kFailed);
   EXPECT_THAT(std::string(tables_.Admit("t").status().message()),
               HasSubstr("could not be loaded on rank 0: cannot allocate"));
-  EXPECT_TRUE(tables_.NextPlan().loads.empty());  // not retried with the same spec
+  EXPECT_EQ(AdmitCode("t"), absl::StatusCode::kFailedPrecondition);
   v1::internal::HeartbeatRequest report;
   tables_.Report(report);
   ASSERT_EQ(report.load_errors_size(), 1);
   EXPECT_EQ(report.load_errors(0).generation(), 1u);
   EXPECT_EQ(report.load_errors(0).code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  // Tries 2 .. 11 come 1, 2, 4, ... 256 s, then 300 s, after the one before failed.
+  absl::Time failed = now_;
+  for (absl::Duration backoff :
+       {absl::Seconds(1), absl::Seconds(2), absl::Seconds(4), absl::Seconds(8), absl::Seconds(16),
+        absl::Seconds(32), absl::Seconds(64), absl::Seconds(128), absl::Seconds(256),
+        absl::Seconds(300), absl::Seconds(300)}) {
+    EXPECT_TRUE(tables_.NextPlan(failed + backoff - absl::Milliseconds(1)).loads.empty())
+        << backoff;
+    plan = tables_.NextPlan(failed + backoff);
+    ASSERT_EQ(plan.loads.size(), 1u) << backoff;
+    EXPECT_EQ(plan.loads[0].generation(), 1u);
+    // While it is tried, it stays failed, and no second try starts.
+    EXPECT_TRUE(tables_.NextPlan(failed + absl::Hours(1)).loads.empty());
+    EXPECT_EQ(AdmitCode("t"), absl::StatusCode::kFailedPrecondition);
+    failed += backoff;
+    tables_.LoadFailed(plan.loads[0], absl::ResourceExhaustedError("cannot allocate"), failed);
+  }
+  // Once a try succeeds, the table serves.
+  plan = tables_.NextPlan(failed + absl::Minutes(5));
+  ASSERT_EQ(plan.loads.size(), 1u);
+  tables_.Loaded(plan.loads[0], Load(plan.loads[0]));
+  EXPECT_EQ(tables_.Phases().at("t"), Phase::kServing);
+  EXPECT_TRUE(tables_.Admit("t").ok());
+  report.Clear();
+  tables_.Report(report);
+  EXPECT_EQ(report.load_errors_size(), 0);
+  // Failing again later starts the backoff over.
+  tables_.Want(Reply({Spec("t", 2)}));
+  plan = tables_.NextPlan(now_);
+  ASSERT_EQ(plan.loads.size(), 1u);
+  tables_.Dropped("t", 0);
+  tables_.LoadFailed(plan.loads[0], absl::InternalError("disk"), now_);
+  EXPECT_EQ(tables_.NextPlan(now_ + absl::Seconds(1)).loads.size(), 1u);
   // Another rank's failure is said by the coordinator.
   auto reply = Reply({Spec("u", 1)});
   (*reply.mutable_load_errors())["u"] = "rank 1: no memory";
-  *reply.add_tables() = Spec("t", 2);
+  *reply.add_tables() = Spec("t", 3);
   tables_.Want(reply);
   EXPECT_THAT(std::string(tables_.Admit("u").status().message()),
               HasSubstr("could not be loaded on every rank: rank 1: no memory"));
-  // A new generation of the failed one is loaded afresh.
-  plan = tables_.NextPlan();
+  // A new generation of the failed one is loaded afresh, at once.
+  plan = tables_.NextPlan(now_);
   ASSERT_EQ(plan.loads.size(), 2u);
   EXPECT_TRUE(plan.drops.empty());
   EXPECT_EQ(tables_.Phases().at("t"), Phase::kLoading);
@@ -160,7 +196,7 @@ TEST_F(TableLifecycleTest, ARenormUnsureTableLeavesTheStepLoopUntilItsNextGenera
   EXPECT_TRUE(tables_.Tables()->tables.empty());
   EXPECT_THAT(std::string(tables_.Admit("t").status().message()),
               HasSubstr("being loaded again on every rank"));
-  EXPECT_TRUE(tables_.NextPlan().loads.empty());  // waits for the coordinator
+  EXPECT_TRUE(tables_.NextPlan(now_).loads.empty());  // waits for the coordinator
   v1::internal::HeartbeatRequest report;
   tables_.Report(report);
   ASSERT_EQ(report.renorm_unsure_size(), 1);

@@ -443,7 +443,7 @@ void Worker::ReconcileLoop() {
         forming_epoch_ = epoch;
       }
     }
-    const TableLifecycle::Plan plan = tables_.NextPlan();
+    const TableLifecycle::Plan plan = tables_.NextPlan(absl::Now());
     int load_world = 0;
     {
       absl::MutexLock lock(&mu_);
@@ -476,7 +476,7 @@ void Worker::ReconcileLoop() {
           absl::StatusOr<std::shared_ptr<core::ShardedTable>> table =
               LoadShard(spec, load_world, max_agreed);
           if (!table.ok()) {
-            tables_.LoadFailed(spec, table.status());
+            tables_.LoadFailed(spec, table.status(), absl::Now());
             continue;
           }
           tables_.Loaded(spec, *std::move(table));

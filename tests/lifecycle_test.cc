@@ -237,14 +237,17 @@ TEST(Cluster, CoordinatorRestartKeepsTables) {
 }
 
 // A restarted worker that cannot load a table (its checkpoint is gone) leaves it unservable: every
-// rank then says so with FAILED_PRECONDITION, not with an UNAVAILABLE that clients would retry.
-TEST(Cluster, ATableARestartedWorkerCannotLoadIsRefusedAsSuchOnEveryRank) {
+// rank then says so with FAILED_PRECONDITION, not with an UNAVAILABLE that clients would retry. The
+// worker tries the load again, backing off: once the checkpoint is back, the table serves again
+// with no one's help.
+TEST(Cluster, ATableARestartedWorkerCannotLoadIsRefusedAsSuchUntilItCan) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);
   auto c = Connect(*cluster);
   Table emb = MakeTable("gone", v1::TABLE_KIND_EMBEDDING, 40, 6, 1, {0, 1}, TempDir());
   ASSERT_TRUE(c->CreateTable(emb.spec).ok());
-  ASSERT_EQ(std::remove(emb.spec.checkpoint().c_str()), 0);
+  const std::string away = emb.spec.checkpoint() + ".away";
+  ASSERT_EQ(std::rename(emb.spec.checkpoint().c_str(), away.c_str()), 0);
   ASSERT_TRUE(cluster->KillWorker(1, SIGKILL).ok());
   ASSERT_TRUE(cluster->StartWorker(1).ok());
   v1::EmbeddingRequest request;
@@ -263,6 +266,19 @@ TEST(Cluster, ATableARestartedWorkerCannotLoadIsRefusedAsSuchOnEveryRank) {
     return status.error_code() == grpc::StatusCode::FAILED_PRECONDITION;
   }, absl::Seconds(20)));
   EXPECT_THAT(status.error_message(), HasSubstr("could not be loaded on every rank"));
+  absl::StatusOr<v1::TableInfo> info = c->DescribeTable("gone");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state(), v1::TABLE_STATE_FAILED);
+  // The checkpoint is back (its volume mounted late, say): a later try loads it.
+  ASSERT_EQ(std::rename(away.c_str(), emb.spec.checkpoint().c_str()), 0);
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return Health(cluster->coordinator_address(), "shardserve.v1.table/gone") ==
+               grpc::health::v1::HealthCheckResponse::SERVING;
+      },
+      absl::Seconds(30)))
+      << ClusterLogs(*cluster);
+  CheckOps(*c, emb, "once the checkpoint is back");
 }
 
 // max_norm renorms stored rows in place at lookup. A worker that restarts loads its shards anew
