@@ -7,10 +7,12 @@
 // syncs it. An update is done once every rank answered. The report is shardserve-load's.
 //
 // Without --sequencer the same shares go out unordered (to echo_server --log_dir ranks): what
-// ordering and applying cost, side by side.
+// ordering and applying cost, side by side. With --qps the callers send at that rate in all
+// (open loop, as shardserve-load --qps) instead of each as soon as its last update is done.
 //
 //   fanout_client [--sequencer=HOST:PORT] --ranks=A,B,C,D --world=2 --rows=100000 --dim=128
-//       [--update_rows=512] [--concurrency=16] [--warmup_s=1] [--duration_s=5] [--report=F]
+//       [--update_rows=512] [--concurrency=16] [--qps=Q] [--warmup_s=1] [--duration_s=5]
+//       [--report=F]
 #include <atomic>
 #include <cstdint>
 #include <algorithm>
@@ -20,6 +22,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -47,6 +50,9 @@ ABSL_FLAG(int64_t, rows, 100000, "the table's rows");
 ABSL_FLAG(int64_t, dim, 128, "the table's columns (D)");
 ABSL_FLAG(int64_t, update_rows, 512, "rows per update");
 ABSL_FLAG(int, concurrency, 16, "callers, each with one update in flight");
+ABSL_FLAG(double, qps, 0,
+          "updates per second in all, spread over the callers (0: each caller sends its next "
+          "update as soon as its last one is done)");
 ABSL_FLAG(double, warmup_s, 1, "seconds not measured");
 ABSL_FLAG(double, duration_s, 5, "seconds measured");
 ABSL_FLAG(int, deadline_ms, 10000, "each call's deadline");
@@ -93,6 +99,31 @@ class Caller {
       ++s_.finished;
       return;
     }
+    Begin();
+  }
+
+  // Paced: sends an update at each of this caller's slots, `period` apart from `first`, on the
+  // calling thread (one update in flight: a slot that comes while it is waits for it).
+  void RunPaced(absl::Time first, absl::Duration period) {
+    for (absl::Time slot = first; slot < s_.end; slot += period) {
+      absl::SleepFor(slot - absl::Now());
+      {
+        absl::MutexLock lock(&mu_);
+        busy_ = true;
+      }
+      Begin();
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(+[](bool* busy) { return !*busy; }, &busy_));
+    }
+    absl::MutexLock lock(&s_.mu);
+    ++s_.finished;
+  }
+
+  void set_paced() { paced_ = true; }
+
+ private:
+  // Sends one update: its place first, when there is a sequencer.
+  void Begin() {
     sent_ = absl::Now();
     code_ = 0;
     if (s_.sequencer == nullptr) return Send("");
@@ -101,7 +132,13 @@ class Caller {
                             &answer_, [this](grpc::Status status) { Sequenced(status); });
   }
 
- private:
+  // An update is done: the next one now, or at this caller's next slot.
+  void Next() {
+    if (!paced_) return Start();
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
+  }
+
   std::unique_ptr<grpc::ClientContext> Context() const {
     auto context = std::make_unique<grpc::ClientContext>();
     context->set_deadline(absl::ToChronoTime(absl::Now() + s_.deadline));
@@ -114,7 +151,7 @@ class Caller {
         !grpc::SerializationTraits<v1::UpdateRowsResponse>::Deserialize(&answer_, &place).ok()) {
       s_.stats->Record(sent_, absl::Now(), status.ok() ? grpc::StatusCode::INTERNAL
                                                        : status.error_code(), 0);
-      return Start();
+      return Next();
     }
     Send(std::to_string(place.sequence()));
   }
@@ -140,7 +177,7 @@ class Caller {
     if (remaining_.fetch_sub(1) != 1) return;
     const int code = code_.load();
     s_.stats->Record(sent_, absl::Now(), code, code == 0 ? s_.rows_per_update : 0);
-    Start();
+    Next();
   }
 
   Shared& s_;
@@ -152,6 +189,9 @@ class Caller {
   std::vector<grpc::ByteBuffer> responses_;
   std::atomic<int> remaining_{0};
   std::atomic<int> code_{0};
+  bool paced_ = false;
+  absl::Mutex mu_;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // paced: an update is in flight
 };
 
 int Main(int argc, char** argv) {
@@ -163,8 +203,9 @@ int Main(int argc, char** argv) {
   const int64_t rows = absl::GetFlag(FLAGS_rows), dim = absl::GetFlag(FLAGS_dim);
   const int64_t k = absl::GetFlag(FLAGS_update_rows);
   const int concurrency = absl::GetFlag(FLAGS_concurrency);
+  const double qps = absl::GetFlag(FLAGS_qps);
   if (ranks.empty() || world < 1 || dim % world != 0 ||
-      ranks.size() % world != 0 || rows < 1 || k < 1 || concurrency < 1) {
+      ranks.size() % world != 0 || rows < 1 || k < 1 || concurrency < 1 || !(qps >= 0)) {
     std::fprintf(stderr,
                  "usage: fanout_client [--sequencer=HOST:PORT] --ranks=A,B,... --world=W (dividing "
                  "the ranks and --dim) [--rows --dim --update_rows --concurrency ...]\n");
@@ -220,7 +261,17 @@ int Main(int argc, char** argv) {
   s.stats = &stats;
   std::vector<std::unique_ptr<Caller>> callers;
   for (int c = 0; c < concurrency; ++c) callers.push_back(std::make_unique<Caller>(s, c));
-  for (auto& c : callers) c->Start();
+  std::vector<std::thread> pacers;
+  if (qps > 0) {
+    // Caller c sends at start + (c + i * concurrency) / qps: together, one update every 1 / qps.
+    for (int c = 0; c < concurrency; ++c) {
+      callers[c]->set_paced();
+      pacers.emplace_back(&Caller::RunPaced, callers[c].get(), start + absl::Seconds(c / qps),
+                          absl::Seconds(concurrency / qps));
+    }
+  } else {
+    for (auto& c : callers) c->Start();
+  }
   // Every caller stops by the end plus one deadline: a call outlives neither.
   {
     absl::MutexLock lock(&s.mu);
@@ -234,6 +285,7 @@ int Main(int argc, char** argv) {
       std::_Exit(1);
     }
   }
+  for (std::thread& t : pacers) t.join();
   const double measured = absl::ToDoubleSeconds(s.end - measure_from);
   std::fprintf(stderr, "fanout_client: %lld updates, %.0f rows/s, p50 %.0f us, p99 %.0f us\n",
                static_cast<long long>(stats.calls()), stats.items() / measured,
@@ -241,9 +293,9 @@ int Main(int argc, char** argv) {
   if (const std::string path = absl::GetFlag(FLAGS_report); !path.empty()) {
     const std::string config = absl::StrFormat(
         "\"sequenced\": %s, \"ranks\": %d, \"world\": %d, \"update_rows\": %d, "
-        "\"concurrency\": %d",
+        "\"concurrency\": %d, \"qps\": %g",
         s.sequencer != nullptr ? "true" : "false", static_cast<int>(ranks.size()), world, k,
-        concurrency);
+        concurrency, qps);
     std::ofstream(path) << client::ReportJson(config, stats, s.end - measure_from, "rows");
   }
   // The last callbacks may still be returning on gRPC's threads: leave without destroying the

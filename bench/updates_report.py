@@ -42,6 +42,12 @@ print(f"lookups alone {alone:,.0f} bags/s (p99 {p99_alone:,.0f} us); with update
       f"{mixed:,.0f} bags/s (p99 {p99_mixed:,.0f} us): {mixed / alone:.0%} of the read-only rate "
       f"(target >= 70 %), p99 {p99_mixed / p99_alone:.2f}x (target <= 2x); updates then "
       f"{med('updates_at_20pct', 'rows_per_s'):,.0f} rows/s")
+for fan, what in (("same", "at shardserve's rate"), ("own", "at 20 % of its own rate")):
+    got = med(f"reads_with_ordered_fanout_{fan}", "bags_per_s")
+    p99 = med(f"reads_with_ordered_fanout_{fan}", "p99_us", "latency")
+    print(f"ceiling: the same lookups beside the ordered fan-out's updates {what} "
+          f"({med(f'ordered_fanout_{fan}', 'rows_per_s'):,.0f} rows/s): {got:,.0f} bags/s "
+          f"(p99 {p99:,.0f} us): {got / alone:.0%} of the read-only rate, p99 {p99 / p99_alone:.2f}x")
 errors = {case: sum(sum(r["errors_by_code"].values()) for r in reports)
           for case, reports in runs.items()}
 print("failed calls by case: " + ", ".join(f"{c} {n}" for c, n in errors.items()))
