@@ -214,9 +214,12 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
   const ChannelSecurity channels_;  // how shards are read from the workers
 };
 
-class Coordinator::InternalService final : public v1::internal::CoordinatorInternal::Service {
+class Coordinator::InternalService final
+    : public v1::internal::CoordinatorInternal::WithCallbackMethod_ForwardUpdate<
+          v1::internal::CoordinatorInternal::Service> {
  public:
-  explicit InternalService(ControlPlane& control) : control_(control) {}
+  InternalService(ControlPlane& control, ForwardingService& forwarding)
+      : control_(control), forwarding_(forwarding) {}
 
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::internal::HeartbeatRequest* request,
                          v1::internal::HeartbeatResponse* response) override {
@@ -238,8 +241,40 @@ class Coordinator::InternalService final : public v1::internal::CoordinatorInter
     return ToGrpcStatus(value.status());
   }
 
+  // As the data API's UpdateRows, holding no thread while the replicas apply it.
+  grpc::ServerUnaryReactor* ForwardUpdate(grpc::CallbackServerContext* context,
+                                          const v1::UpdateRowsRequest* request,
+                                          v1::UpdateRowsResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    grpc::ByteBuffer bytes;
+    bool own = false;
+    if (grpc::Status s =
+            grpc::SerializationTraits<v1::UpdateRowsRequest>::Serialize(*request, &bytes, &own);
+        !s.ok()) {
+      reactor->Finish(s);
+      return reactor;
+    }
+    const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
+                                         absl::Now() + absl::Seconds(60));
+    forwarding_.Update(bytes, deadline,
+                       [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
+                         if (status.ok() &&
+                             !grpc::SerializationTraits<v1::UpdateRowsResponse>::Deserialize(
+                                  &answer, response)
+                                  .ok()) {
+                           reactor->Finish(grpc::Status(grpc::StatusCode::INTERNAL,
+                                                        "a replica's answer to an update does "
+                                                        "not parse"));
+                           return;
+                         }
+                         reactor->Finish(status);
+                       });
+    return reactor;
+  }
+
  private:
   ControlPlane& control_;
+  ForwardingService& forwarding_;
 };
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptions options) {
@@ -258,8 +293,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(CoordinatorOptio
   SHARDSERVE_ASSIGN_OR_RETURN(ChannelSecurity channels, MakeChannelSecurity(options.security));
   SHARDSERVE_ASSIGN_OR_RETURN(c->control_, ControlPlane::Create(std::move(control)));
   c->admin_ = std::make_unique<AdminService>(*c->control_, channels);
-  c->internal_ = std::make_unique<InternalService>(*c->control_);
   c->forwarding_ = std::make_unique<ForwardingService>(*c->control_, channels);
+  c->internal_ = std::make_unique<InternalService>(*c->control_, *c->forwarding_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

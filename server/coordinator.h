@@ -24,6 +24,8 @@
 
 namespace shardserve::server {
 
+class ForwardingService;  // server/forwarding_service.h
+
 struct CoordinatorOptions {
   std::string listen = "127.0.0.1:50051";
   int groups = 1;      // replica groups
@@ -65,7 +67,7 @@ class Coordinator {
   std::unique_ptr<ControlPlane> control_;
   std::unique_ptr<AdminService> admin_;
   std::unique_ptr<InternalService> internal_;
-  std::unique_ptr<grpc::Service> forwarding_;
+  std::unique_ptr<ForwardingService> forwarding_;
   std::unique_ptr<ServerSecurity> security_;  // the port's credentials and access check
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

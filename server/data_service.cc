@@ -266,6 +266,13 @@ class DataService::StreamCall final : public Caller {
         break;
       case v1::StreamRequest::kUpdateRows:
         method = CallMetrics::Method::kUpdateRows;
+        if (MayUpdate(context_) && service_.forward_ != nullptr &&
+            service_.tables_.Replicated(request.update_rows().table())) {
+          Forward(id, request.update_rows(), received);
+          ReadNext();
+          MaybeEnd();
+          return;
+        }
         step = MayUpdate(context_)
                    ? service_.Prepare(request.update_rows(), table)
                    : absl::PermissionDeniedError(
@@ -302,12 +309,43 @@ class DataService::StreamCall final : public Caller {
     MaybeEnd();  // when stopping, reads end here
   }
 
+  // A replicated table's update: to the coordinator, which gives it its place in the table's
+  // stream and applies it on every replica (this one too); answered here once it is done.
+  void Forward(uint64_t id, const v1::UpdateRowsRequest& update, absl::Time received) {
+    ++outstanding_;
+    ++forwarding_;
+    service_.forward_(
+        update, std::min(deadline_, absl::Now() + absl::Seconds(60)),
+        [this, id, received, table = update.table()](
+            absl::StatusOr<v1::UpdateRowsResponse> answer) mutable {
+          service_.HandBack([this, id, received, table = std::move(table),
+                             answer = std::move(answer)]() {
+            const int code = static_cast<int>(answer.status().code());
+            service_.metrics_.Done(CallMetrics::Method::kUpdateRows, true, table, code,
+                                   absl::Now() - received);
+            --outstanding_;
+            --forwarding_;
+            Respond(answer.ok() ? EncodeStreamUpdateResponse(id, answer->version(),
+                                                             answer->sequence())
+                                : EncodeStreamResponse(id, answer.status()),
+                    0);
+            ResumeReading();
+            MaybeEnd();
+          });
+        });
+  }
+
   // Reads the next request unless kWindow requests are queued for steps or not yet written, or
-  // their answers reach this stream's or the worker's bound: a client that sends without reading
-  // its answers is held back by flow control, not buffered.
+  // their answers reach this stream's or the worker's bound, or kForwardWindow updates are with
+  // the coordinator: a client that sends without reading its answers is held back by flow
+  // control, not buffered.
   void ReadNext() {
     if (service_.stopped_) {
       reads_done_ = true;
+      return;
+    }
+    if (forwarding_ >= kForwardWindow) {
+      read_paused_ = true;
       return;
     }
     const DataServiceOptions& bounds = service_.options_;
@@ -402,7 +440,11 @@ class DataService::StreamCall final : public Caller {
   bool write_failed_ = false;
   bool reads_done_ = false;
   bool finishing_ = false;
-  int outstanding_ = 0;  // requests queued for steps, not answered yet
+  int outstanding_ = 0;  // requests queued for steps or forwarded, not answered yet
+  int forwarding_ = 0;   // updates with the coordinator (Forward)
+  // Forwarded updates in flight per stream: each holds its request (up to the 64 MiB a message
+  // may be) until the replicas answer, and reserves no answer bytes.
+  static constexpr int kForwardWindow = 16;
 };
 
 DataService::DataService(const TableLifecycle& tables, const core::InputLimits& limits,

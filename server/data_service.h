@@ -23,6 +23,7 @@
 #define SHARDSERVE_SERVER_DATA_SERVICE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <thread>
@@ -87,6 +88,16 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   // after its sequence now.
   void ResetSequence(const std::string& table);
 
+  // Sends `update` of a replicated table to the coordinator, which sequences it for every
+  // replica (CoordinatorInternal.ForwardUpdate); `done` runs once, on any thread, before the
+  // worker stops this service.
+  using UpdateForwarder = std::function<void(
+      const v1::UpdateRowsRequest& update, absl::Time deadline,
+      absl::AnyInvocable<void(absl::StatusOr<v1::UpdateRowsResponse>)> done)>;
+  // Set before Start: a Stream's update_rows of a replicated table go there (a Stream's requests
+  // all go to the worker it is on). Without it they are refused, as unary calls' are.
+  void SetUpdateForwarder(UpdateForwarder forward) { forward_ = std::move(forward); }
+
   // core::ResponseSink.
   void Deliver(const core::StepRequest& request, absl::StatusOr<core::DenseResult> answer) override;
   void Flush() override;
@@ -131,6 +142,7 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   int64_t answer_bytes_ = 0;             // reserved over all calls (serving thread)
   std::vector<StreamCall*> paused_;      // streams waiting for the worker's bound (serving thread)
   core::StepLoop* loop_ = nullptr;
+  UpdateForwarder forward_;
   std::unique_ptr<grpc::ServerCompletionQueue> cq_;
   HealthService health_;  // served from cq_ too
   std::thread thread_;

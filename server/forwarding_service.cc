@@ -213,30 +213,27 @@ grpc::ServerUnaryReactor* ForwardingService::UpdateRows(grpc::CallbackServerCont
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<std::string> table =
-      TableOfRequest(*request, "shardserve.v1.UpdateRowsRequest");
-  absl::StatusOr<v1::TableSpec> spec =
-      table.ok() ? control_.SpecOf(*table) : absl::StatusOr<v1::TableSpec>(table.status());
-  if (!spec.ok()) {
-    reactor->Finish(ToGrpcStatus(spec.status()));
-    return reactor;
-  }
   const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
                                        absl::Now() + absl::Seconds(60));
-  if (control_.Replicated(*spec)) {  // one stream for every replica, sequenced here
-    sequencer_.Update(*request, *std::move(spec), deadline,
-                      [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
-                        *response = std::move(answer);
-                        reactor->Finish(status);
-                      });
-    return reactor;
-  }
-  update_caller_.Call(*table, "/shardserve.v1.DataService/UpdateRows", *request, deadline,
-                      [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
-                        *response = std::move(answer);
-                        reactor->Finish(status);
-                      });
+  Update(*request, deadline,
+         [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
+           *response = std::move(answer);
+           reactor->Finish(status);
+         });
   return reactor;
+}
+
+void ForwardingService::Update(const grpc::ByteBuffer& request, absl::Time deadline,
+                               UpdateSequencer::Done done) {
+  absl::StatusOr<std::string> table = TableOfRequest(request, "shardserve.v1.UpdateRowsRequest");
+  absl::StatusOr<v1::TableSpec> spec =
+      table.ok() ? control_.SpecOf(*table) : absl::StatusOr<v1::TableSpec>(table.status());
+  if (!spec.ok()) return done(ToGrpcStatus(spec.status()), grpc::ByteBuffer());
+  if (control_.Replicated(*spec)) {  // one stream for every replica, sequenced here
+    return sequencer_.Update(request, *std::move(spec), deadline, std::move(done));
+  }
+  update_caller_.Call(*table, "/shardserve.v1.DataService/UpdateRows", request, deadline,
+                      std::move(done));
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardingService::Stream(

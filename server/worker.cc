@@ -125,6 +125,76 @@ Worker::Worker(WorkerOptions options)
       incarnation_(std::random_device{}() ^ static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()))),
       tables_(options_.rank) {}
 
+// Sends the updates of replicated tables that clients put in Streams to the coordinator
+// (CoordinatorInternal.ForwardUpdate), which sequences them for every replica. Stop cancels those
+// in flight and returns once each one's `done` has run, so that none reaches the data service
+// after it stopped.
+class Worker::UpdateForwarder {
+ public:
+  using Done = absl::AnyInvocable<void(absl::StatusOr<v1::UpdateRowsResponse>)>;
+
+  explicit UpdateForwarder(std::shared_ptr<v1::internal::CoordinatorInternal::Stub> coordinator)
+      : coordinator_(std::move(coordinator)) {}
+
+  void Forward(const v1::UpdateRowsRequest& update, absl::Time deadline, Done done) {
+    auto call = std::make_shared<Call>();
+    call->request = update;
+    call->done = std::move(done);
+    call->context.set_deadline(absl::ToChronoTime(deadline));
+    bool taken = false;
+    {
+      absl::MutexLock lock(&state_->mu);
+      taken = !state_->stopped;
+      if (taken) state_->calls.insert(call);
+    }
+    if (!taken) {
+      return call->done(absl::UnavailableError("the worker is stopping; the update was not sent"));
+    }
+    coordinator_->async()->ForwardUpdate(
+        &call->context, &call->request, &call->response,
+        [state = state_, call](grpc::Status status) {
+          call->done(status.ok() ? absl::StatusOr<v1::UpdateRowsResponse>(std::move(call->response))
+                                 : FromGrpcStatus(status));
+          absl::MutexLock lock(&state->mu);
+          state->calls.erase(call);
+        });
+  }
+
+  void Stop() {
+    std::vector<std::shared_ptr<Call>> calls;
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->stopped = true;
+      calls.assign(state_->calls.begin(), state_->calls.end());
+    }
+    for (const std::shared_ptr<Call>& call : calls) call->context.TryCancel();
+    absl::MutexLock lock(&state_->mu);
+    const auto none = [this] {
+      state_->mu.AssertHeld();
+      return state_->calls.empty();
+    };
+    if (!state_->mu.AwaitWithTimeout(absl::Condition(&none), absl::Seconds(10))) {
+      LOG(WARNING) << state_->calls.size() << " forwarded updates did not end when cancelled";
+    }
+  }
+
+ private:
+  struct Call {
+    grpc::ClientContext context;
+    v1::UpdateRowsRequest request;
+    v1::UpdateRowsResponse response;
+    Done done;
+  };
+  struct State {
+    absl::Mutex mu;
+    bool stopped ABSL_GUARDED_BY(mu) = false;
+    std::set<std::shared_ptr<Call>> calls ABSL_GUARDED_BY(mu);  // in flight
+  };
+
+  const std::shared_ptr<v1::internal::CoordinatorInternal::Stub> coordinator_;
+  const std::shared_ptr<State> state_ = std::make_shared<State>();  // outlives late callbacks
+};
+
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   if (options.coordinator.empty()) {
     return absl::InvalidArgumentError("--coordinator: the coordinator's address is required");
@@ -186,6 +256,12 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
   // Heartbeat replies list every table's spec: they may be large.
   w->coordinator_ = v1::internal::CoordinatorInternal::NewStub(
       CreateChannel(w->options_.coordinator, w->channels_));
+  w->forwarder_ = std::make_unique<UpdateForwarder>(w->coordinator_);
+  w->data_service_->SetUpdateForwarder(
+      [forwarder = w->forwarder_.get()](const v1::UpdateRowsRequest& update, absl::Time deadline,
+                                        UpdateForwarder::Done done) {
+        forwarder->Forward(update, deadline, std::move(done));
+      });
   w->internal_service_ = std::make_unique<InternalService>(*w);
 
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -279,6 +355,7 @@ void Worker::Shutdown() {
     v1::internal::HeartbeatResponse response;
     coordinator_->Heartbeat(&context, request, &response);  // if it is down, peers time out
   }
+  if (forwarder_) forwarder_->Stop();  // its answers go out through the data service
   if (loop_) loop_->Stop();  // absent when Start() failed early
   if (data_service_) data_service_->Stop();
 }

@@ -97,6 +97,7 @@ class Worker {
 
  private:
   class InternalService;
+  class UpdateForwarder;
   explicit Worker(WorkerOptions options);
   void HeartbeatLoop();
   void ReconcileLoop();
@@ -143,6 +144,7 @@ class Worker {
   std::unique_ptr<DataService> data_service_;
   std::unique_ptr<core::StepLoop> loop_;  // after what it reports into: destroyed first
   std::shared_ptr<v1::internal::CoordinatorInternal::Stub> coordinator_;
+  std::unique_ptr<UpdateForwarder> forwarder_;  // Streams' updates of replicated tables
   ChannelSecurity channels_;  // how it calls the coordinator and its peers
   std::unique_ptr<InternalService> internal_service_;
   std::unique_ptr<ServerSecurity> security_;  // the port's credentials and access check

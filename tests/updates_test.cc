@@ -863,6 +863,82 @@ TEST(Updates, AReplicaAddedOnlineIsRecoveredAndTakesTheStream) {
   expect_every_worker("after the coordinator restarted");
 }
 
+// A replicated table's updates in a Stream: the worker the stream is on hands them to the
+// coordinator, which sequences them for both replicas - straight to a worker, and in a stream the
+// coordinator relays. Pipelined updates come back with one sequence each, a lookup after their
+// answers sees them all, and every worker then answers the same bytes; a bad update is refused in
+// the stream, which goes on.
+TEST(Updates, AReplicatedTablesUpdatesInAStreamGoThroughTheCoordinator) {
+  std::unique_ptr<LocalCluster> cluster = StartGroups(2, TempDir());
+  ASSERT_NE(cluster, nullptr);
+  auto c = Connect(*cluster);
+  constexpr int64_t kRows = 40, kCols = 6;
+  Table t = MakeTable("rs", v1::TABLE_KIND_EMBEDDING, kRows, kCols, 1, {0, 1}, TempDir());
+  ASSERT_TRUE(c->CreateTable(t.spec).ok());
+  Stream reference{*cluster, *c, "rs", t.weight.clone()};
+  std::vector<int64_t> all(kRows);
+  for (int64_t i = 0; i < kRows; ++i) all[i] = i;
+  for (const std::string& address :
+       {cluster->worker_address(3), cluster->coordinator_address()}) {
+    SCOPED_TRACE(address);
+    auto stub = DataStub(address);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto stream = stub->Stream(&context);
+    constexpr uint64_t kUpdates = 24;
+    std::map<uint64_t, std::pair<std::vector<int64_t>, at::Tensor>> sent;  // by request id
+    for (uint64_t id = 1; id <= kUpdates; ++id) {
+      std::vector<int64_t> ids = {static_cast<int64_t>(reference.rng() % kRows), 7, 7};
+      const at::Tensor values = at::randn({3, kCols});
+      v1::StreamRequest request;
+      request.set_id(id);
+      *request.mutable_update_rows() = Request("rs", v1::ADD, ids, values);
+      ASSERT_TRUE(stream->Write(request));
+      sent[id] = {std::move(ids), values};
+    }
+    std::map<uint64_t, uint64_t> ids_by_sequence;
+    for (uint64_t i = 0; i < kUpdates; ++i) {
+      v1::StreamResponse response;
+      ASSERT_TRUE(stream->Read(&response));
+      ASSERT_EQ(response.code(), 0) << response.message();
+      EXPECT_FALSE(response.has_output());
+      ids_by_sequence[response.sequence()] = response.id();
+    }
+    // One place each, right after the updates before: applied in that order everywhere.
+    ASSERT_EQ(ids_by_sequence.size(), kUpdates);
+    EXPECT_EQ(ids_by_sequence.begin()->first, reference.last + 1);
+    EXPECT_EQ(ids_by_sequence.rbegin()->first, reference.last + kUpdates);
+    for (const auto& [sequence, id] : ids_by_sequence) {
+      ApplyReference(reference.w, v1::ADD, sent[id].first, sent[id].second);
+    }
+    reference.last += kUpdates;
+    v1::StreamRequest bad;
+    bad.set_id(100);
+    *bad.mutable_update_rows() = Request("rs", v1::ADD, {kRows}, at::randn({1, kCols}));
+    ASSERT_TRUE(stream->Write(bad));
+    v1::StreamResponse refused;
+    ASSERT_TRUE(stream->Read(&refused));
+    EXPECT_EQ(refused.id(), 100u);
+    EXPECT_EQ(refused.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+    EXPECT_THAT(refused.message(), HasSubstr("out of range"));
+    v1::StreamRequest lookup;
+    lookup.set_id(101);
+    lookup.mutable_embedding()->set_table("rs");
+    *lookup.mutable_embedding()->mutable_ids() = client::Int64Tensor({kRows}, all);
+    ASSERT_TRUE(stream->Write(lookup));
+    v1::StreamResponse rows;
+    ASSERT_TRUE(stream->Read(&rows));
+    ASSERT_EQ(rows.code(), 0) << rows.message();
+    EXPECT_EQ(rows.sequence(), reference.last);
+    absl::StatusOr<client::DenseTensor> got = client::ToDense(rows.output());
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(SameBytes(FromDense(*got), reference.w));
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+    reference.ExpectEveryWorker("after the stream's updates");
+  }
+}
+
 // A table on one group gains a replica while writers update it: its workers stop taking updates,
 // the clients move them to the coordinator, which takes the stream over where it stood. No
 // acknowledged update is lost and none is applied twice; an update that failed was applied
