@@ -312,6 +312,11 @@ class DataService::StreamCall final : public Caller {
   // A replicated table's update: to the coordinator, which gives it its place in the table's
   // stream and applies it on every replica (this one too); answered here once it is done.
   void Forward(uint64_t id, const v1::UpdateRowsRequest& update, absl::Time received) {
+    // Its answer counts toward the stream's bounds as a step's would (AnswerBytes: an update
+    // answers no rows), so that unread answers hold the stream back here too.
+    constexpr int64_t kReserved = 64;
+    service_.Reserve(kReserved);
+    reserved_ += kReserved;
     ++outstanding_;
     ++forwarding_;
     service_.forward_(
@@ -328,7 +333,7 @@ class DataService::StreamCall final : public Caller {
             Respond(answer.ok() ? EncodeStreamUpdateResponse(id, answer->version(),
                                                              answer->sequence())
                                 : EncodeStreamResponse(id, answer.status()),
-                    0);
+                    kReserved);
             ResumeReading();
             MaybeEnd();
           });
@@ -443,7 +448,7 @@ class DataService::StreamCall final : public Caller {
   int outstanding_ = 0;  // requests queued for steps or forwarded, not answered yet
   int forwarding_ = 0;   // updates with the coordinator (Forward)
   // Forwarded updates in flight per stream: each holds its request (up to the 64 MiB a message
-  // may be) until the replicas answer, and reserves no answer bytes.
+  // may be) until the replicas answer.
   static constexpr int kForwardWindow = 16;
 };
 

@@ -127,8 +127,8 @@ Worker::Worker(WorkerOptions options)
 
 // Sends the updates of replicated tables that clients put in Streams to the coordinator
 // (CoordinatorInternal.ForwardUpdate), which sequences them for every replica. Stop cancels those
-// in flight and returns once each one's `done` has run, so that none reaches the data service
-// after it stopped.
+// in flight and returns once each one's `done` has run (under the state's lock), so that none
+// reaches the data service after it stopped; after 10 s it gives up and no `done` runs any more.
 class Worker::UpdateForwarder {
  public:
   using Done = absl::AnyInvocable<void(absl::StatusOr<v1::UpdateRowsResponse>)>;
@@ -153,9 +153,12 @@ class Worker::UpdateForwarder {
     coordinator_->async()->ForwardUpdate(
         &call->context, &call->request, &call->response,
         [state = state_, call](grpc::Status status) {
-          call->done(status.ok() ? absl::StatusOr<v1::UpdateRowsResponse>(std::move(call->response))
-                                 : FromGrpcStatus(status));
           absl::MutexLock lock(&state->mu);
+          if (!state->abandoned) {
+            call->done(status.ok()
+                           ? absl::StatusOr<v1::UpdateRowsResponse>(std::move(call->response))
+                           : FromGrpcStatus(status));
+          }
           state->calls.erase(call);
         });
   }
@@ -174,6 +177,8 @@ class Worker::UpdateForwarder {
       return state_->calls.empty();
     };
     if (!state_->mu.AwaitWithTimeout(absl::Condition(&none), absl::Seconds(10))) {
+      // What answers them is about to go: their streams are left unanswered instead.
+      state_->abandoned = true;
       LOG(WARNING) << state_->calls.size() << " forwarded updates did not end when cancelled";
     }
   }
@@ -188,6 +193,7 @@ class Worker::UpdateForwarder {
   struct State {
     absl::Mutex mu;
     bool stopped ABSL_GUARDED_BY(mu) = false;
+    bool abandoned ABSL_GUARDED_BY(mu) = false;  // Stop gave up waiting: `done`s are not run
     std::set<std::shared_ptr<Call>> calls ABSL_GUARDED_BY(mu);  // in flight
   };
 
