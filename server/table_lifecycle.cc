@@ -216,11 +216,13 @@ TableLifecycle::Plan TableLifecycle::NextPlan(absl::Time now) {
       if (held == r.loads.end() ||
           !SameLoad(held->second.spec, *spec)) {
         plan.loads.push_back(*spec);
-      } else if (Load& load = held->second;
-                 load.roll_back || (load.phase == Phase::kFailed && now >= load.retry_at)) {
+      } else if (Load& load = held->second; load.phase == Phase::kFailed
+                                                ? now >= load.retry_at
+                                                : load.roll_back.has_value()) {
+        // A reload to a roll-back position keeps its bound until a load succeeds (Loaded): a
+        // retry of one that failed must not replay the records after it.
         plan.loads.push_back(*spec);
         if (load.roll_back) plan.roll_back[{name, version}] = *load.roll_back;
-        load.roll_back.reset();
         if (load.phase == Phase::kFailed) load.retry_at = absl::InfiniteFuture();  // one at a time
       }
     }

@@ -125,7 +125,8 @@ class TableLifecycle : public core::TableSource {
     absl::Status error;                               // kFailed
     int failures = 0;          // kFailed: tries of this spec that failed in a row
     absl::Time retry_at;       // kFailed: when the next is due
-    std::optional<uint64_t> roll_back;  // to be reloaded from its log up to this position
+    // To be reloaded from its log up to this position (until a reload succeeds).
+    std::optional<uint64_t> roll_back;
   };
   struct Record {
     // From the coordinator.
