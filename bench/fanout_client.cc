@@ -7,13 +7,16 @@
 // syncs it. An update is done once every rank answered. The report is shardserve-load's.
 //
 // Without --sequencer the same shares go out unordered (to echo_server --log_dir ranks): what
-// ordering and applying cost, side by side. With --qps the callers send at that rate in all
-// (open loop, as shardserve-load --qps) instead of each as soon as its last update is done.
+// ordering and applying cost, side by side. With --qps the callers send at that rate in all,
+// each update timed from when it was due (open loop; each caller has one update in flight, so a
+// slot that comes while it is sends late and counts the wait), instead of each caller sending as
+// soon as its last update is done.
 //
 //   fanout_client [--sequencer=HOST:PORT] --ranks=A,B,C,D --world=2 --rows=100000 --dim=128
 //       [--update_rows=512] [--concurrency=16] [--qps=Q] [--warmup_s=1] [--duration_s=5]
 //       [--report=F]
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <algorithm>
 #include <cstdio>
@@ -111,7 +114,7 @@ class Caller {
         absl::MutexLock lock(&mu_);
         busy_ = true;
       }
-      Begin();
+      Begin(slot);  // latency from the slot: a late send counts its wait (open loop)
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(+[](bool* busy) { return !*busy; }, &busy_));
     }
@@ -122,9 +125,9 @@ class Caller {
   void set_paced() { paced_ = true; }
 
  private:
-  // Sends one update: its place first, when there is a sequencer.
-  void Begin() {
-    sent_ = absl::Now();
+  // Sends one update (its place first, when there is a sequencer), timed from `sent`.
+  void Begin(absl::Time sent = absl::Now()) {
+    sent_ = sent;
     code_ = 0;
     if (s_.sequencer == nullptr) return Send("");
     ask_context_ = Context();
@@ -205,7 +208,7 @@ int Main(int argc, char** argv) {
   const int concurrency = absl::GetFlag(FLAGS_concurrency);
   const double qps = absl::GetFlag(FLAGS_qps);
   if (ranks.empty() || world < 1 || dim % world != 0 ||
-      ranks.size() % world != 0 || rows < 1 || k < 1 || concurrency < 1 || !(qps >= 0)) {
+      ranks.size() % world != 0 || rows < 1 || k < 1 || concurrency < 1 || !std::isfinite(qps) || qps < 0) {
     std::fprintf(stderr,
                  "usage: fanout_client [--sequencer=HOST:PORT] --ranks=A,B,... --world=W (dividing "
                  "the ranks and --dim) [--rows --dim --update_rows --concurrency ...]\n");
