@@ -215,7 +215,7 @@ class Coordinator::AdminService final : public v1::AdminService::Service {
 };
 
 class Coordinator::InternalService final
-    : public v1::internal::CoordinatorInternal::WithCallbackMethod_ForwardUpdate<
+    : public v1::internal::CoordinatorInternal::WithRawCallbackMethod_ForwardUpdate<
           v1::internal::CoordinatorInternal::Service> {
  public:
   InternalService(ControlPlane& control, ForwardingService& forwarding)
@@ -241,32 +241,15 @@ class Coordinator::InternalService final
     return ToGrpcStatus(value.status());
   }
 
-  // As the data API's UpdateRows, holding no thread while the replicas apply it.
+  // As the data API's UpdateRows, on the request's bytes, holding no thread while the replicas
+  // apply it.
   grpc::ServerUnaryReactor* ForwardUpdate(grpc::CallbackServerContext* context,
-                                          const v1::UpdateRowsRequest* request,
-                                          v1::UpdateRowsResponse* response) override {
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    grpc::ByteBuffer bytes;
-    bool own = false;
-    if (grpc::Status s =
-            grpc::SerializationTraits<v1::UpdateRowsRequest>::Serialize(*request, &bytes, &own);
-        !s.ok()) {
-      reactor->Finish(s);
-      return reactor;
-    }
-    const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
-                                         absl::Now() + absl::Seconds(60));
-    forwarding_.Update(bytes, deadline,
+    forwarding_.Update(*request, absl::FromChrono(context->deadline()),
                        [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
-                         if (status.ok() &&
-                             !grpc::SerializationTraits<v1::UpdateRowsResponse>::Deserialize(
-                                  &answer, response)
-                                  .ok()) {
-                           reactor->Finish(grpc::Status(grpc::StatusCode::INTERNAL,
-                                                        "a replica's answer to an update does "
-                                                        "not parse"));
-                           return;
-                         }
+                         *response = std::move(answer);
                          reactor->Finish(status);
                        });
     return reactor;

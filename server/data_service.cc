@@ -266,19 +266,20 @@ class DataService::StreamCall final : public Caller {
         break;
       case v1::StreamRequest::kUpdateRows:
         method = CallMetrics::Method::kUpdateRows;
-        if (MayUpdate(context_) && service_.forward_ != nullptr &&
-            service_.tables_.Replicated(request.update_rows().table())) {
-          Forward(id, request.update_rows(), received);
+        if (!MayUpdate(context_)) {
+          step = absl::PermissionDeniedError(
+              "update_rows: not in a Stream on a port that checks identities (its roles are "
+              "checked for the whole stream, as a read): send updates with UpdateRows, which "
+              "takes the write role");
+        } else if (service_.forward_ != nullptr &&
+                   service_.tables_.Replicated(request.update_rows().table())) {
+          Forward(id, std::move(*request.mutable_update_rows()), received);
           ReadNext();
           MaybeEnd();
           return;
+        } else {
+          step = service_.Prepare(request.update_rows(), table);
         }
-        step = MayUpdate(context_)
-                   ? service_.Prepare(request.update_rows(), table)
-                   : absl::PermissionDeniedError(
-                         "update_rows: not in a Stream on a port that checks identities (its "
-                         "roles are checked for the whole stream, as a read): send updates "
-                         "with UpdateRows, which takes the write role");
         break;
       default:
         break;
@@ -311,7 +312,7 @@ class DataService::StreamCall final : public Caller {
 
   // A replicated table's update: to the coordinator, which gives it its place in the table's
   // stream and applies it on every replica (this one too); answered here once it is done.
-  void Forward(uint64_t id, const v1::UpdateRowsRequest& update, absl::Time received) {
+  void Forward(uint64_t id, v1::UpdateRowsRequest update, absl::Time received) {
     // Its answer counts toward the stream's bounds as a step's would (AnswerBytes: an update
     // answers no rows), so that unread answers hold the stream back here too.
     constexpr int64_t kReserved = 64;
@@ -319,9 +320,10 @@ class DataService::StreamCall final : public Caller {
     reserved_ += kReserved;
     ++outstanding_;
     ++forwarding_;
+    std::string table = update.table();
     service_.forward_(
-        update, std::min(deadline_, absl::Now() + absl::Seconds(60)),
-        [this, id, received, table = update.table()](
+        std::move(update), std::min(deadline_, absl::Now() + absl::Seconds(60)),
+        [this, id, received, table = std::move(table)](
             absl::StatusOr<v1::UpdateRowsResponse> answer) mutable {
           service_.HandBack([this, id, received, table = std::move(table),
                              answer = std::move(answer)]() {

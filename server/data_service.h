@@ -92,7 +92,7 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   // replica (CoordinatorInternal.ForwardUpdate); `done` runs once, on any thread, before the
   // worker stops this service.
   using UpdateForwarder = std::function<void(
-      const v1::UpdateRowsRequest& update, absl::Time deadline,
+      v1::UpdateRowsRequest update, absl::Time deadline,
       absl::AnyInvocable<void(absl::StatusOr<v1::UpdateRowsResponse>)> done)>;
   // Set before Start: a Stream's update_rows of a replicated table go there (a Stream's requests
   // all go to the worker it is on). Without it they are refused, as unary calls' are.

@@ -213,9 +213,7 @@ grpc::ServerUnaryReactor* ForwardingService::UpdateRows(grpc::CallbackServerCont
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
-                                       absl::Now() + absl::Seconds(60));
-  Update(*request, deadline,
+  Update(*request, absl::FromChrono(context->deadline()),
          [reactor, response](const grpc::Status& status, grpc::ByteBuffer answer) {
            *response = std::move(answer);
            reactor->Finish(status);
@@ -225,6 +223,7 @@ grpc::ServerUnaryReactor* ForwardingService::UpdateRows(grpc::CallbackServerCont
 
 void ForwardingService::Update(const grpc::ByteBuffer& request, absl::Time deadline,
                                UpdateSequencer::Done done) {
+  deadline = std::min(deadline, absl::Now() + absl::Seconds(60));  // never waits for ever
   absl::StatusOr<std::string> table = TableOfRequest(request, "shardserve.v1.UpdateRowsRequest");
   absl::StatusOr<v1::TableSpec> spec =
       table.ok() ? control_.SpecOf(*table) : absl::StatusOr<v1::TableSpec>(table.status());

@@ -45,8 +45,9 @@ class ForwardingService final : public RawDataService {
   grpc::ServerUnaryReactor* UpdateRows(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
-  // UpdateRows' work, for the serialized UpdateRowsRequest `request`: also for the updates
-  // workers took in Streams (CoordinatorInternal.ForwardUpdate). `done` runs once, on any thread.
+  // UpdateRows' work, for the serialized UpdateRowsRequest `request`, by `deadline` (a minute at
+  // most): also for the updates workers took in Streams (CoordinatorInternal.ForwardUpdate).
+  // `done` runs once, on any thread.
   void Update(const grpc::ByteBuffer& request, absl::Time deadline, UpdateSequencer::Done done);
 
  private:

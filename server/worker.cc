@@ -136,9 +136,9 @@ class Worker::UpdateForwarder {
   explicit UpdateForwarder(std::shared_ptr<v1::internal::CoordinatorInternal::Stub> coordinator)
       : coordinator_(std::move(coordinator)) {}
 
-  void Forward(const v1::UpdateRowsRequest& update, absl::Time deadline, Done done) {
+  void Forward(v1::UpdateRowsRequest update, absl::Time deadline, Done done) {
     auto call = std::make_shared<Call>();
-    call->request = update;
+    call->request = std::move(update);
     call->done = std::move(done);
     call->context.set_deadline(absl::ToChronoTime(deadline));
     bool taken = false;
@@ -264,9 +264,9 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(WorkerOptions options) {
       CreateChannel(w->options_.coordinator, w->channels_));
   w->forwarder_ = std::make_unique<UpdateForwarder>(w->coordinator_);
   w->data_service_->SetUpdateForwarder(
-      [forwarder = w->forwarder_.get()](const v1::UpdateRowsRequest& update, absl::Time deadline,
+      [forwarder = w->forwarder_.get()](v1::UpdateRowsRequest update, absl::Time deadline,
                                         UpdateForwarder::Done done) {
-        forwarder->Forward(update, deadline, std::move(done));
+        forwarder->Forward(std::move(update), deadline, std::move(done));
       });
   w->internal_service_ = std::make_unique<InternalService>(*w);
 
