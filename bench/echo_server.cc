@@ -38,14 +38,14 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
-#include "core/process_setup.h"
+#include "core/base/process_setup.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "proto/shardserve.grpc.pb.h"
-#include "server/grpc_settings.h"
-#include "server/security.h"
-#include "server/security_flags.h"
+#include "rpc/grpc_settings.h"
+#include "rpc/security.h"
+#include "rpc/security_flags.h"
 
 ABSL_FLAG(int, port, 50099, "port on 127.0.0.1");
 ABSL_FLAG(int64_t, dim, 128, "floats per id (embedding) or per bag");
@@ -499,11 +499,11 @@ int main(int argc, char** argv) {
   }
   CallbackEcho callback_echo(log.get(), shard.get());
   DataService::AsyncService async_echo;
-  // TLS with --tls_cert / --tls_key (the servers' flags, server/security_flags.h): what gRPC
+  // TLS with --tls_cert / --tls_key (the servers' flags, rpc/security_flags.h): what gRPC
   // alone loses to encryption (bench/run_tls.sh).
   const std::string listen = "127.0.0.1:" + std::to_string(absl::GetFlag(FLAGS_port));
-  absl::StatusOr<std::unique_ptr<shardserve::server::ServerSecurity>> security =
-      shardserve::server::ServerSecurity::Create(shardserve::server::SecurityOptionsFromFlags(),
+  absl::StatusOr<std::unique_ptr<shardserve::rpc::ServerSecurity>> security =
+      shardserve::rpc::ServerSecurity::Create(shardserve::rpc::SecurityOptionsFromFlags(),
                                                  listen, "echo");
   if (!security.ok()) {
     std::fprintf(stderr, "echo_server: %s\n", security.status().ToString().c_str());
@@ -511,7 +511,7 @@ int main(int argc, char** argv) {
   }
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, (*security)->credentials());
-  shardserve::server::ApplyServerSettings(builder);
+  shardserve::rpc::ApplyServerSettings(builder);
   std::unique_ptr<grpc::ServerCompletionQueue> cq;
   if (api == "callback") {
     builder.RegisterService(&callback_echo);

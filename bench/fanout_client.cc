@@ -36,13 +36,13 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/client.h"
-#include "client/load_stats.h"
-#include "core/process_setup.h"
+#include "client/load/load_stats.h"
+#include "core/base/process_setup.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "proto/shardserve.pb.h"
-#include "server/grpc_settings.h"
-#include "server/security.h"
+#include "rpc/grpc_settings.h"
+#include "rpc/security.h"
 
 ABSL_FLAG(std::string, sequencer, "",
           "the sequencer's HOST:PORT; without one, updates go to the ranks unordered");
@@ -219,10 +219,10 @@ int Main(int argc, char** argv) {
   s.rows_per_update = k;
   s.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   auto stub = [](const std::string& address) {
-    grpc::ChannelArguments args = server::ChannelArguments();
+    grpc::ChannelArguments args = rpc::ChannelArguments();
     args.SetInt("grpc.use_local_subchannel_pool", 1);
     return std::make_unique<grpc::GenericStub>(
-        server::CreateChannel(address, server::PlaintextChannels(), args));
+        rpc::CreateChannel(address, rpc::PlaintextChannels(), args));
   };
   if (!absl::GetFlag(FLAGS_sequencer).empty()) s.sequencer = stub(absl::GetFlag(FLAGS_sequencer));
   for (const std::string& r : ranks) s.ranks.push_back(stub(r));

@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "core/in_process_group.h"
+#include "core/testing/in_process_group.h"
 
 int main() {
   using namespace shardserve::core;

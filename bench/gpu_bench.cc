@@ -16,8 +16,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "core/cuda_kernels.h"
-#include "core/cuda_kernels_device.h"
+#include "core/kernels/cuda_kernels.h"
+#include "core/kernels/cuda_kernels_device.h"
 
 ABSL_FLAG(int64_t, rows, 10000000, "table rows");
 ABSL_FLAG(int64_t, dim, 128, "embedding dim");

@@ -19,8 +19,8 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/load_stats.h"
-#include "core/process_setup.h"
+#include "client/load/load_stats.h"
+#include "core/base/process_setup.h"
 
 ABSL_FLAG(int, port, 6399, "redis-server port on 127.0.0.1");
 ABSL_FLAG(bool, load, false, "store the table (seeded values) and exit");

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Failover drill (issue 21): R = 2 groups x W = 2 CPU workers on loopback, the benchmark table
+# Failover drill: R = 2 groups x W = 2 CPU workers on loopback, the benchmark table
 # (100 000 x 128, col-wise) on both groups, and open-loop load from shardserve-load straight to the
 # workers at about half the cluster's capacity (measured first, closed loop), EmbeddingBag of 64
 # bags x 20 ids, 2 s deadlines. In turn:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fault drill (issue 19): a coordinator and 2 CPU workers on loopback, under closed-loop load from
+# Fault drill: a coordinator and 2 CPU workers on loopback, under closed-loop load from
 # shardserve-load straight to the workers (4 callers, 64 bags of 20 ids, 5 s deadlines, each call
 # made once - no failover retries: the drill measures how the servers fail - a 100 ms timeline),
 # and in turn:

@@ -7,8 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
-baseline=../shared/bench/torch_sharded_baseline.py
-[ -f "$baseline" ] || { echo "missing $baseline (the shared PyTorch baseline)" >&2; exit 1; }
+baseline=bench/torch_sharded_baseline.py  # PyTorch's own sharded op, as a user would run it
 bazel build -c opt //bench:sharded_ops_bench >/dev/null
 bin=.bazel/bin/bench/sharded_ops_bench
 mkdir -p bench/results

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Version swap under load (issue 22): W = 2 CPU workers on loopback, a 2 097 152 x 128 embedding
+# Version swap under load: W = 2 CPU workers on loopback, a 2 097 152 x 128 embedding
 # table (1 GiB of float32, col-wise: 512 MiB per worker) created from a safetensors checkpoint,
 # and open-loop EmbeddingBag load (64 bags x 20 ids, 2 s deadlines) straight to the workers at
 # about half the cluster's capacity (measured first, closed loop). Three times (this machine is a

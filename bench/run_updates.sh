@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Online updates (issue 23), each against its baseline in the same run, ROUNDS interleaved rounds,
+# Online updates, each against its baseline in the same run, ROUNDS interleaved rounds,
 # medians reported:
 #   1. durable update throughput: UpdateRows (ADD, 512 random rows of D = 128 per call, --concurrency
 #      callers, every update synced to both workers' logs before its answer) vs Redis with

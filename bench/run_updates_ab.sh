@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of two builds on the update path's cost to lookups, the builds alternating: for a change
-# that should leave lookups beside updates better off (issue 23's second target).
+# that should leave lookups beside updates better off (the target of lookups beside updates).
 #   bench/run_updates_ab.sh BIN_A BIN_B [SETS] [ROUNDS] [QPS]      (default 3 3 126)
 # Each set starts, for A then B, a fresh R = 2 x W = 2 cluster (`shardserve up --state_dir` on
 # /var/tmp, this machine's disk) with the 100 000 x 128 table of bench/run_updates.sh, then ROUNDS

@@ -14,9 +14,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
-#include "core/in_process_group.h"
-#include "core/process_setup.h"
-#include "core/sharded_ops.h"
+#include "core/base/process_setup.h"
+#include "core/ops/sharded_ops.h"
+#include "core/testing/in_process_group.h"
 
 ABSL_FLAG(std::string, op, "embedding_bag", "embedding | embedding_bag | linear");
 ABSL_FLAG(std::string, sharding, "col", "col | row (PyTorch's naming: linear col = weight dim 0)");

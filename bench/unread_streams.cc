@@ -16,7 +16,7 @@
 #include "client/client.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/shardserve.grpc.pb.h"
-#include "server/grpc_settings.h"
+#include "rpc/grpc_settings.h"
 
 ABSL_FLAG(std::string, target, "", "worker address");
 ABSL_FLAG(std::string, table, "bench", "embedding table");
@@ -30,8 +30,8 @@ ABSL_FLAG(double, seconds, 10, "how long nothing is read");
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   using namespace shardserve;
-  auto stub = v1::DataService::NewStub(server::CreateChannel(absl::GetFlag(FLAGS_target),
-                                                                     server::PlaintextChannels()));
+  auto stub = v1::DataService::NewStub(rpc::CreateChannel(absl::GetFlag(FLAGS_target),
+                                                                     rpc::PlaintextChannels()));
   const int64_t batch = absl::GetFlag(FLAGS_batch), bag = absl::GetFlag(FLAGS_bag);
   std::vector<int64_t> ids(batch * bag);
   for (size_t k = 0; k < ids.size(); ++k) ids[k] = (k * 7919) % absl::GetFlag(FLAGS_rows);

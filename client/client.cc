@@ -13,20 +13,20 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "core/status_macros.h"
+#include "core/base/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "grpcpp/impl/codegen/proto_utils.h"
-#include "server/grpc_settings.h"
-#include "server/grpc_status.h"
+#include "rpc/grpc_settings.h"
+#include "rpc/grpc_status.h"
 
 namespace shardserve::client {
 namespace {
 
-using server::FromGrpcStatus;
+using rpc::FromGrpcStatus;
 
 }  // namespace
 
@@ -62,17 +62,17 @@ absl::StatusOr<DenseTensor> ToDense(const v1::Tensor& tensor) {
 
 Client::Client(std::string coordinator, ClientOptions options)
     : coordinator_(std::move(coordinator)), options_(options) {
-  admin_ = v1::AdminService::NewStub(server::CreateChannel(coordinator_, options_.security));
-  server::ReplicaRouter::Options routing;
+  admin_ = v1::AdminService::NewStub(rpc::CreateChannel(coordinator_, options_.security));
+  rpc::ReplicaRouter::Options routing;
   routing.refresh = options_.map_refresh;
-  router_ = std::make_unique<server::ReplicaRouter>(
+  router_ = std::make_unique<rpc::ReplicaRouter>(
       [this](const std::string& table) { return MapOf(table); }, routing);
-  server::ReplicaCallerOptions calls;
+  rpc::ReplicaCallerOptions calls;
   calls.max_attempts = options_.max_attempts;
   calls.backoff = options_.backoff;
   calls.hedge_after = options_.hedge_after;
   calls.security = options_.security;
-  caller_ = std::make_unique<server::ReplicaCaller>(*router_, calls);
+  caller_ = std::make_unique<rpc::ReplicaCaller>(*router_, calls);
 }
 
 absl::StatusOr<v1::TableInfo> Client::MapOf(const std::string& table) {
@@ -428,7 +428,7 @@ absl::StatusOr<v1::UpdateRowsResponse> Client::UpdateRows(const v1::UpdateRowsRe
   };
   auto target = [&]() -> absl::StatusOr<Target> {
     if (!options_.direct) return Target{coordinator_, 0};
-    SHARDSERVE_ASSIGN_OR_RETURN(server::ReplicaRouter::Route route, router_->Pick(table));
+    SHARDSERVE_ASSIGN_OR_RETURN(rpc::ReplicaRouter::Route route, router_->Pick(table));
     router_->Abandoned(table, route);  // (an update is no probe of a suspect group's health)
     const int replicas = router_->Replicas(table);
     return Target{replicas > 1 ? coordinator_ : route.address, replicas};
@@ -440,7 +440,7 @@ absl::StatusOr<v1::UpdateRowsResponse> Client::UpdateRows(const v1::UpdateRowsRe
       absl::MutexLock lock(&update_mu_);
       auto& s = update_stubs_[to.address];
       if (s == nullptr) {
-        s = v1::DataService::NewStub(server::CreateChannel(to.address, options_.security));
+        s = v1::DataService::NewStub(rpc::CreateChannel(to.address, options_.security));
       }
       stub = s;
     }

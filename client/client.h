@@ -3,7 +3,7 @@
 // replicas that serve). A call that fails with UNAVAILABLE (a dead or re-forming group, a broken
 // connection) goes at once to another replica, and one without an answer after
 // ClientOptions::hedge_after (a hung worker) goes to another replica too; groups that fail are
-// avoided for a while, and the map is read again (server::ReplicaCaller). Every call has a deadline
+// avoided for a while, and the map is read again (rpc::ReplicaCaller). Every call has a deadline
 // (ClientOptions::deadline), retries included. Admin calls go to the coordinator.
 //
 // Thread-safe: share one Client across threads.
@@ -20,9 +20,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/shardserve.grpc.pb.h"
-#include "server/replica_caller.h"
-#include "server/replica_router.h"
-#include "server/security.h"
+#include "rpc/routing/replica_caller.h"
+#include "rpc/routing/replica_router.h"
+#include "rpc/security.h"
 
 namespace shardserve::client {
 
@@ -35,8 +35,8 @@ struct ClientOptions {
   bool direct = true;
   // How often the placement maps of the tables called are read again (in the background).
   absl::Duration map_refresh = absl::Seconds(1);
-  // TLS, client certificate and token of every call (server/security.h); default plaintext.
-  server::ChannelSecurity security = server::PlaintextChannels();
+  // TLS, client certificate and token of every call (rpc/security.h); default plaintext.
+  rpc::ChannelSecurity security = rpc::PlaintextChannels();
 };
 
 // A dense float result: shape and row-major values.
@@ -102,7 +102,7 @@ class Client {
   absl::StatusOr<DenseTensor> Embedding(const v1::EmbeddingRequest& request);
   absl::StatusOr<DenseTensor> EmbeddingBag(const v1::EmbeddingBagRequest& request);
   absl::StatusOr<DenseTensor> Linear(const v1::LinearRequest& request);
-  // Changes rows of the table's serving version (ASSIGN or ADD; DESIGN.md "Serving lifecycle"),
+  // Changes rows of the table's serving version (ASSIGN or ADD; docs/design/serving-lifecycle.md),
   // on a worker of its group - or, for a table on several replica groups, through the
   // coordinator, which applies it to every replica in one order: answered once every rank (of
   // every replica that holds the table's updates) has it in its log (when the workers run with
@@ -131,8 +131,8 @@ class Client {
   absl::Mutex update_mu_;
   std::map<std::string, std::shared_ptr<v1::DataService::Stub>> update_stubs_
       ABSL_GUARDED_BY(update_mu_);
-  std::unique_ptr<server::ReplicaRouter> router_;
-  std::unique_ptr<server::ReplicaCaller> caller_;  // (destroyed first: it uses the router)
+  std::unique_ptr<rpc::ReplicaRouter> router_;
+  std::unique_ptr<rpc::ReplicaCaller> caller_;  // (destroyed first: it uses the router)
 };
 
 }  // namespace shardserve::client

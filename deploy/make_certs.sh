@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes the certificates of a shardserve cluster with openssl: a CA, and a key + certificate for
 # the coordinator, the workers and a client, all signed by that CA, plus a tokens file that gives
-# each certificate identity its roles (server/security.h says the format).
+# each certificate identity its roles (rpc/security.h says the format).
 #
 #   deploy/make_certs.sh DIR [--hosts=DNS_OR_IP,...] [--days=365] [--ca_dir=D]
 #
@@ -71,7 +71,7 @@ issue client shardserve-client clientAuth
 # The tokens file is the operator's once it exists: a rotation leaves it alone.
 if [[ ! -e $dir/tokens ]]; then
   cat > "$dir/tokens.new" <<'EOF'
-# shardserve tokens file: who may call what (server/security.h).
+# shardserve tokens file: who may call what (rpc/security.h).
 #   token SECRET NAME ROLES     a bearer token (sent as "authorization: Bearer SECRET")
 #   cert COMMON_NAME ROLES      a client certificate's subject CN (mTLS)
 # ROLES: comma-separated of read, write, admin, cluster.

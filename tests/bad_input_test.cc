@@ -36,13 +36,13 @@
 #include "ATen/ops/tensor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "c10/core/InferenceMode.h"
 #include "client/client.h"
 #include "client/local_cluster.h"
-#include "core/safetensors.h"
-#include "core/test_seed.h"
+#include "core/table/safetensors.h"
+#include "core/testing/test_seed.h"
 #include "gmock/gmock.h"
-#include "absl/synchronization/notification.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
@@ -468,7 +468,7 @@ class RandomRequests {
   std::mt19937_64 rng_;
 };
 
-// What a bad request may get (DESIGN.md's table), besides OK.
+// What a bad request may get (the error table of docs/user-guide/api.md), besides OK.
 bool ExpectedForBadInput(int code) {
   switch (static_cast<grpc::StatusCode>(code)) {
     case grpc::StatusCode::OK:
@@ -491,7 +491,7 @@ void ExpectWellFormed(const v1::Tensor& t, const std::string& what) {
 
 // Requests drawn at random (RandomRequests), some with their bytes changed, cut or added, sent raw
 // to each worker and to the coordinator, unary and on a stream: every one is answered before its
-// deadline with OK or an error of DESIGN.md's table, no server goes down, and the stored tables
+// deadline with OK or an error of that table, no server goes down, and the stored tables
 // are as before.
 TEST(Cluster, RandomRequestsGetAnswersOrClearErrorsAndChangeNothing) {
   auto cluster = StartCluster(2);

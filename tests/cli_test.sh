@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Command-line conventions (server/cli.h) on every binary: --help lists exactly the binary's (or
+# Command-line conventions (rpc/cli.h) on every binary: --help lists exactly the binary's (or
 # the subcommand's) flags with defaults and exits 0; --version names the commit; usage errors exit
 # 2; a call that fails exits 64 + its gRPC code; --json answers parse; `up --endpoints_file`
 # writes every address, and `up` removes its temporary folder when it stops.

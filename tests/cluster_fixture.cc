@@ -26,7 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "c10/core/InferenceMode.h"
-#include "core/safetensors.h"
+#include "core/table/safetensors.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 

@@ -1,4 +1,4 @@
-// Cross-binary tests of the coordinator's faults (issue 19): its return after a crash must not
+// Cross-binary tests of the coordinator's faults: its return after a crash must not
 // disturb the workers' group, a full state disk must fail admin calls cleanly and leave a registry
 // that restarts, and an export can never write into the state directory.
 #include <signal.h>
@@ -152,7 +152,7 @@ std::vector<std::string> EpochsLogged(const std::string& log, const std::string&
   return epochs;
 }
 
-// Issue 19, item 1: the coordinator is killed while direct callers run and stays down for 10 s
+// The coordinator is killed while direct callers run and stays down for 10 s
 // (long enough that gRPC's default reconnect backoff would put the workers' return seconds apart);
 // rank 1 is stopped across the coordinator's return, so that the coordinator hears rank 0 well
 // before it. The workers' group is kept (no new epoch: the coordinator adopts the one they
@@ -272,7 +272,7 @@ class SmallDisk {
   std::string error_;
 };
 
-// Issue 19, item 2: with the state directory on a full disk, CreateTable and DropTable fail with
+// With the state directory on a full disk, CreateTable and DropTable fail with
 // RESOURCE_EXHAUSTED naming the registry file, change nothing (in the coordinator, on disk), and
 // the coordinator restarts with the registry as it was; once there is room, they succeed.
 TEST(RegistryDurability, AFullStateDiskFailsAdminCallsCleanlyAndTheCoordinatorRestarts) {
@@ -322,7 +322,7 @@ TEST(RegistryDurability, AFullStateDiskFailsAdminCallsCleanlyAndTheCoordinatorRe
   cluster->Stop();  // before the disk goes
 }
 
-// Issue 19, item 2: an export never writes into the coordinator's state directory (over its
+// An export never writes into the coordinator's state directory (over its
 // registry, or beside it, or through a link to it): INVALID_ARGUMENT, and the registry stays.
 TEST(RegistryDurability, AnExportIntoTheStateDirectoryIsRefused) {
   LocalClusterOptions options = ClusterOptions(2);

@@ -1,4 +1,4 @@
-// Metrics (issue 25): a local cluster's coordinator and workers serve GET
+// Metrics: a local cluster's coordinator and workers serve GET
 // /metrics; after known traffic - direct and forwarded calls, a stream, refused
 // calls - the series count exactly that traffic, the states read right,
 // promtool (Prometheus' own checker) finds the text clean, and a client that

@@ -1,4 +1,4 @@
-// Replica groups (issue 21): a cluster of R = 2 groups x W = 2 ranks on loopback. A worker killed
+// Replica groups: a cluster of R = 2 groups x W = 2 ranks on loopback. A worker killed
 // or hung while callers run costs no call whose deadline allows a retry on the other group, and
 // no call ends past its deadline; its group re-forms alone; tables on one group only; a group
 // whose worker never comes; the coordinator restarted during all of it; every replica answers

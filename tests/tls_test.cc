@@ -22,8 +22,8 @@
 #include "proto/health.grpc.pb.h"
 #include "proto/internal.grpc.pb.h"
 #include "proto/shardserve.grpc.pb.h"
-#include "server/grpc_settings.h"
-#include "server/security.h"
+#include "rpc/grpc_settings.h"
+#include "rpc/security.h"
 #include "tests/cluster_fixture.h"
 
 namespace shardserve::tests {
@@ -43,8 +43,8 @@ std::string Shell(const std::string& command) {
 }
 
 // The status a ReadShard stream from `address` ends with, for `caller`.
-grpc::StatusCode ReadShardCode(const std::string& address, const server::ChannelSecurity& caller) {
-  auto shards = v1::internal::WorkerInternal::NewStub(server::CreateChannel(address, caller));
+grpc::StatusCode ReadShardCode(const std::string& address, const rpc::ChannelSecurity& caller) {
+  auto shards = v1::internal::WorkerInternal::NewStub(rpc::CreateChannel(address, caller));
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
   v1::internal::ReadShardRequest request;
@@ -84,7 +84,7 @@ class TlsClusterTest : public ::testing::Test {
     cluster_ = *std::move(cluster);
     // Every group serves (the coordinator's health, asked over mTLS).
     auto health = grpc::health::v1::Health::NewStub(
-        server::CreateChannel(cluster_->coordinator_address(), Caller("client")));
+        rpc::CreateChannel(cluster_->coordinator_address(), Caller("client")));
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
     grpc::health::v1::HealthCheckResponse response;
     while (absl::Now() < deadline) {
@@ -103,10 +103,10 @@ class TlsClusterTest : public ::testing::Test {
 
   // A caller with `who`'s certificate (empty: none) and `token` (empty: none), trusting `ca`
   // (default: the cluster's CA; "plaintext": no TLS at all).
-  server::ChannelSecurity Caller(const std::string& who, const std::string& token = "",
+  rpc::ChannelSecurity Caller(const std::string& who, const std::string& token = "",
                                  std::string ca = "") {
-    if (ca == "plaintext") return server::PlaintextChannels();
-    server::SecurityOptions o;
+    if (ca == "plaintext") return rpc::PlaintextChannels();
+    rpc::SecurityOptions o;
     o.tls_ca = ca.empty() ? certs_ + "/ca.pem" : ca;
     if (!who.empty()) {
       o.tls_cert = absl::StrCat(certs_, "/", who, ".pem");
@@ -116,12 +116,12 @@ class TlsClusterTest : public ::testing::Test {
       o.token_file = absl::StrCat(certs_, "/", who, ".token");
       std::ofstream(o.token_file) << token;
     }
-    absl::StatusOr<server::ChannelSecurity> security = server::MakeChannelSecurity(o);
+    absl::StatusOr<rpc::ChannelSecurity> security = rpc::MakeChannelSecurity(o);
     EXPECT_TRUE(security.ok()) << security.status();
-    return security.ok() ? *security : server::PlaintextChannels();
+    return security.ok() ? *security : rpc::PlaintextChannels();
   }
 
-  std::unique_ptr<client::Client> ClientAs(const server::ChannelSecurity& security,
+  std::unique_ptr<client::Client> ClientAs(const rpc::ChannelSecurity& security,
                                            bool direct = true,
                                            absl::Duration deadline = absl::Seconds(10)) {
     client::ClientOptions options;
@@ -172,14 +172,14 @@ TEST_F(TlsClusterTest, EveryPortIsClosedToCallersWithoutTheirRole) {
   // No TLS, a caller that trusts another CA, no client certificate: no connection at all (the
   // client's admin calls wait for the coordinator to be reachable, so their deadline ends them).
   Shell(absl::StrCat(cluster_->server_dir(), "/make_certs ", cluster_->work_dir(), "/other"));
-  for (const server::ChannelSecurity& stranger :
+  for (const rpc::ChannelSecurity& stranger :
        {Caller("", "", "plaintext"), Caller("client", "", cluster_->work_dir() + "/other/ca.pem"),
         Caller("")}) {
     EXPECT_THAT(ClientAs(stranger, true, absl::Seconds(2))->DescribeTable("t").status().code(),
                 ::testing::AnyOf(absl::StatusCode::kUnavailable,
                                  absl::StatusCode::kDeadlineExceeded));
     auto data = v1::DataService::NewStub(
-        server::CreateChannel(cluster_->worker_address(0), stranger));
+        rpc::CreateChannel(cluster_->worker_address(0), stranger));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     v1::TensorResponse response;
@@ -218,7 +218,7 @@ TEST_F(TlsClusterTest, EveryPortIsClosedToCallersWithoutTheirRole) {
   for (const std::string& address :
        {cluster_->worker_address(0), cluster_->coordinator_address()}) {
     auto data = v1::DataService::NewStub(
-        server::CreateChannel(address, Caller("client", kReadToken)));
+        rpc::CreateChannel(address, Caller("client", kReadToken)));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     auto stream = data->Stream(&context);
@@ -239,7 +239,7 @@ TEST_F(TlsClusterTest, EveryPortIsClosedToCallersWithoutTheirRole) {
 
   // A client cannot pose as a worker: no heartbeat, no rendezvous key, no shard read.
   auto internal = v1::internal::CoordinatorInternal::NewStub(
-      server::CreateChannel(cluster_->coordinator_address(), Caller("client")));
+      rpc::CreateChannel(cluster_->coordinator_address(), Caller("client")));
   {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
@@ -300,7 +300,7 @@ TEST_F(TlsClusterTest, TheInternalApiCanLiveOnPortsOfItsOwn) {
   for (const std::string& address :
        {cluster_->coordinator_address(), cluster_->coordinator_internal_address()}) {
     auto internal = v1::internal::CoordinatorInternal::NewStub(
-        server::CreateChannel(address, Caller("worker")));
+        rpc::CreateChannel(address, Caller("worker")));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     v1::internal::RendezvousGetRequest request;
@@ -320,7 +320,7 @@ TEST_F(TlsClusterTest, TheInternalApiCanLiveOnPortsOfItsOwn) {
             grpc::StatusCode::UNIMPLEMENTED);
   // The data and admin APIs stay on the public ports.
   auto data = v1::DataService::NewStub(
-      server::CreateChannel(cluster_->worker_address(1), Caller("client")));
+      rpc::CreateChannel(cluster_->worker_address(1), Caller("client")));
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
   v1::TensorResponse response;
@@ -348,7 +348,7 @@ TEST_F(TlsClusterTest, CertificatesRotateUnderLoadWithoutAFailedCall) {
 
   std::atomic<bool> stop{false};
   std::atomic<int> calls{0}, failures{0};
-  const server::ChannelSecurity security = Caller("client");  // (watches its files)
+  const rpc::ChannelSecurity security = Caller("client");  // (watches its files)
   std::thread caller([&] {
     while (!stop) {
       // A fresh client every 20 calls: new handshakes throughout, direct and forwarded.

@@ -26,13 +26,13 @@
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/local_cluster.h"
-#include "core/cpu_kernels.h"
-#include "core/row_updates.h"
-#include "core/safetensors.h"
-#include "core/sharded_table.h"
+#include "core/kernels/cpu_kernels.h"
+#include "core/table/safetensors.h"
+#include "core/table/sharded_table.h"
+#include "core/table/update_log.h"
 #include "gmock/gmock.h"
-#include "gtest/gtest.h"
 #include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
 #include "tests/cluster_fixture.h"
 
 namespace shardserve::tests {

@@ -1,4 +1,4 @@
-// Table versions (issue 22) on real clusters: a swap under callers on every path (direct, through
+// Table versions on real clusters: a swap under callers on every path (direct, through
 // the coordinator, on streams) where each answer is the unsharded op on exactly one version's
 // weight and names that version; pinned versions; a load that fails on one rank; a swap during a
 // worker's restart; one replica at a time with memory for one copy; a single replica without

@@ -29,7 +29,7 @@ from .errors import (
     error_for_code,
 )
 
-# Like the C++ side's (server/grpc_settings.h): a request may carry 2^26 ids and an answer 2^27
+# Like the C++ side's (rpc/grpc_settings.h): a request may carry 2^26 ids and an answer 2^27
 # floats, far over gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 1 << 30
 
@@ -70,7 +70,7 @@ def _read(path: str, what: str) -> bytes:
 def credentials(tls_ca: Optional[str], tls_cert: Optional[str], tls_key: Optional[str],
                 token: Optional[str]) -> Optional[Any]:
     """The channel credentials of a client (None: plaintext), as the C++ binaries' --tls_ca,
-    --tls_cert, --tls_key and --token_file make them (server/security.h): TLS that verifies
+    --tls_cert, --tls_key and --token_file make them (rpc/security.h): TLS that verifies
     the servers against ``tls_ca``, the client certificate for mTLS, a bearer token."""
     if not tls_ca:
         if tls_cert or tls_key or token:
@@ -132,7 +132,7 @@ class Options:
 class RoutingTable:
     """Table name -> where its calls may go: the entry ranks of each of its replicas.
 
-    The C++ client's routing (``server/replica_router.h``): calls go round robin over the entry
+    The C++ client's routing (``rpc/routing/replica_router.h``): calls go round robin over the entry
     ranks of the replicas that serve; a group that failed a call (UNAVAILABLE, or no answer
     within the hedge delay) is suspect for ``cooldown`` seconds, then gets one call at a time (a
     probe) until one succeeds; suspect and not-serving replicas are used only when no other is

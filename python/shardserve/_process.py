@@ -1,5 +1,5 @@
 """glibc malloc settings for a process that receives large answers, as the C++ binaries set
-for themselves (core/process_setup.cc).
+for themselves (core/base/process_setup.cc).
 
 Every answer arrives as a fresh ``bytes`` object of a few hundred KiB to MiBs, and gRPC's
 threads allocate their receive buffers in per-thread arenas. With glibc's defaults those

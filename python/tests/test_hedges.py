@@ -1,7 +1,7 @@
 """Where a hedge goes, against real gRPC servers in this process: a coordinator that describes a
 table on two replica groups, and each group's one worker, which answers EmbeddingBag with its
 group's number after a set delay. A hedge's guess goes only to a replica that serves: a draining
-one may still hold the version before a swap (server/replica_caller.h says the same of the C++
+one may still hold the version before a swap (rpc/routing/replica_caller.h says the same of the C++
 client)."""
 
 import asyncio

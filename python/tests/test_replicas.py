@@ -1,4 +1,4 @@
-"""Replica groups (issue 21) from Python: a cluster of 2 groups x 1 rank, a table on both. A
+"""Replica groups from Python: a cluster of 2 groups x 1 rank, a table on both. A
 worker killed or hung while calls run costs no call - through the blocking client, the asyncio
 client and both Stream APIs - and every replica answers the same."""
 

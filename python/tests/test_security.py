@@ -1,4 +1,4 @@
-"""The Python clients against a cluster with mTLS and roles on every port (server/security.h):
+"""The Python clients against a cluster with mTLS and roles on every port (rpc/security.h):
 TLS calls that answer exactly, and the refusals a caller without the right certificate, token or
 role gets, as the client's exceptions."""
 

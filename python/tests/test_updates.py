@@ -1,4 +1,4 @@
-"""Online updates (issue 23) from Python: update_rows assigns and adds rows (duplicates as
+"""Online updates from Python: update_rows assigns and adds rows (duplicates as
 index_put_), every later lookup sees them, and bad updates are refused changing nothing."""
 
 import time

@@ -1,4 +1,4 @@
-"""Table versions (issue 22) from Python: load_version swaps a table's weights while calls run,
+"""Table versions from Python: load_version swaps a table's weights while calls run,
 every answer is exactly one version's and says which (with_version), pinned versions, a kept
 version unloaded, and bad arguments refused before any call."""
 

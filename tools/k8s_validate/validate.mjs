@@ -42,7 +42,7 @@ function checkPod(where, template) {
         !(c.ports || []).some((p) => String(p.containerPort) === port)) {
       throw new Error(`${at}: --metrics_listen, its containerPort and the scrape port differ`);
     }
-    // A gRPC port is TLS, or plaintext by an explicit --insecure (server/security.h refuses it
+    // A gRPC port is TLS, or plaintext by an explicit --insecure (rpc/security.h refuses it
     // otherwise on 0.0.0.0); never both.
     if (flag(c.args, "listen") !== undefined &&
         (flag(c.args, "tls_cert") !== undefined) === (c.args || []).includes("--insecure")) {

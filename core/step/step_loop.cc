@@ -1,0 +1,931 @@
+#include "core/step/step_loop.h"
+
+#include <algorithm>
+#include <deque>
+#include <limits>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/base/process_setup.h"
+#include "core/base/status_macros.h"
+#include "core/ops/input_message.h"
+#include "core/ops/sharded_ops.h"
+#include "core/step/step_protocol.h"
+#include "core/step/update_message.h"
+#include "core/table/update_log.h"
+
+namespace shardserve::core {
+
+// The group the loop runs with, and what its rounds remember from one to the next.
+struct StepLoop::Group {
+  StepGroup transports;  // channel null: no group
+  // With an observer: the ops' collectives, timed (transports' control and data, wrapped).
+  std::shared_ptr<TimedCollectives> timed_control, timed_data;
+  bool hello_due = false;  // a new group's first round is the hello
+  int turn = -1;  // one_request_per_step: the rank whose request the last busy step ran
+  int idle_rounds = 0;  // consecutive rounds without work
+  absl::Duration idle = absl::ZeroDuration();  // the back-off of groups that do not park cheaply
+  // A group that parks cheaply has no idle rounds: AwaitRound returned, so the next round runs
+  // (a peer may have started it) whether or not this rank has work by then.
+  bool round_due = false;
+  int64_t round = 0;  // agreement rounds of this group so far: alike on every rank
+  // Steps whose update log records wait for every rank's sync (Syncer): their update requests
+  // are answered, and their loads' logs acknowledged, once every rank says it synced past them.
+  struct PendingAck {
+    int64_t round = 0;
+    std::vector<std::unique_ptr<StepRequest>> requests;
+    std::vector<std::pair<std::shared_ptr<ShardedTable>, uint64_t>> logged;  // load, agreed
+  };
+  std::deque<PendingAck> acks;
+
+  bool formed() const { return transports.channel != nullptr; }
+  void Abort() const {
+    transports.channel->Abort().IgnoreError();
+    transports.control->Abort().IgnoreError();
+    transports.data->Abort().IgnoreError();
+  }
+};
+
+// One iteration of the loop: this rank's requests, the tables it runs on, and what the round
+// agreed.
+struct StepLoop::Step {
+  // This rank's requests; null once answered.
+  std::vector<std::unique_ptr<StepRequest>> batch;
+  // The tables this step runs on; released before the loop waits (a dropped table's memory must
+  // not outlive the steps that use it).
+  std::shared_ptr<const TableSet> tables;
+  std::map<WorkKey, std::vector<size_t>> mine;  // this rank's work: indices into `batch`
+  std::optional<Agreement> agreement;
+  // The load each key of the agreed work runs on, in the work's order (the same table version on
+  // every rank).
+  std::vector<std::shared_ptr<ShardedTable>> loads;
+  // For the observer: when the round began, and how long the agreement took.
+  absl::Time round_start;
+  absl::Duration agreement_time;
+  // Tables whose rows this rank may hold renormed or updated unlike its peers, should the step
+  // fail.
+  std::vector<std::shared_ptr<ShardedTable>> renorm_unsure;
+  // This rank's update requests the step applied: answered once every rank has them durably.
+  std::vector<size_t> updated;
+  absl::Status broken;  // the group failed
+
+  std::vector<StepRequest*> Requests(const std::vector<size_t>& indices) const {
+    std::vector<StepRequest*> out;
+    for (size_t i : indices) out.push_back(batch[i].get());
+    return out;
+  }
+};
+
+// Writes and syncs the update logs' records of each round, in order, on a thread of its own, so
+// that steps never wait for the disk (only the answers to updates do).
+class StepLoop::Syncer {
+ public:
+  using Records = std::vector<std::pair<std::shared_ptr<ShardedTable>, LogRecords>>;
+
+  // `progress` runs (on the syncer's thread) after each round's records are synced.
+  explicit Syncer(std::function<void()> progress)
+      : progress_(std::move(progress)), thread_([this] {
+          NameThread("wal_syncer");
+          SyncLoop();
+        }) {}
+  ~Syncer() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+  void Add(int64_t round, Records records) {
+    absl::MutexLock lock(&mu_);
+    jobs_.emplace_back(round, std::move(records));
+  }
+  // Every record of rounds up to this is synced: `last_round` when nothing waits, else the round
+  // before the oldest waiting; -1 once a log could not be synced (it stays so: the group breaks).
+  int64_t Synced(int64_t last_round) const {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok()) return -1;
+    return jobs_.empty() ? last_round : jobs_.front().first - 1;
+  }
+  absl::Status failed() const {
+    absl::MutexLock lock(&mu_);
+    return failed_;
+  }
+  bool Idle() const {
+    absl::MutexLock lock(&mu_);
+    return jobs_.empty();
+  }
+  void WaitUntilIdle() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(+[](std::deque<std::pair<int64_t, Records>>* jobs) {
+      return jobs->empty();
+    }, &jobs_));
+  }
+
+ private:
+  // Takes every round waiting, writes each log's records of them in order and syncs each log
+  // once: group commit across rounds, while the disk was busy with the last sync.
+  void SyncLoop() {
+    while (true) {
+      size_t taken = 0;
+      std::map<UpdateLog*, std::vector<const LogRecords*>> by_log;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_ || !jobs_.empty(); };
+        mu_.Await(absl::Condition(&ready));
+        if (jobs_.empty()) return;  // stopped
+        taken = jobs_.size();  // they stay put: only this thread pops
+        for (auto& [round, records] : jobs_) {
+          for (const auto& [table, bytes] : records) by_log[table->log()].push_back(&bytes);
+        }
+      }
+      absl::Status status;
+      for (const auto& [log, records] : by_log) {
+        if (absl::Status s = log->Write(records); !s.ok() && status.ok()) status = s;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        if (!status.ok() && failed_.ok()) failed_ = status;
+        for (size_t i = 0; i < taken; ++i) jobs_.pop_front();
+      }
+      progress_();
+    }
+  }
+
+  const std::function<void()> progress_;
+  mutable absl::Mutex mu_;
+  std::deque<std::pair<int64_t, Records>> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+StepLoop::StepLoop(Options options, LocalKernels& kernels, TableSource& tables,
+                   ResponseSink& sink)
+    : options_(std::move(options)), kernels_(kernels), tables_(tables), sink_(sink) {}
+
+StepLoop::~StepLoop() { Stop(); }
+
+void StepLoop::UnparkLocked() {
+  if (active_group_.channel != nullptr) active_group_.channel->Unpark();
+}
+
+void StepLoop::Start() {
+  syncer_ = std::make_unique<Syncer>([this] {
+    absl::MutexLock lock(&mu_);
+    sync_news_ = true;
+    UnparkLocked();
+  });
+  {
+    absl::MutexLock lock(&mu_);
+    running_ = true;
+  }
+  thread_ = std::thread([this] {
+    NameThread("step_loop");
+    Run();
+  });
+  park_checker_ = std::thread([this] {
+    NameThread("park_check");
+    absl::MutexLock lock(&mu_);
+    while (!mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.park_check)) {
+      UnparkLocked();
+    }
+  });
+}
+
+void StepLoop::RunBetweenSteps(const std::function<void()>& fn) {
+  bool done = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (running_ && !stop_) {
+      between_steps_.push_back([&] {
+        fn();
+        absl::MutexLock done_lock(&mu_);
+        done = true;
+      });
+      UnparkLocked();
+      mu_.Await(absl::Condition(&done));
+      return;
+    }
+  }
+  fn();  // the loop is not running: nothing else touches the shards
+}
+
+void StepLoop::WaitForLogWrites() { syncer_->WaitUntilIdle(); }
+
+void StepLoop::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    UnparkLocked();
+  }
+  if (thread_.joinable()) thread_.join();
+  if (park_checker_.joinable()) park_checker_.join();
+  syncer_.reset();  // after the loop: it waits for what it was given
+  std::deque<std::unique_ptr<StepRequest>> left;
+  std::deque<std::function<void()>> tasks;
+  {
+    absl::MutexLock lock(&mu_);
+    running_ = false;
+    left.swap(queue_);
+    queued_bytes_ = 0;
+    tasks.swap(between_steps_);
+  }
+  for (auto& task : tasks) task();  // callers are waiting for them
+  for (auto& r : left) sink_.Deliver(*r, absl::UnavailableError("worker is shutting down"));
+  if (!left.empty()) sink_.Flush();
+}
+
+void StepLoop::SetGroup(StepGroup group, uint64_t epoch) {
+  absl::MutexLock lock(&mu_);
+  pending_group_ = std::move(group);
+  pending_epoch_ = epoch;
+  UnparkLocked();
+}
+
+void StepLoop::BreakGroup(const absl::Status& reason) {
+  std::deque<std::unique_ptr<StepRequest>> queued;
+  uint64_t epoch = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (active_group_.channel == nullptr || !serving_) return;
+    break_requested_ = reason;
+    serving_ = false;  // Submit refuses from now on
+    epoch = epoch_;
+    queued.swap(queue_);
+    queued_bytes_ = 0;
+    active_group_.channel->Interrupt();  // a wait on a peer ends at once, where it can
+    UnparkLocked();                      // and an idle wait for a round
+  }
+  const absl::Status status = absl::UnavailableError(
+      absl::StrCat("group epoch ", epoch, " failed: ", reason.message()));
+  {
+    absl::MutexLock lock(&answer_mu_);
+    for (StepRequest* r : in_flight_) {
+      if (r->answered) continue;
+      r->answered = true;
+      sink_.Deliver(*r, status);
+    }
+  }
+  for (auto& r : queued) sink_.Deliver(*r, status);
+  sink_.Flush();
+}
+
+absl::Status StepLoop::GroupStatus() const {
+  absl::MutexLock lock(&mu_);
+  return GroupStatusLocked();
+}
+
+absl::Status StepLoop::GroupStatusLocked() const {
+  if (serving_) return absl::OkStatus();
+  if (!break_requested_.ok() || !last_break_.ok()) {
+    const absl::Status& why = !break_requested_.ok() ? break_requested_ : last_break_;
+    return absl::UnavailableError(absl::StrCat(
+        "group not formed: ", why.message(), "; waiting for the group to form again"));
+  }
+  return absl::UnavailableError(
+      "group not formed: this worker's group is waiting for all its ranks");
+}
+
+uint64_t StepLoop::epoch() const {
+  absl::MutexLock lock(&mu_);
+  return serving_ ? epoch_ : 0;
+}
+
+bool StepLoop::serving() const { return serving_.load(std::memory_order_relaxed); }
+
+std::pair<int64_t, int64_t> StepLoop::queued() const {
+  absl::MutexLock lock(&mu_);
+  return {static_cast<int64_t>(queue_.size()), queued_bytes_};
+}
+
+int64_t StepLoop::busy_steps() const {
+  absl::MutexLock lock(&mu_);
+  return busy_steps_;
+}
+
+absl::Status StepLoop::Submit(std::unique_ptr<StepRequest> request) {
+  absl::MutexLock lock(&mu_);
+  const int64_t bytes = request->InputBytes();
+  if (stop_ || (!serving_ && pending_group_.channel == nullptr)) {
+    return stop_ ? absl::UnavailableError("worker is shutting down") : GroupStatusLocked();
+  }
+  if (!queue_.empty() && queued_bytes_ + bytes > options_.max_queued_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "worker overloaded: ", queue_.size(), " requests (", queued_bytes_,
+        " bytes of input) are queued, the limit is ", options_.max_queued_bytes,
+        " bytes; retry later"));
+  }
+  queued_bytes_ += bytes;
+  queue_.push_back(std::move(request));
+  UnparkLocked();
+  return absl::OkStatus();
+}
+
+void StepLoop::Run() {
+  kernels_.InitThread();
+  Group group;
+  while (true) {
+    sink_.Flush();  // the last round's answers
+    Step step;
+    // BreakGroup may answer the step's requests until the step is done with them.
+    struct InFlight {
+      ~InFlight() { loop->SetInFlight({}); }
+      StepLoop* loop;
+    } in_flight{this};
+    if (!TakeNews(group, step)) break;
+    AnswerStale(step);
+    if (!WaitForRound(group, step)) continue;
+    if (options_.observer) step.round_start = absl::Now();
+    if (step.broken.ok()) Agree(group, step);
+    if (step.broken.ok()) Acknowledge(group, step);
+    if (step.broken.ok() && options_.one_request_per_step) TakeTurn(group, step);
+    if (step.broken.ok() && step.agreement->work().empty() && Idle(group, step)) continue;
+    group.idle = absl::ZeroDuration();
+    group.idle_rounds = 0;
+    if (options_.observer) step.agreement_time = absl::Now() - step.round_start;
+    if (step.broken.ok()) RunOps(group, step);
+    if (!step.broken.ok()) FailGroup(group, step);
+  }
+  FailPendingAcks(group, absl::UnavailableError("worker is shutting down"));
+  {
+    absl::MutexLock lock(&mu_);
+    active_group_ = StepGroup();
+  }
+  sink_.Flush();
+}
+
+// Waits for a group (or Stop), runs the tasks due between steps, takes in a new group, and takes
+// this step's requests off the queue (up to the row budget).
+bool StepLoop::TakeNews(Group& group, Step& step) {
+  {
+    absl::MutexLock lock(&mu_);
+    while (true) {
+      auto ready = [this, &group]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stop_ || pending_group_.channel != nullptr || group.formed() ||
+               !between_steps_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_) return false;
+      while (!between_steps_.empty()) {
+        std::function<void()> task = std::move(between_steps_.front());
+        between_steps_.pop_front();
+        mu_.Unlock();
+        task();
+        mu_.Lock();
+      }
+      if (group.formed() || pending_group_.channel != nullptr) break;
+    }
+    if (sync_news_ && group.formed()) group.round_due = true;  // tell the peers how far it synced
+    sync_news_ = false;
+    if (pending_group_.channel != nullptr) {
+      if (!group.acks.empty()) {
+        mu_.Unlock();
+        FailPendingAcks(group, absl::UnavailableError(
+                                   "the group was formed anew before every rank synced the update"));
+        mu_.Lock();
+      }
+      group = Group();  // the previous group's transports close here
+      group.transports = std::move(pending_group_);
+      if (options_.observer != nullptr) {
+        group.timed_control = std::make_shared<TimedCollectives>(group.transports.control);
+        group.timed_data = group.transports.data == group.transports.control
+                               ? group.timed_control
+                               : std::make_shared<TimedCollectives>(group.transports.data);
+      }
+      pending_group_ = StepGroup();
+      group.hello_due = true;
+      active_group_ = group.transports;
+      epoch_ = pending_epoch_;
+      serving_ = true;
+      break_requested_ = absl::OkStatus();
+    }
+    // BreakGroup was called: leave the group now (the queue was failed then).
+    if (!break_requested_.ok()) step.broken = break_requested_;
+    // News from here on (Submit's Unpark) is what a wait before the next round waits for.
+    if (!group.round_due) group.transports.channel->ClearUnpark();
+    int64_t rows = 0;
+    while (!queue_.empty() &&
+           (step.batch.empty() || (!options_.one_request_per_step &&
+                                   rows + queue_.front()->Rows() <= options_.row_budget))) {
+      rows += queue_.front()->Rows();
+      queued_bytes_ -= queue_.front()->InputBytes();
+      step.batch.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+  }
+  SetInFlight(step.batch);
+  step.tables = tables_.Tables();
+  return true;
+}
+
+void StepLoop::SetInFlight(const std::vector<std::unique_ptr<StepRequest>>& batch) {
+  absl::MutexLock lock(&answer_mu_);
+  in_flight_.clear();
+  for (const auto& r : batch) in_flight_.push_back(r.get());
+}
+
+void StepLoop::Answer(std::unique_ptr<StepRequest>& request,
+                      absl::StatusOr<DenseResult> answer) {
+  {
+    absl::MutexLock lock(&answer_mu_);
+    const bool delivered = request->answered;
+    request->answered = true;
+    if (delivered) {  // by BreakGroup: the loop's own answer is late
+      request.reset();
+      return;
+    }
+  }
+  sink_.Deliver(*request, std::move(answer));
+  request.reset();
+}
+
+// Answers the requests whose deadline passed in the queue, or whose table was dropped meanwhile.
+void StepLoop::AnswerStale(Step& step) {
+  const absl::Time now = absl::Now();
+  bool answered = false;
+  for (auto& r : step.batch) {
+    absl::Status stale;
+    if (r->deadline < now) {
+      stale = absl::DeadlineExceededError("deadline passed in queue");
+    } else if (step.tables->tables.count(r->table) == 0) {
+      stale = absl::NotFoundError(
+          absl::StrCat("table \"", r->table, "\" was dropped while the request waited"));
+    } else {
+      continue;
+    }
+    Answer(r, stale);
+    answered = true;
+  }
+  if (!answered) return;
+  step.batch.erase(std::remove(step.batch.begin(), step.batch.end(), nullptr), step.batch.end());
+  SetInFlight(step.batch);
+  sink_.Flush();  // their answers, before any wait
+}
+
+// A rank without work in a group that parks cheaply waits until a peer starts the next round,
+// or news (a request, a task, a new group, Stop, the periodic check) comes; then the loop takes
+// the news in first. Returns whether a round is to run now.
+bool StepLoop::WaitForRound(Group& group, Step& step) {
+  if (!step.broken.ok()) return true;  // on to failing the group
+  if (group.round_due || group.hello_due || !step.batch.empty() ||
+      !group.transports.channel->ParksCheaply()) {
+    group.round_due = false;
+    return true;
+  }
+  step.tables.reset();
+  step.loads.clear();
+  absl::Status waited = group.transports.channel->AwaitRound();
+  if (waited.ok()) {
+    group.round_due = true;
+    return false;
+  }
+  step.broken = waited;
+  step.tables = tables_.Tables();
+  return true;
+}
+
+// The agreement round (after a new group's hello): every rank learns which (table, op) work any
+// rank has, and with it every rank's input for that work.
+void StepLoop::Agree(Group& group, Step& step) {
+  for (size_t i = 0; i < step.batch.size(); ++i) {
+    step.mine[WorkKey::Of(*step.batch[i])].push_back(i);
+  }
+  StepChannel& channel = *group.transports.channel;
+  if (group.hello_due) {
+    group.hello_due = false;
+    absl::StatusOr<std::vector<absl::Span<const char>>> hellos = channel.AllGatherMessages(
+        AsBytes(HelloMessage(options_.one_request_per_step)), options_.collective_timeout);
+    step.broken = hellos.ok() ? CheckHellos(*hellos, options_.one_request_per_step)
+                              : hellos.status();
+    if (!step.broken.ok()) return;
+  }
+  const int64_t round = ++group.round;
+  AgreementWriter writer(step.tables->digest, syncer_->Synced(round - 1));
+  for (const auto& [key, indices] : step.mine) writer.Add(key, step.Requests(indices));
+  rounds_.fetch_add(1);
+  absl::StatusOr<std::vector<absl::Span<const char>>> messages =
+      channel.AllGatherMessages(writer.bytes(), options_.collective_timeout);
+  if (!messages.ok()) {
+    step.broken = messages.status();
+    return;
+  }
+  absl::StatusOr<Agreement> agreement = Agreement::Read(*messages);
+  if (!agreement.ok()) {
+    step.broken = agreement.status();
+    return;
+  }
+  step.agreement = *std::move(agreement);
+}
+
+// One request per step: every rank sees the same rounds, so every rank picks the same rank's
+// request; the others' requests go back to the front of their queues.
+void StepLoop::TakeTurn(Group& group, Step& step) {
+  Agreement& agreement = *step.agreement;
+  auto& work = agreement.work();
+  if (work.empty()) return;
+  const int world = agreement.world();
+  for (int i = 1; i <= world; ++i) {
+    if (agreement.has_work((group.turn + i) % world)) {
+      group.turn = (group.turn + i) % world;
+      break;
+    }
+  }
+  for (auto it = work.begin(); it != work.end();) {
+    for (int q = 0; q < world; ++q) {
+      if (q != group.turn) it->second[q] = {};
+    }
+    it = it->second[group.turn].data() == nullptr ? work.erase(it) : std::next(it);
+  }
+  if (group.transports.channel->rank() == group.turn || step.batch.empty()) return;
+  step.mine.clear();
+  absl::MutexLock lock(&mu_);
+  absl::MutexLock answers(&answer_mu_);
+  for (auto r = step.batch.rbegin(); r != step.batch.rend(); ++r) {
+    if ((*r)->answered) continue;  // by BreakGroup
+    queued_bytes_ += (*r)->InputBytes();
+    queue_.push_front(std::move(*r));
+  }
+  step.batch.clear();
+  in_flight_.clear();
+}
+
+// No rank had work. A group that parks cheaply goes back to waiting for the next round
+// (AwaitRound). Otherwise back off (each rank sleeps between rounds, waking at once for local
+// work); after park_after_idle_rounds such rounds (the same round on every rank) park the group
+// until any rank has news - work, a new group, a task, Stop. Waking a group parked on sockets
+// costs more than a round, so there traffic with short gaps never parks it. Returns whether the
+// loop goes on to its next iteration (false: the park failed, step.broken says why).
+bool StepLoop::Idle(Group& group, Step& step) {
+  step.tables.reset();
+  step.loads.clear();
+  StepChannel& channel = *group.transports.channel;
+  if (channel.ParksCheaply()) return true;
+  const bool syncing = !group.acks.empty() || !syncer_->Idle();  // peers wait to hear of it
+  if (++group.idle_rounds > options_.park_after_idle_rounds && !syncing) {
+    absl::Status parked = channel.Park(options_.collective_timeout);
+    if (parked.ok()) return true;
+    if (!absl::IsUnimplemented(parked)) {  // cannot park: back off instead
+      step.broken = parked;
+      return false;
+    }
+  }
+  group.idle = std::min(std::max(group.idle * 2, absl::Microseconds(50)), options_.max_idle_sleep);
+  absl::MutexLock lock(&mu_);
+  auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return stop_ || !queue_.empty() || pending_group_.channel != nullptr ||
+           !between_steps_.empty() || sync_news_;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&wake), group.idle);
+  return true;
+}
+
+// Runs every agreed (table, op) in order - each rank with its input for it, possibly none - and
+// answers this rank's requests from the results.
+void StepLoop::RunOps(Group& group, Step& step) {
+  Agreement& agreement = *step.agreement;
+  auto& work = agreement.work();
+  // Which load each key runs on, decided from what every rank said, so alike on every rank. When
+  // the ranks hold different tables (one being created, replaced or dropped, a version staged or
+  // switched to), they first tell each other which they hold; work for a table (version) not every
+  // rank holds alike is answered UNAVAILABLE on every rank.
+  std::optional<std::map<std::string, HeldAlike>> alike;
+  if (!agreement.same_tables()) {
+    agreement.Own();  // the second round reuses the channel's buffers
+    const std::vector<int64_t> held = HeldTablesMessage(*step.tables);
+    absl::StatusOr<std::vector<absl::Span<const char>>> messages =
+        group.transports.channel->AllGatherMessages(AsBytes(held), options_.collective_timeout);
+    absl::StatusOr<std::map<std::string, HeldAlike>> read =
+        messages.ok() ? TablesHeldAlike(*messages)
+                      : absl::StatusOr<std::map<std::string, HeldAlike>>(messages.status());
+    if (!read.ok()) {
+      step.broken = read.status();
+      return;
+    }
+    alike = *std::move(read);
+  }
+  step.loads.clear();
+  for (auto it = work.begin(); it != work.end();) {
+    const WorkKey& key = it->first;
+    std::shared_ptr<ShardedTable> table;
+    if (!alike) {
+      table = step.tables->Find(key.table, key.version);
+    } else if (auto h = alike->find(key.table); h != alike->end()) {
+      const std::optional<uint64_t> version = h->second.Resolve(key.version);
+      if (version) table = step.tables->Load(key.table, *version);
+    }
+    if (table != nullptr) {
+      step.loads.push_back(std::move(table));
+      ++it;
+      continue;
+    }
+    const std::string what =
+        key.version == 0 ? absl::StrCat("table \"", key.table, "\"")
+                         : absl::StrCat("version ", key.version, " of table \"", key.table, "\"");
+    const absl::Status refused =
+        alike ? absl::UnavailableError(absl::StrCat(
+                    what, " is not the same on every rank of the group right now (it is being "
+                          "created, replaced or dropped); retry"))
+              : absl::NotFoundError(absl::StrCat(what, " is not loaded"));
+    if (auto m = step.mine.find(key); m != step.mine.end()) {
+      for (size_t i : m->second) Answer(step.batch[i], refused);
+    }
+    it = work.erase(it);
+  }
+  if (!work.empty()) {
+    absl::MutexLock lock(&mu_);
+    ++busy_steps_;
+  }
+  StepObserver* observer = work.empty() ? nullptr : options_.observer;
+  StepStats stats;
+  const absl::Time ops_start = observer ? absl::Now() : absl::InfinitePast();
+  if (observer != nullptr) {
+    for (const auto& [key, indices] : step.mine) {
+      if (!work.count(key)) continue;
+      for (size_t i : indices) {
+        const StepRequest& r = *step.batch[i];
+        ++stats.requests;
+        stats.rows += r.Rows();
+        stats.input_bytes += r.InputBytes();
+        if (r.received != absl::InfinitePast()) {
+          observer->QueueWaited(step.round_start - r.received);
+        }
+      }
+    }
+    group.timed_data->Take();
+    if (group.timed_control != group.timed_data) group.timed_control->Take();
+  }
+  const StepGroup& t = group.transports;
+  Collectives& control = group.timed_control ? *group.timed_control : *t.control;
+  Collectives& data = group.timed_data ? *group.timed_data : *t.data;
+  ShardedOps ops(control, data, kernels_, OpOptions{options_.collective_timeout, options_.limits});
+  RunWork(group, step, ops);
+  if (step.broken.ok()) StartSync(group, step);
+  if (observer == nullptr || !step.broken.ok()) return;
+  stats.agreement = step.agreement_time;
+  stats.exchange = group.timed_data->Take();
+  if (group.timed_control != group.timed_data) stats.exchange += group.timed_control->Take();
+  stats.compute = std::max(absl::Now() - ops_start - stats.exchange, absl::ZeroDuration());
+  observer->StepDone(stats);
+}
+
+// Applies every rank's update calls for one table in rank order (each rank its part of the rows),
+// logging them; this rank's are answered in Commit.
+void StepLoop::RunUpdates(Group& group, Step& step, const WorkKey& key,
+                          std::vector<absl::Span<const char>>& inputs,
+                          const std::shared_ptr<ShardedTable>& table) {
+  const std::vector<int64_t> empty = EmptyUpdateMessage();
+  for (absl::Span<const char>& input : inputs) {
+    if (input.data() == nullptr) input = AsBytes(empty);
+  }
+  auto m = step.mine.find(key);
+  const std::vector<size_t> none;
+  const std::vector<size_t>& indices = m != step.mine.end() ? m->second : none;
+  absl::StatusOr<std::vector<std::vector<UpdateCall>>> calls =
+      DecodeUpdates(table->config(), inputs);
+  if (!calls.ok()) {  // every rank read the same messages: every rank fails them alike
+    for (size_t i : indices) Answer(step.batch[i], calls.status());
+    return;
+  }
+  const int me = group.transports.channel->rank();
+  step.renorm_unsure.push_back(table);  // should the step fail before every rank has them
+  for (int q = 0; q < static_cast<int>(calls->size()); ++q) {
+    const std::vector<UpdateCall>& theirs = (*calls)[q];
+    for (size_t c = 0; c < theirs.size(); ++c) {
+      const bool mine = q == me && c < indices.size();
+      if (const uint64_t expected = theirs[c].expected_seq;
+          expected != 0 && table->seq() + 1 != expected) {
+        // Every rank holds the same sequence: every rank skips it alike.
+        if (mine) {
+          Answer(step.batch[indices[c]],
+                 absl::FailedPreconditionError(absl::StrCat(
+                     "update ", expected, " of table \"", key.table, "\" comes after update ",
+                     table->seq(), " here: it is out of order and was not applied")));
+        }
+        continue;
+      }
+      if (absl::Status applied = ApplyUpdate(*table, theirs[c]); !applied.ok()) {
+        step.broken = absl::UnavailableError(
+            absl::StrCat("rank ", me, " could not apply an update: ", applied.message()));
+        return;
+      }
+      if (!mine) continue;
+      StepRequest& r = *step.batch[indices[c]];
+      r.served_version = table->config().version;
+      r.served_seq = table->seq();
+      step.updated.push_back(indices[c]);
+    }
+  }
+}
+
+// Hands the step's update log records to the syncer, and keeps its update requests until every
+// rank says it synced past this round (Acknowledge): an answered update is on every rank's disk.
+void StepLoop::StartSync(Group& group, Step& step) {
+  Syncer::Records records;
+  Group::PendingAck ack;
+  ack.round = group.round;
+  for (const std::shared_ptr<ShardedTable>& table : step.loads) {
+    UpdateLog* log = table->log();
+    if (log == nullptr || !log->pending()) continue;
+    records.emplace_back(table, log->TakePending());
+    ack.logged.emplace_back(table, table->agreed());
+  }
+  for (size_t i : step.updated) ack.requests.push_back(std::move(step.batch[i]));
+  step.updated.clear();
+  // Tables the step updated stay unsure (should the group fail) until acknowledged.
+  for (const std::shared_ptr<ShardedTable>& table : step.renorm_unsure) {
+    if (std::none_of(ack.logged.begin(), ack.logged.end(),
+                     [&](const auto& l) { return l.first == table; })) {
+      ack.logged.emplace_back(table, table->agreed());
+    }
+  }
+  step.renorm_unsure.clear();
+  if (!records.empty()) syncer_->Add(group.round, std::move(records));
+  if (ack.requests.empty() && ack.logged.empty()) return;
+  group.acks.push_back(std::move(ack));
+  group.round_due = true;  // the next round tells the peers (and this rank) how far each synced
+}
+
+// After a round: answers the updates (and acknowledges the logs) of the rounds every rank has
+// synced past; a rank that could not sync its log breaks the group.
+void StepLoop::Acknowledge(Group& group, Step& step) {
+  const std::vector<int64_t>& synced = step.agreement->synced();
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (size_t q = 0; q < synced.size(); ++q) {
+    if (synced[q] < 0) {
+      const absl::Status mine = syncer_->failed();
+      step.broken = absl::UnavailableError(absl::StrCat(
+          "rank ", q, " could not sync its update log",
+          mine.ok() ? std::string() : absl::StrCat(": ", mine.message())));
+      return;
+    }
+    least = std::min(least, synced[q]);
+  }
+  bool acknowledged = false;
+  while (!group.acks.empty() && group.acks.front().round <= least) {
+    Group::PendingAck& ack = group.acks.front();
+    for (const auto& [table, agreed] : ack.logged) {
+      if (table->log() != nullptr) table->log()->Acknowledge(agreed);
+    }
+    for (std::unique_ptr<StepRequest>& r : ack.requests) Answer(r, DenseResult{});
+    for (const auto& [table, agreed] : ack.logged) {
+      // Between steps, with no write of its records in flight; a failed snapshot leaves the log
+      // as it is, to be tried again.
+      if (table->log() != nullptr && syncer_->Idle()) {
+        table->log()->MaybeSnapshot(*table).IgnoreError();
+      }
+    }
+    group.acks.pop_front();
+    acknowledged = true;
+  }
+  if (acknowledged) sink_.Flush();
+}
+
+// The group is gone before every rank synced these updates: they are answered `status`, and
+// their tables handed back as unsure (reloaded from the logs, which the coordinator cuts to the
+// shortest before the group serves them).
+void StepLoop::FailPendingAcks(Group& group, const absl::Status& status) {
+  if (group.acks.empty()) return;
+  syncer_->WaitUntilIdle();  // nothing writes the logs while the tables are reloaded
+  for (Group::PendingAck& ack : group.acks) {
+    for (std::unique_ptr<StepRequest>& r : ack.requests) Answer(r, status);
+    for (const auto& [table, agreed] : ack.logged) tables_.DropRenormUnsure(table);
+  }
+  group.acks.clear();
+  sink_.Flush();
+}
+
+// Runs the agreed work with `ops` and answers this rank's requests.
+void StepLoop::RunWork(Group& group, Step& step, ShardedOps& ops) {
+  auto& work = step.agreement->work();
+  size_t k = 0;
+  for (auto& [key, inputs] : work) {
+    const std::shared_ptr<ShardedTable>& table = step.loads[k++];
+    const TableConfig& config = table->config();
+    if (key.op == StepRequest::Op::kUpdate) {
+      // Updates sort after lookups: the step's lookup answers (which do not reflect its updates)
+      // go out now, not after the updates are applied and logged.
+      sink_.Flush();
+      RunUpdates(group, step, key, inputs, table);
+      if (!step.broken.ok()) return;
+      continue;
+    }
+    // Ranks without work for this key sent no input: theirs is the empty one.
+    std::vector<int64_t> empty;
+    for (absl::Span<const char>& input : inputs) {
+      if (input.data() != nullptr) continue;
+      if (empty.empty()) empty = EmptyInput(key.kind(), key.mode);
+      input = AsBytes(empty);
+    }
+    auto m = step.mine.find(key);
+    const std::vector<size_t> none;
+    const std::vector<size_t>& indices = m != step.mine.end() ? m->second : none;
+    for (size_t i : indices) {
+      step.batch[i]->served_version = config.version;
+      step.batch[i]->served_seq = table->seq();
+    }
+    absl::StatusOr<DenseResult> result = [&]() -> absl::StatusOr<DenseResult> {
+      SHARDSERVE_ASSIGN_OR_RETURN(GatheredInputs gathered,
+                                  DecodeInputs(key.kind(), config, inputs));
+      switch (key.op) {
+        case StepRequest::Op::kEmbedding:
+          return ops.Embedding(*table, gathered);
+        case StepRequest::Op::kEmbeddingBag:
+          return ops.EmbeddingBag(*table, gathered);
+        case StepRequest::Op::kLinear:
+        case StepRequest::Op::kUpdate:
+          break;
+      }
+      return ops.Linear(*table, gathered);
+    }();
+    if (!result.ok()) {
+      if (result.status().code() == absl::StatusCode::kUnavailable) {
+        if (config.max_norm.has_value() && config.spec.dim() == 1) {
+          step.renorm_unsure.push_back(table);
+        }
+        step.broken = result.status();
+        return;
+      }
+      // Every rank read the same inputs, so every rank fails this op alike: the group goes on.
+      for (size_t i : indices) Answer(step.batch[i], result.status());
+      continue;
+    }
+    // Split the rows back per request: with several requests, each refers to its rows of the one
+    // result buffer (no copy).
+    const int64_t dim = result->shape.back();
+    std::shared_ptr<const FloatBuffer> shared;
+    if (indices.size() > 1) shared = std::make_shared<FloatBuffer>(std::move(result->values));
+    int64_t cursor = 0;
+    for (size_t i : indices) {
+      StepRequest& r = *step.batch[i];
+      DenseResult answer;
+      const int64_t rows = r.AnswerRows();
+      switch (r.op) {
+        case StepRequest::Op::kEmbedding:
+          answer.shape = r.shape;
+          break;
+        case StepRequest::Op::kEmbeddingBag:
+          answer.shape = {rows};
+          break;
+        case StepRequest::Op::kLinear:
+        case StepRequest::Op::kUpdate:
+          answer.shape.assign(r.shape.begin(), r.shape.end() - 1);
+          break;
+      }
+      answer.shape.push_back(dim);
+      if (shared == nullptr) {
+        answer.values = std::move(result->values);
+      } else {
+        answer.shared = shared;
+        answer.offset = cursor;
+        answer.count = rows * dim;
+        cursor += rows * dim;
+      }
+      Answer(step.batch[i], std::move(answer));
+    }
+  }
+}
+
+// The group failed: this step's requests and the queue get UNAVAILABLE, the group is dropped
+// (Submit refuses from now on), and tables the step may have left renormed unlike on the peers
+// go back to the table source.
+void StepLoop::FailGroup(Group& group, Step& step) {
+  const absl::Status status = absl::UnavailableError(
+      absl::StrCat("group epoch ", epoch(), " failed: ", step.broken.message()));
+  for (auto& r : step.batch) {
+    if (r != nullptr) Answer(r, status);
+  }
+  step.batch.clear();
+  for (const std::shared_ptr<ShardedTable>& table : step.loads) {
+    if (table->log() != nullptr) table->log()->Discard();  // never written: never acknowledged
+  }
+  syncer_->WaitUntilIdle();  // nothing writes the logs of the tables handed back below
+  {
+    absl::MutexLock lock(&mu_);
+    active_group_ = StepGroup();
+    last_break_ = status;
+  }
+  FailPendingAcks(group, status);
+  group = Group();
+  std::deque<std::unique_ptr<StepRequest>> queued;
+  {
+    absl::MutexLock lock(&mu_);
+    serving_ = false;  // from now on Submit refuses at once
+    queued.swap(queue_);
+    queued_bytes_ = 0;
+  }
+  for (auto& r : queued) sink_.Deliver(*r, status);
+  step.tables.reset();
+  step.loads.clear();
+  for (const std::shared_ptr<ShardedTable>& table : step.renorm_unsure) {
+    tables_.DropRenormUnsure(table);
+  }
+  if (options_.on_group_broken) options_.on_group_broken(status);
+}
+
+}  // namespace shardserve::core
