@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes bench/results/README.md: an index of the raw result files, by benchmark and date, with
-the script that wrote each kind. Run it after adding results: bench/index_results.py"""
+the script that wrote each kind (HISTORY.md beside them, written by hand, is their dated account).
+Run it after adding results: bench/index_results.py"""
 import os
 import re
 from collections import defaultdict
@@ -22,13 +23,14 @@ WHAT = {
 }
 groups = defaultdict(list)
 for name in sorted(os.listdir(HERE)):
-    if name == "README.md":
+    if name in ("README.md", "HISTORY.md"):
         continue
     m = re.match(r"([a-z0-9_]+?)_(\d{8}T\d{4,6}Z)", name)
     groups[m.group(1) if m else "other"].append((m.group(2) if m else "", name))
 lines = ["# Benchmark results (raw)", "",
-         "The raw files behind BENCHMARKS.md, by benchmark, newest first. BENCHMARKS.md cites the",
-         "file of each figure; this index is written by `bench/index_results.py`.", ""]
+         "The raw files behind BENCHMARKS.md and [HISTORY.md](HISTORY.md), by benchmark, newest",
+         "first. Both cite the file of each figure; this index is written by",
+         "`bench/index_results.py`.", ""]
 for kind in sorted(groups):
     script, what = WHAT.get(kind, ("", ""))
     lines.append(f"## {kind}" + (f" - {what}" if what else ""))
