@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where the CPU goes for 64 concurrent callers with one bag each (benchmark 4 of BENCHMARKS.md):
+# Where the CPU goes for 64 concurrent callers with one bag each (bench/results/HISTORY.md):
 # for each server - the coalescing cluster, the one-request-per-step cluster, and the bare gRPC
 # servers - runs the load (unary calls, then one stream per caller) and reads every process's CPU
 # from /proc over the middle of the run. Prints bags/s, how busy the machine was, and CPU
