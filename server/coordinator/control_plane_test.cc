@@ -828,7 +828,7 @@ TEST_F(ControlPlaneTest, CreateTableEndsItsWaitAMarginBeforeTheDeadline) {
     for (FakeWorker& w : workers) ASSERT_TRUE(w.Report(*cp).ok());
   }
   clock_.Advance(absl::Milliseconds(90));  // 1.79 s: the wait goes on
-  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(clock_.AwaitWaiting(1));
   EXPECT_FALSE(done);
   clock_.Advance(absl::Milliseconds(20));  // 1.81 s: past 2 s - 200 ms, it ends
   create.join();
@@ -875,9 +875,9 @@ TEST_F(ControlPlaneTest, ARetriedCreateFindsItsTableAndWaitTableWaitsUntilItServ
     waited = cp->WaitTable("t", absl::Milliseconds(500), absl::InfiniteFuture());
     done = true;
   });
-  absl::SleepFor(absl::Milliseconds(50));  // (it has begun to wait, with the clock still)
+  ASSERT_TRUE(clock_.AwaitWaiting(1));  // it has begun to wait, with the clock still
   Settle(*cp, workers, 9);  // 450 ms: the wait goes on
-  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(clock_.AwaitWaiting(1));
   EXPECT_FALSE(done);
   Settle(*cp, workers, 2);  // 550 ms: past its timeout, it ends
   wait.join();
@@ -939,7 +939,7 @@ TEST_F(ControlPlaneTest, WaitTableForATableDroppedMeanwhileIsNotFound) {
     waited = cp->WaitTable("t", absl::InfiniteDuration(), clock_.Now() + absl::Seconds(20));
     done.Notify();
   });
-  absl::SleepFor(absl::Milliseconds(50));  // (it has begun to wait)
+  ASSERT_TRUE(clock_.AwaitWaiting(1));  // it has begun to wait
   Settle(*cp, workers, 2);
   ASSERT_TRUE(cp->DropTable("t", clock_.Now()).ok());
   while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(1))) Settle(*cp, workers, 1);
@@ -1082,17 +1082,17 @@ TEST_F(ControlPlaneTest, DropTableReturnsOnceNoLiveRankServesTheTable) {
     done = true;
   });
   while (cp->DescribeTable("a").ok()) absl::SleepFor(absl::Milliseconds(1));  // out of the registry
-  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(clock_.AwaitWaiting(1));
   EXPECT_FALSE(done);  // no worker has heard of it yet
   // Each worker's first report since still lists it (built before the reply that drops it).
   for (FakeWorker& w : workers) {
     EXPECT_TRUE(w.Request().serving_tables().size() == 2);
     ASSERT_TRUE(w.Report(*cp).ok());
   }
-  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(clock_.AwaitWaiting(1));
   EXPECT_FALSE(done);
   ASSERT_TRUE(workers[0].Report(*cp).ok());  // rank 0 no longer serves it; rank 1 has not said
-  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(clock_.AwaitWaiting(1));
   EXPECT_FALSE(done);
   ASSERT_TRUE(workers[1].Report(*cp).ok());
   drop.join();
@@ -1130,7 +1130,7 @@ TEST_F(ControlPlaneTest, DropTableWaitsForLiveRanksOnlyAndNamesThoseStillServing
     ASSERT_TRUE(workers[0].Report(*cp).ok());
     ASSERT_TRUE(cp->Heartbeat(stuck).ok());
   }
-  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(clock_.AwaitWaiting(1));
   EXPECT_FALSE(done);
   clock_.Advance(absl::Milliseconds(110));  // 910 ms: past 1 s - 100 ms
   drop.join();
@@ -1560,7 +1560,7 @@ TEST_F(ControlPlaneTest, RendezvousReadsWaitBoundedAndAreBoundedInNumber) {
   // A read waits for the key.
   absl::StatusOr<std::string> got;
   std::thread reader([&] { got = cp->RendezvousGet(prefix + "late", absl::Seconds(5)); });
-  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(clock_.AwaitWaiting(1));
   ASSERT_TRUE(cp->RendezvousSet(prefix + "late", "here").ok());
   reader.join();
   ASSERT_TRUE(got.ok()) << got.status();
@@ -1588,7 +1588,7 @@ TEST_F(ControlPlaneTest, RendezvousReadsWaitBoundedAndAreBoundedInNumber) {
   }
   // A read waiting when the group moves to a new epoch ends at once.
   std::thread stale([&] { got = cp->RendezvousGet(prefix + "never", absl::Seconds(5)); });
-  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(clock_.AwaitWaiting(1));
   workers[0].incarnation = 31337;
   clock_.Advance(absl::Milliseconds(1600));
   Settle(*cp, workers, 1);
@@ -1597,7 +1597,7 @@ TEST_F(ControlPlaneTest, RendezvousReadsWaitBoundedAndAreBoundedInNumber) {
   // And Shutdown ends every wait.
   const std::string now = absl::StrCat("group/epoch-", cp->epoch(), "/");
   std::thread last([&] { got = cp->RendezvousGet(now + "never", absl::Seconds(5)); });
-  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(clock_.AwaitWaiting(1));
   cp->Shutdown();
   last.join();
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded);
