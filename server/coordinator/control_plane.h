@@ -468,9 +468,9 @@ class ControlPlane {
   // created; Reconcile leaves their generation alone; a failure to load them undoes them. (Not
   // persisted: after a restart, tables not served yet are loaded as any other.)
   std::set<std::string> unserved_ ABSL_GUARDED_BY(mu_);
-  // Replicas (table, group) given a new generation while their group did not serve them (after a
-  // partial renorm): until it serves them, no lookup renorms their new loads, so a worker's restart
-  // meanwhile reloads nothing more.
+  // Replicas (table, group) given a new generation after a partial renorm, until their group
+  // serves it: no lookup renorms the new loads before, so a worker's restart meanwhile reloads
+  // nothing more.
   std::set<std::pair<std::string, int>> reloaded_while_down_ ABSL_GUARDED_BY(mu_);
   // (table, group) -> the replica's own generation (see SpecFor); persisted with the registry.
   std::map<std::pair<std::string, int>, uint64_t> replica_generations_ ABSL_GUARDED_BY(mu_);

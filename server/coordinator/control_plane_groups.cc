@@ -361,7 +361,10 @@ void ControlPlane::ReloadAfterPartialRenorm(int group, int rank, const v1::Table
     LOG(ERROR) << absl::StrFormat("coordinator: %s", s.ToString().c_str());
     return;
   }
-  if (!GroupServing(group)) reloaded_while_down_.insert(replica);
+  // Nothing has renormed the new loads yet, whether or not the group still serves the old ones
+  // (the rank may say so before any rank reports the group broken): a restart until the group
+  // serves them needs no reload of its own.
+  reloaded_while_down_.insert(replica);
   LOG(WARNING) << absl::StrFormat(
       "coordinator: table \"%s\" is loaded again on group %d as generation %llu: a step "
       "failed on its rank %d while it renormed rows, which its ranks may now hold "

@@ -1382,6 +1382,47 @@ TEST_F(ReplicaGroupsTest, WithoutAStateDirAReplicasOwnGenerationIsLearnt) {
   EXPECT_EQ(info->replicas(1).state(), v1::TABLE_STATE_SERVING);
 }
 
+// A step failed mid-renorm on rank 1, which says so before any rank reports the group broken,
+// and rank 1 is replaced by a new process before the group serves the reloaded table: the new
+// process loads the same new generation as its peer, and nothing is reloaded a second time (no
+// lookup has renormed the new loads yet).
+TEST_F(ControlPlaneTest, ARankRestartedBeforeAPartialRenormsReloadServesReloadsItNoMore) {
+  auto cp = Make();
+  std::vector<FakeWorker> workers = Workers();
+  Settle(*cp, workers);
+  v1::TableSpec spec = Seeded("renorm");
+  spec.set_max_norm(1.0);
+  absl::Notification created;
+  std::thread create([&] {
+    EXPECT_TRUE(cp->CreateTable(spec, absl::InfiniteFuture()).ok());
+    created.Notify();
+  });
+  while (!created.WaitForNotificationWithTimeout(absl::Milliseconds(1))) {
+    Settle(*cp, workers, 1);
+  }
+  create.join();
+  Settle(*cp, workers);
+  const uint64_t base = cp->DescribeTable("renorm")->replicas(0).generation();
+  HeartbeatRequest unsure = workers[1].Request();
+  *unsure.add_renorm_unsure() = workers[1].loaded.at("renorm");
+  ASSERT_TRUE(cp->Heartbeat(unsure).ok());
+  const uint64_t reloaded = cp->DescribeTable("renorm")->replicas(0).generation();
+  ASSERT_NE(reloaded, base);
+  // Rank 1 dies; its peer goes on alone until it is seen dead, then a new process takes its place.
+  for (int i = 0; i < 16; ++i) {
+    clock_.Advance(absl::Milliseconds(100));
+    ASSERT_TRUE(workers[0].Report(*cp).ok());
+  }
+  workers[1] = FakeWorker{};
+  workers[1].rank = 1;
+  workers[1].incarnation = 555;
+  Settle(*cp, workers, 6);
+  absl::StatusOr<v1::TableInfo> info = cp->DescribeTable("renorm");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->replicas(0).generation(), reloaded);
+  EXPECT_EQ(info->state(), v1::TABLE_STATE_SERVING);
+}
+
 // --- The cluster's description ---
 
 TEST_F(ControlPlaneTest, DescribeClusterShowsTheGroupAndEveryMemberAsTheyChange) {
