@@ -16,6 +16,7 @@
 #include "client/local_cluster.h"
 #include "core/table/safetensors.h"
 #include "rpc/process_signals.h"
+#include "rpc/security.h"
 #include "rpc/security_flags.h"
 
 ABSL_FLAG(int, workers, 2, "up: CPU workers (ranks) per group");

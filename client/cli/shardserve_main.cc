@@ -26,6 +26,7 @@
 // `shardserve [COMMAND] --help` from it.
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -45,9 +46,9 @@ namespace {
 
 // Every command, in the order --help names them.
 std::vector<Command> AllCommands() {
-  std::vector<Command> all = ClusterCommands();
-  for (std::vector<Command> group : {AdminCommands(), DataCommands()}) {
-    for (Command& command : group) all.push_back(std::move(command));
+  std::vector<Command> all;
+  for (std::vector<Command> (*group)() : {ClusterCommands, AdminCommands, DataCommands}) {
+    for (Command& command : group()) all.push_back(std::move(command));
   }
   return all;
 }
