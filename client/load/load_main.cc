@@ -200,8 +200,9 @@ int Main(int argc, char** argv) {
         "shardserve-load --coordinator=HOST:PORT --table=T [flags]",
         "The load tester: closed loop (--concurrency callers) or open loop (--qps), unary or "
         "--stream; prints latency percentiles and errors by code, --report writes JSON. Exit "
-        "codes: 0 done (whatever the calls answered), 1 a local failure, 2 usage, 64 + the gRPC "
-        "code when the table cannot be read.",
+        "codes: 0 done and every call answered OK, 3 done with calls that failed (counted by "
+        "code in the report), 1 a local failure, 2 usage, 64 + the gRPC code when the table "
+        "cannot be read.",
         {},
         "client/load/load_main.cc"};
   });
