@@ -69,8 +69,49 @@ absl::StatusOr<Certificate> ReadCertificate(const std::string& path, absl::strin
   return x509;
 }
 
+std::string TimeText(const ASN1_TIME* time) {
+  BIO* bio = BIO_new(BIO_s_mem());
+  ASN1_TIME_print(bio, time);
+  char* data = nullptr;
+  const long size = BIO_get_mem_data(bio, &data);
+  std::string text(data, size > 0 ? static_cast<size_t>(size) : 0);
+  BIO_free(bio);
+  return text;
+}
+
+// A certificate outside its validity at this machine's time fails every handshake with no more
+// than "certificate verify failed" on either side: the clock may be what is wrong (a worker whose
+// clock is behind its certificates cannot join), so say so.
+std::string TimeProblem(X509* cert) {
+  const std::string now =
+      absl::FormatTime("%b %e %H:%M:%S %Y GMT", absl::Now(), absl::UTCTimeZone());
+  if (X509_cmp_current_time(X509_get0_notBefore(cert)) > 0) {
+    return absl::StrCat("it is not valid before ", TimeText(X509_get0_notBefore(cert)),
+                        ", and this machine's clock says ", now,
+                        ": if the certificate is right, this machine's clock is behind (set it "
+                        "right, e.g. with NTP); TLS handshakes fail meanwhile (\"certificate "
+                        "verify failed\")");
+  }
+  if (X509_cmp_current_time(X509_get0_notAfter(cert)) < 0) {
+    return absl::StrCat("it expired on ", TimeText(X509_get0_notAfter(cert)),
+                        ", and this machine's clock says ", now,
+                        ": renew it - or, if it is still valid, this machine's clock is ahead; "
+                        "TLS handshakes fail meanwhile (\"certificate verify failed\")");
+  }
+  return "";
+}
+
+void WarnIfNotValidNow(X509* cert, absl::string_view flag, const std::string& path) {
+  if (std::string problem = TimeProblem(cert); !problem.empty()) {
+    LOG(WARNING) << flag << ": " << path << ": " << problem;
+  }
+}
+
 absl::Status CheckCa(const std::string& path, absl::string_view flag) {
-  return ReadCertificate(path, flag).status();
+  absl::StatusOr<Certificate> ca = ReadCertificate(path, flag);
+  if (!ca.ok()) return ca.status();
+  WarnIfNotValidNow(ca->get(), flag, path);
+  return absl::OkStatus();
 }
 
 // INVALID_ARGUMENT unless `cert` is a PEM certificate and `key` its private key (gRPC's file
@@ -91,6 +132,7 @@ absl::Status CheckKeyPair(const std::string& cert_path, const std::string& key_p
     return absl::InvalidArgumentError(
         absl::StrCat("--tls_key: ", key_path, " is not the key of ", cert_path));
   }
+  WarnIfNotValidNow(x509->get(), "--tls_cert", cert_path);
   return absl::OkStatus();
 }
 
@@ -110,6 +152,11 @@ std::string JsonString(absl::string_view s) {
 }
 
 }  // namespace
+
+std::string CertificateTimeProblem(const std::string& path) {
+  absl::StatusOr<Certificate> cert = ReadCertificate(path, "certificate");
+  return cert.ok() ? TimeProblem(cert->get()) : "";
+}
 
 namespace {
 // The auth context property by which the access check marks a connection whose calls it checks

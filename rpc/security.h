@@ -116,6 +116,12 @@ struct ChannelSecurity {
   std::string server_name;  // empty: the host of the address called
 };
 absl::StatusOr<ChannelSecurity> MakeChannelSecurity(const SecurityOptions& options);
+
+// Why the PEM certificate in the file at `path` fails TLS handshakes at this machine's time - not
+// valid yet (the clock may be behind) or expired (or the clock ahead) - or "" when it is valid now
+// (or unreadable: the flag checks say that). Servers and channels log it as a warning when they
+// read their certificates.
+std::string CertificateTimeProblem(const std::string& path);
 // Plaintext channels.
 ChannelSecurity PlaintextChannels();
 

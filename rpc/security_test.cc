@@ -4,6 +4,10 @@
 // an empty message (a generic service), so what is tested is the access check alone.
 #include "rpc/security.h"
 
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
@@ -200,6 +204,46 @@ constexpr char kHeartbeat[] = "/shardserve.v1.internal.CoordinatorInternal/Heart
 constexpr char kRendezvousSet[] = "/shardserve.v1.internal.CoordinatorInternal/RendezvousSet";
 constexpr char kReadShard[] = "/shardserve.v1.internal.WorkerInternal/ReadShard";
 constexpr char kHealth[] = "/grpc.health.v1.Health/Check";
+
+// A self-signed certificate valid from `from` to `to` seconds from now, as PEM at `path`.
+void WriteCertificate(const std::string& path, long from, long to) {
+  EVP_PKEY* key = EVP_RSA_gen(2048);
+  ASSERT_NE(key, nullptr);
+  X509* cert = X509_new();
+  X509_set_version(cert, 2);
+  ASN1_INTEGER_set(X509_get_serialNumber(cert), 1);
+  X509_gmtime_adj(X509_getm_notBefore(cert), from);
+  X509_gmtime_adj(X509_getm_notAfter(cert), to);
+  X509_set_pubkey(cert, key);
+  X509_NAME* name = X509_get_subject_name(cert);
+  X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
+                             reinterpret_cast<const unsigned char*>("clock"), -1, -1, 0);
+  X509_set_issuer_name(cert, name);
+  ASSERT_GT(X509_sign(cert, key, EVP_sha256()), 0);
+  FILE* out = std::fopen(path.c_str(), "w");
+  ASSERT_NE(out, nullptr);
+  PEM_write_X509(out, cert);
+  std::fclose(out);
+  X509_free(cert);
+  EVP_PKEY_free(key);
+}
+
+TEST(CertificateTimeTest, ACertificateNotValidYetSaysTheClockMayBeBehind) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = tmp != nullptr ? tmp : "/tmp";
+  WriteCertificate(dir + "/future.pem", 86400, 2 * 86400);
+  WriteCertificate(dir + "/past.pem", -2 * 86400, -86400);
+  WriteCertificate(dir + "/now.pem", -60, 86400);
+  const std::string future = CertificateTimeProblem(dir + "/future.pem");
+  EXPECT_THAT(future, HasSubstr("not valid before"));
+  EXPECT_THAT(future, HasSubstr("this machine's clock is behind"));
+  EXPECT_THAT(future, HasSubstr("certificate verify failed"));
+  const std::string past = CertificateTimeProblem(dir + "/past.pem");
+  EXPECT_THAT(past, HasSubstr("expired on"));
+  EXPECT_THAT(past, HasSubstr("this machine's clock is ahead"));
+  EXPECT_EQ(CertificateTimeProblem(dir + "/now.pem"), "");
+  EXPECT_EQ(CertificateTimeProblem(dir + "/missing.pem"), "");
+}
 
 TEST(IdentitiesTest, ParsesEntriesAndSaysWhichLineIsWrong) {
   absl::StatusOr<Identities> ids = ParseIdentities(
