@@ -237,7 +237,9 @@ void StepLoop::Stop() {
     tasks.swap(between_steps_);
   }
   for (auto& task : tasks) task();  // callers are waiting for them
-  for (auto& r : left) sink_.Deliver(*r, absl::UnavailableError("worker is shutting down"));
+  for (auto& r : left) {
+    r->responder->Answer(*r, absl::UnavailableError("worker is shutting down"));
+  }
   if (!left.empty()) sink_.Flush();
 }
 
@@ -269,10 +271,10 @@ void StepLoop::BreakGroup(const absl::Status& reason) {
     for (StepRequest* r : in_flight_) {
       if (r->answered) continue;
       r->answered = true;
-      sink_.Deliver(*r, status);
+      r->responder->Answer(*r, status);
     }
   }
-  for (auto& r : queued) sink_.Deliver(*r, status);
+  for (auto& r : queued) r->responder->Answer(*r, status);
   sink_.Flush();
 }
 
@@ -441,7 +443,7 @@ void StepLoop::Answer(std::unique_ptr<StepRequest>& request,
       return;
     }
   }
-  sink_.Deliver(*request, std::move(answer));
+  request->responder->Answer(*request, std::move(answer));
   request.reset();
 }
 
@@ -919,7 +921,7 @@ void StepLoop::FailGroup(Group& group, Step& step) {
     queued.swap(queue_);
     queued_bytes_ = 0;
   }
-  for (auto& r : queued) sink_.Deliver(*r, status);
+  for (auto& r : queued) r->responder->Answer(*r, status);
   step.tables.reset();
   step.loads.clear();
   for (const std::shared_ptr<ShardedTable>& table : step.renorm_unsure) {

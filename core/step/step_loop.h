@@ -10,16 +10,17 @@
 // idle groups back off (up to Options::max_idle_sleep between rounds) and, after
 // Options::park_after_idle_rounds idle rounds, park (StepChannel::Park) until any rank has news.
 //
-// Answers leave through a ResponseSink: Deliver for each answer, Flush once the answers given so
-// far may go out together (after every round, and before the loop waits on its peers).
+// Answers leave through each request's Responder (StepRequest::responder), and the ResponseSink
+// is told (Flush) once the answers given so far may go out together: after every round, and
+// before the loop waits on its peers (core/step/responder.h).
 //
 // Thread-safety: Submit, SetGroup, RunBetweenSteps and Stop may be called from any
 // thread; everything else runs on the loop's own thread, which calls LocalKernels::InitThread()
-// first. Every accepted request is delivered exactly once: on the loop's thread, or on Stop's. A
-// failed collective fails the step's requests and the queue with UNAVAILABLE and drops the group;
-// tables whose rows the failed step may have renormed unlike on the peers are handed back to the
-// TableSource (DropRenormUnsure); Options::on_group_broken reports it, and the loop waits for
-// SetGroup.
+// first. Every accepted request is answered exactly once, through its Responder: on the loop's
+// thread, on BreakGroup's, or on Stop's. A failed collective fails the step's requests and the
+// queue with UNAVAILABLE and drops the group; tables whose rows the failed step may have renormed
+// unlike on the peers are handed back to the TableSource (DropRenormUnsure);
+// Options::on_group_broken reports it, and the loop waits for SetGroup.
 #ifndef SHARDSERVE_CORE_STEP_STEP_LOOP_H_
 #define SHARDSERVE_CORE_STEP_STEP_LOOP_H_
 
@@ -40,6 +41,7 @@
 #include "core/comm/step_channel.h"
 #include "core/kernels/local_kernels.h"
 #include "core/ops/op_inputs.h"
+#include "core/step/responder.h"
 #include "core/step/step_observer.h"
 #include "core/step/step_request.h"
 #include "core/step/table_source.h"
@@ -48,16 +50,6 @@ namespace shardserve::core {
 
 class ShardedOps;
 struct WorkKey;
-
-// Where a StepLoop's answers go (the serving process implements it).
-class ResponseSink {
- public:
-  virtual ~ResponseSink() = default;
-  // The answer to `request`. Must not block; the request is gone once it returns.
-  virtual void Deliver(const StepRequest& request, absl::StatusOr<DenseResult> answer) = 0;
-  // The answers delivered since the last Flush may go out now.
-  virtual void Flush() = 0;
-};
 
 // The transports of one formed group.
 struct StepGroup {
@@ -98,7 +90,8 @@ class StepLoop {
     StepObserver* observer = nullptr;
   };
 
-  // `tables` and `sink` must outlive the loop.
+  // `tables` and `sink` must outlive the loop (each request's responder lives until its answer:
+  // Responder).
   StepLoop(Options options, LocalKernels& kernels, TableSource& tables, ResponseSink& sink);
   ~StepLoop();  // stops the loop; queued requests fail with UNAVAILABLE
 
@@ -120,7 +113,7 @@ class StepLoop {
   absl::Status GroupStatus() const;
 
   // Queues a prepared request. Refuses it (returns the error; the request is dropped and never
-  // delivered) with UNAVAILABLE when there is no group, RESOURCE_EXHAUSTED when the queue is full
+  // answered) with UNAVAILABLE when there is no group, RESOURCE_EXHAUSTED when the queue is full
   // (Options::max_queued_bytes).
   absl::Status Submit(std::unique_ptr<StepRequest> request);
 
@@ -161,7 +154,7 @@ class StepLoop {
   void FailPendingAcks(Group& group, const absl::Status& status);
   void FailGroup(Group& group, Step& step);
 
-  // Delivers `request`'s answer unless BreakGroup did, and frees it.
+  // Answers `request` unless BreakGroup did, and frees it.
   void Answer(std::unique_ptr<StepRequest>& request, absl::StatusOr<DenseResult> answer);
   // The step's requests, which BreakGroup may answer while the loop waits (none: `batch` empty).
   void SetInFlight(const std::vector<std::unique_ptr<StepRequest>>& batch);

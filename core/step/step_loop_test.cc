@@ -47,20 +47,27 @@ std::vector<std::unique_ptr<GlooCommunicator>> Connect(int world, const std::str
   return comms;
 }
 
-// What a test does with an answer. A request's `caller` points at its Done.
+// What a test does with an answer.
 using Done = std::function<void(absl::StatusOr<DenseResult>)>;
 
 // The table version of the answer a Done is called with (on the thread that delivers it).
 thread_local uint64_t served_version = 0;
 
-// Answers each request through its Done, on the thread that delivers it; counts flushes.
+// A request's responder: answers through its Done, on the thread that delivers the answer, and
+// deletes itself (one per request).
+struct TestResponder : Responder {
+  explicit TestResponder(Done done) : done(std::move(done)) {}
+  void Answer(const StepRequest& request, absl::StatusOr<DenseResult> answer) override {
+    served_version = request.served_version;
+    std::unique_ptr<TestResponder> self(this);
+    done(std::move(answer));
+  }
+  Done done;
+};
+
+// Counts flushes.
 class TestSink : public ResponseSink {
  public:
-  void Deliver(const StepRequest& request, absl::StatusOr<DenseResult> answer) override {
-    served_version = request.served_version;
-    std::unique_ptr<Done> done(static_cast<Done*>(request.caller));
-    (*done)(std::move(answer));
-  }
   void Flush() override {
     if (on_flush) on_flush();
   }
@@ -69,12 +76,14 @@ class TestSink : public ResponseSink {
 
 // Submits `r` to `loop`, answered through `done` (at once, with the error, when refused).
 void SubmitWith(StepLoop& loop, std::unique_ptr<StepRequest> r, Done done) {
-  auto* caller = new Done(std::move(done));
-  r->caller = caller;
+  auto responder = std::make_unique<TestResponder>(std::move(done));
+  r->responder = responder.get();
   absl::Status refused = loop.Submit(std::move(r));
-  if (refused.ok()) return;
-  std::unique_ptr<Done> owned(caller);
-  (*owned)(refused);
+  if (refused.ok()) {
+    responder.release();  // deletes itself once answered
+    return;
+  }
+  responder->done(refused);
 }
 
 // Submits `r` to `loop`; the future holds its answer.

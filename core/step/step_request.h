@@ -17,6 +17,8 @@
 
 namespace shardserve::core {
 
+class Responder;
+
 struct StepRequest {
   enum class Op { kEmbedding, kEmbeddingBag, kLinear, kUpdate };
   Op op = Op::kEmbedding;
@@ -39,11 +41,9 @@ struct StepRequest {
   absl::Time deadline = absl::InfiniteFuture();
   // When the call arrived (InfinitePast: not known), for the queue wait StepObserver is told.
   absl::Time received = absl::InfinitePast();
-  // Who asked: opaque to the step loop, which hands it back with the answer
-  // (ResponseSink::Deliver).
-  void* caller = nullptr;
-  uint64_t caller_id = 0;
-  int64_t answer_bytes = 0;  // what the caller reserved for the answer (its bound on them)
+  // Who the answer goes to (core/step/responder.h): not owned; whoever submits the request keeps
+  // it alive until its Answer returns. The step loop calls it exactly once per accepted request.
+  Responder* responder = nullptr;
   // Delivered already (by StepLoop::BreakGroup, while the loop's step still waited); the
   // StepLoop's own, guarded by its answer lock.
   bool answered = false;

@@ -55,15 +55,6 @@ int64_t AnswerBytes(const core::StepRequest& request, const core::TableConfig& t
   return request.AnswerRows() * width * static_cast<int64_t>(sizeof(float)) + 64;
 }
 
-// Who a queued request answers: a unary call, or a stream (by the request's id).
-class DataService::Caller {
- public:
-  virtual ~Caller() = default;
-  // On the loop's thread (or Stop's): encodes the answer there, and queues sending it.
-  virtual void Answer(const core::StepRequest& request,
-                      absl::StatusOr<core::DenseResult> answer) = 0;
-};
-
 // Sets off Run for answers handed back (or to stop): an alarm that is already due.
 struct DataService::Wake final : Tag {
   explicit Wake(DataService& service) : service(service) {}
@@ -75,23 +66,24 @@ struct DataService::Wake final : Tag {
   grpc::Alarm alarm;
 };
 
-// One unary call: awaited, then queued for a step, then answered.
-class DataService::UnaryCall final : public Tag, public Caller {
+// One unary call: awaited, then queued for a step, then answered. It is its request's responder:
+// it lives until its Finish returns, after the answer.
+class DataService::UnaryCall final : public Tag, public core::Responder {
  public:
   UnaryCall(DataService& service, Method method) : service_(service), method_(method) {
     grpc::ServerCompletionQueue* cq = service.cq_.get();
     switch (method) {
       case Method::kEmbedding:
-        service.RequestEmbedding(&context_, &request_, &responder_, cq, cq, AsTag());
+        service.RequestEmbedding(&context_, &request_, &writer_, cq, cq, AsTag());
         break;
       case Method::kEmbeddingBag:
-        service.RequestEmbeddingBag(&context_, &request_, &responder_, cq, cq, AsTag());
+        service.RequestEmbeddingBag(&context_, &request_, &writer_, cq, cq, AsTag());
         break;
       case Method::kLinear:
-        service.RequestLinear(&context_, &request_, &responder_, cq, cq, AsTag());
+        service.RequestLinear(&context_, &request_, &writer_, cq, cq, AsTag());
         break;
       case Method::kUpdateRows:
-        service.RequestUpdateRows(&context_, &request_, &responder_, cq, cq, AsTag());
+        service.RequestUpdateRows(&context_, &request_, &writer_, cq, cq, AsTag());
         break;
     }
   }
@@ -104,50 +96,52 @@ class DataService::UnaryCall final : public Tag, public Caller {
     }
     new UnaryCall(service_, method_);  // the next one
     received_ = absl::Now();
-    absl::StatusOr<std::unique_ptr<core::StepRequest>> step = absl::InternalError("no method");
+    absl::StatusOr<Admitted> admitted = absl::InternalError("no method");
     switch (method_) {
       case Method::kEmbedding:
-        step = service_.PrepareRaw<v1::EmbeddingRequest>(request_, table_);
+        admitted = service_.PrepareRaw<v1::EmbeddingRequest>(request_, table_);
         break;
       case Method::kEmbeddingBag:
-        step = service_.PrepareRaw<v1::EmbeddingBagRequest>(request_, table_);
+        admitted = service_.PrepareRaw<v1::EmbeddingBagRequest>(request_, table_);
         break;
       case Method::kLinear:
-        step = service_.PrepareRaw<v1::LinearRequest>(request_, table_);
+        admitted = service_.PrepareRaw<v1::LinearRequest>(request_, table_);
         break;
       case Method::kUpdateRows:
-        step = service_.PrepareRaw<v1::UpdateRowsRequest>(request_, table_);
+        admitted = service_.PrepareRaw<v1::UpdateRowsRequest>(request_, table_);
         break;
     }
     request_.Clear();
-    if (!step.ok()) {
-      Finish(rpc::ToGrpcStatus(step.status()));
+    if (!admitted.ok()) {
+      Finish(rpc::ToGrpcStatus(admitted.status()));
       return;
     }
-    reserved_ = (*step)->answer_bytes;
+    std::unique_ptr<core::StepRequest>& step = admitted->step;
+    reserved_ = admitted->answer_bytes;
     // Rows served: lookups' (an update serves none; the step counts its rows).
-    rows_ = (*step)->op == core::StepRequest::Op::kUpdate ? 0 : (*step)->Rows();
+    rows_ = step->op == core::StepRequest::Op::kUpdate ? 0 : step->Rows();
     service_.Reserve(reserved_);
-    (*step)->received = received_;
-    (*step)->deadline = rpc::DeadlineOf(context_);
-    (*step)->caller = static_cast<Caller*>(this);
-    if (absl::Status refused = service_.loop_->Submit(*std::move(step)); !refused.ok()) {
+    step->received = received_;
+    step->deadline = rpc::DeadlineOf(context_);
+    step->responder = this;
+    if (absl::Status refused = service_.loop_->Submit(std::move(step)); !refused.ok()) {
       Finish(rpc::ToGrpcStatus(refused));
     }
   }
 
+  // On the loop's thread (or BreakGroup's, or Stop's): the response is encoded here, and only
+  // finished on the serving thread.
   void Answer(const core::StepRequest& request,
               absl::StatusOr<core::DenseResult> answer) override {
-    grpc::Status status;
     if (answer.ok() && request.op == core::StepRequest::Op::kUpdate) {
       response_ = EncodeUpdateResponse(request.served_version, request.served_seq);
     } else if (answer.ok()) {
       response_ = EncodeTensorResponse(*std::move(answer), request.served_version,
                                        request.served_seq);
     } else {
-      status = rpc::ToGrpcStatus(answer.status());
+      status_ = rpc::ToGrpcStatus(answer.status());
     }
-    service_.Queue([this, status = std::move(status)]() { Finish(status); });
+    service_.Queue([this] { Finish(status_); });
   }
 
  private:
@@ -164,9 +158,9 @@ class DataService::UnaryCall final : public Tag, public Caller {
                  absl::Now() - received_);
     if (status.ok()) {
       metrics.Served(table_, rows_);
-      responder_.Finish(response_, grpc::Status::OK, AsTag());
+      writer_.Finish(response_, grpc::Status::OK, AsTag());
     } else {
-      responder_.FinishWithError(status, AsTag());
+      writer_.FinishWithError(status, AsTag());
     }
   }
 
@@ -181,39 +175,70 @@ class DataService::UnaryCall final : public Tag, public Caller {
   grpc::ServerContext context_;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
-  grpc::ServerAsyncResponseWriter<grpc::ByteBuffer> responder_{&context_};
+  grpc::Status status_;  // the answer's, when it is an error
+  grpc::ServerAsyncResponseWriter<grpc::ByteBuffer> writer_{&context_};
 };
 
 // One Stream: pipelines many requests; each read is validated and queued at once, responses are
 // written as their steps finish (possibly out of order; the id says which), one write at a time.
-class DataService::StreamCall final : public Caller {
+class DataService::StreamCall final {
  public:
   explicit StreamCall(DataService& service) : service_(service) {
     grpc::ServerCompletionQueue* cq = service.cq_.get();
     service.RequestStream(&context_, &stream_, cq, cq, static_cast<Tag*>(&accepted_));
   }
 
-  void Answer(const core::StepRequest& request,
-              absl::StatusOr<core::DenseResult> answer) override {
-    const int code = static_cast<int>(answer.status().code());
-    grpc::ByteBuffer response =
-        answer.ok() && request.op == core::StepRequest::Op::kUpdate
-            ? EncodeStreamUpdateResponse(request.caller_id, request.served_version,
-                                         request.served_seq)
-            : EncodeStreamResponse(request.caller_id, std::move(answer), request.served_version,
-                                   request.served_seq);
-    service_.Queue([this, response = std::move(response), reserved = request.answer_bytes,
-                    method = MetricsMethod(request.op), table = request.table, code,
-                    received = request.received,
-                    rows = request.op == core::StepRequest::Op::kUpdate ? 0 : request.Rows()]() mutable {
-      CallMetrics& metrics = service_.metrics_;
-      metrics.Done(method, true, table, code, absl::Now() - received);
-      if (code == 0) metrics.Served(table, rows);
-      --outstanding_;
-      Respond(std::move(response), reserved);
-      ResumeReading();
-      MaybeEnd();
-    });
+  // The responder of one request of the stream: made as the request is read and handed to the
+  // step loop with it, it knows the request's id and the answer bytes it reserved. Its Answer
+  // (on the loop's thread) encodes the response and keeps it, with what the metrics need of the
+  // request, then queues itself - one pointer, which takes no allocation of the queue's - for the
+  // serving thread, which writes the response (Answered) and deletes it.
+  class RequestResponder final : public core::Responder {
+   public:
+    RequestResponder(StreamCall& stream, uint64_t id, int64_t reserved)
+        : stream_(stream), id_(id), reserved_(reserved) {}
+
+    void Answer(const core::StepRequest& request,
+                absl::StatusOr<core::DenseResult> answer) override {
+      code_ = static_cast<int>(answer.status().code());
+      response_ = answer.ok() && request.op == core::StepRequest::Op::kUpdate
+                      ? EncodeStreamUpdateResponse(id_, request.served_version,
+                                                   request.served_seq)
+                      : EncodeStreamResponse(id_, std::move(answer), request.served_version,
+                                             request.served_seq);
+      method_ = MetricsMethod(request.op);
+      table_ = request.table;
+      received_ = request.received;
+      rows_ = request.op == core::StepRequest::Op::kUpdate ? 0 : request.Rows();
+      stream_.service_.Queue([self = std::unique_ptr<RequestResponder>(this)] {
+        self->stream_.Answered(*self);
+      });
+    }
+
+   private:
+    friend class StreamCall;
+    StreamCall& stream_;
+    const uint64_t id_;
+    const int64_t reserved_;  // answer bytes, at the stream and the service
+    // Set by Answer.
+    grpc::ByteBuffer response_;
+    int code_ = 0;
+    CallMetrics::Method method_ = CallMetrics::Method::kEmbedding;
+    std::string table_;
+    absl::Time received_;
+    int64_t rows_ = 0;
+  };
+
+  // On the serving thread: `answer`'s response goes into the write queue.
+  void Answered(RequestResponder& answer) {
+    CallMetrics& metrics = service_.metrics_;
+    metrics.Done(answer.method_, true, answer.table_, answer.code_,
+                 absl::Now() - answer.received_);
+    if (answer.code_ == 0) metrics.Served(answer.table_, answer.rows_);
+    --outstanding_;
+    Respond(std::move(answer.response_), answer.reserved_);
+    ResumeReading();
+    MaybeEnd();
   }
 
   // The worker's bound on answers went below its limit: read again, if this stream waits.
@@ -249,25 +274,24 @@ class DataService::StreamCall final : public Caller {
     const absl::Time received = absl::Now();
     std::string table;
     CallMetrics::Method method = CallMetrics::Method::kEmbedding;
-    absl::StatusOr<std::unique_ptr<core::StepRequest>> step =
-        absl::InvalidArgumentError(
-            "stream request: set one of embedding, embedding_bag, linear, update_rows");
+    absl::StatusOr<Admitted> admitted = absl::InvalidArgumentError(
+        "stream request: set one of embedding, embedding_bag, linear, update_rows");
     switch (parsed.ok() ? request.op_case() : v1::StreamRequest::OP_NOT_SET) {
       case v1::StreamRequest::kEmbedding:
-        step = service_.Prepare(request.embedding(), table);
+        admitted = service_.Prepare(request.embedding(), table);
         break;
       case v1::StreamRequest::kEmbeddingBag:
         method = CallMetrics::Method::kEmbeddingBag;
-        step = service_.Prepare(request.embedding_bag(), table);
+        admitted = service_.Prepare(request.embedding_bag(), table);
         break;
       case v1::StreamRequest::kLinear:
         method = CallMetrics::Method::kLinear;
-        step = service_.Prepare(request.linear(), table);
+        admitted = service_.Prepare(request.linear(), table);
         break;
       case v1::StreamRequest::kUpdateRows:
         method = CallMetrics::Method::kUpdateRows;
         if (!rpc::MayUpdate(context_)) {
-          step = absl::PermissionDeniedError(
+          admitted = absl::PermissionDeniedError(
               "update_rows: not in a Stream on a port that checks identities (its roles are "
               "checked for the whole stream, as a read): send updates with UpdateRows, which "
               "takes the write role");
@@ -278,23 +302,25 @@ class DataService::StreamCall final : public Caller {
           MaybeEnd();
           return;
         } else {
-          step = service_.Prepare(request.update_rows(), table);
+          admitted = service_.Prepare(request.update_rows(), table);
         }
         break;
       default:
         break;
     }
-    if (!parsed.ok()) step = parsed;
-    absl::Status refused = step.status();
-    if (step.ok()) {
-      const int64_t reserved = (*step)->answer_bytes;
-      (*step)->received = received;
-      (*step)->deadline = deadline_;
-      (*step)->caller = static_cast<Caller*>(this);
-      (*step)->caller_id = id;
+    if (!parsed.ok()) admitted = parsed;
+    absl::Status refused = admitted.status();
+    if (admitted.ok()) {
+      const int64_t reserved = admitted->answer_bytes;
+      auto responder = std::make_unique<RequestResponder>(*this, id, reserved);
+      core::StepRequest& step = *admitted->step;
+      step.received = received;
+      step.deadline = deadline_;
+      step.responder = responder.get();
       service_.Reserve(reserved);
-      refused = service_.loop_->Submit(*std::move(step));
+      refused = service_.loop_->Submit(std::move(admitted->step));
       if (refused.ok()) {
+        responder.release();  // deletes itself once its answer is written (Answered)
         ++outstanding_;
         reserved_ += reserved;
       } else {
@@ -421,7 +447,7 @@ class DataService::StreamCall final : public Caller {
 
   void FinishDone(bool) { delete this; }
 
-  ~StreamCall() override {
+  ~StreamCall() {
     if (waits_for_worker_) {
       auto& paused = service_.paused_;
       paused.erase(std::remove(paused.begin(), paused.end(), this), paused.end());
@@ -493,8 +519,8 @@ void DataService::Stop() {
   thread_.join();
 }
 
-// ApplyReplicated's caller: the answer, for the thread that waits for it.
-class DataService::Waiter final : public Caller {
+// ApplyReplicated's responder: the answer, for the thread that waits for it.
+class DataService::Waiter final : public core::Responder {
  public:
   void Answer(const core::StepRequest& request,
               absl::StatusOr<core::DenseResult> answer) override {
@@ -537,7 +563,7 @@ absl::StatusOr<v1::UpdateRowsResponse> DataService::ApplyReplicated(
   step->expected_seq = sequence;
   step->received = absl::Now();
   step->deadline = deadline;
-  step->caller = static_cast<Caller*>(&waiter);
+  step->responder = &waiter;
   {
     absl::MutexLock lock(&sequence_mu_);
     const std::pair<std::string, uint64_t> key{request.table(), update.version()};
@@ -578,11 +604,6 @@ void DataService::ResetSequence(const std::string& table) {
   sequence_cv_.SignalAll();
 }
 
-void DataService::Deliver(const core::StepRequest& request,
-                          absl::StatusOr<core::DenseResult> answer) {
-  static_cast<Caller*>(request.caller)->Answer(request, std::move(answer));
-}
-
 void DataService::Release(int64_t bytes) {
   answer_bytes_ -= bytes;
   if (answer_bytes_ >= options_.max_answer_bytes || paused_.empty()) return;
@@ -597,8 +618,8 @@ void DataService::Flush() {
 }
 
 template <typename Request>
-absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Request& request,
-                                                                        std::string& label) {
+absl::StatusOr<DataService::Admitted> DataService::Prepare(const Request& request,
+                                                           std::string& label) {
   absl::StatusOr<std::shared_ptr<const core::TableConfig>> table =
       tables_.Admit(request.table(), loop_->GroupStatus(), PinnedVersion(request));
   if (!absl::IsNotFound(table.status())) label = request.table();  // a table it knows
@@ -611,17 +632,17 @@ absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::Prepare(const Re
           "applies them to every replica in one order"));
     }
   }
-  SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<core::StepRequest> step,
-                              MakeStepRequest(request, **table, limits_));
-  step->answer_bytes = AnswerBytes(*step, **table);
-  return step;
+  Admitted admitted;
+  SHARDSERVE_ASSIGN_OR_RETURN(admitted.step, MakeStepRequest(request, **table, limits_));
+  admitted.answer_bytes = AnswerBytes(*admitted.step, **table);
+  return admitted;
 }
 
 void DataService::Reserve(int64_t bytes) { answer_bytes_ += bytes; }
 
 template <typename Request>
-absl::StatusOr<std::unique_ptr<core::StepRequest>> DataService::PrepareRaw(
-    const grpc::ByteBuffer& raw, std::string& table) {
+absl::StatusOr<DataService::Admitted> DataService::PrepareRaw(const grpc::ByteBuffer& raw,
+                                                              std::string& table) {
   Request request;
   SHARDSERVE_RETURN_IF_ERROR(ParseRaw(raw, &request));
   return Prepare(request, table);

@@ -1,12 +1,19 @@
 // DataService: a worker's data API (Embedding, EmbeddingBag, Linear, Stream) on gRPC's async API,
 // served by one thread from the server's completion queue. It takes each call and each stream
 // request as it arrives, admits it (TableLifecycle::Admit), validates and queues it for the
-// StepLoop, and sends the answers the loop delivers - a whole round's answers per wake-up
-// (core::ResponseSink: Deliver queues, Flush wakes), while the loop goes on to its next step. It
-// serves grpc.health.v1 from the same queue too (HealthService). Only the serving thread starts
-// operations on the queue (other threads only set the alarm that wakes it). Every method takes
-// and gives raw bytes, so that a result goes out without being copied into a response message
-// (EncodeTensorResponse, EncodeStreamResponse); on the wire they are the same messages.
+// StepLoop with a core::Responder - the unary call itself, a small one per stream request that
+// knows its id and reserved bytes, or a waiting thread's - and sends the answers the loop gives
+// them, a whole round's answers per wake-up (the responders queue, core::ResponseSink::Flush
+// wakes), while the loop goes on to its next step. It serves grpc.health.v1 from the same queue
+// too (HealthService). Only the serving thread starts operations on the queue (other threads
+// only set the alarm that wakes it). Every method takes and gives raw bytes, so that a result
+// goes out without being copied into a response message (EncodeTensorResponse,
+// EncodeStreamResponse); on the wire they are the same messages.
+//
+// Why answers are encoded in the responders, on the loop's thread: the encoding wraps the step's
+// result buffer in a slice (zero-copy), so it costs the loop little, while the one serving thread,
+// which takes every call of the worker, only finishes calls with what is encoded already - its
+// work per answer stays small however large the results are.
 //
 // Answers not yet taken by their clients are bounded, so that slow readers cannot grow a worker
 // without end: each admitted call reserves its answer's bytes until the answer has been sent. A
@@ -17,8 +24,9 @@
 // back by it: their answers go out at once, and other clients are not refused for what slow
 // streams hold.
 //
-// Thread-safety: Deliver and Flush from any thread (the loop's, or Stop's); the rest is driven by
-// the worker in order: UseQueue, SetLoop, Start, Stop.
+// Thread-safety: the responders' answers and Flush come from any thread (the loop's,
+// BreakGroup's or Stop's); the rest is driven by the worker in order: UseQueue, SetLoop, Start,
+// Stop.
 #ifndef SHARDSERVE_SERVER_WORKER_DATA_SERVICE_H_
 #define SHARDSERVE_SERVER_WORKER_DATA_SERVICE_H_
 
@@ -34,6 +42,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/ops/op_inputs.h"
+#include "core/step/responder.h"
 #include "core/step/step_loop.h"
 #include "grpcpp/server_builder.h"
 #include "proto/shardserve.grpc.pb.h"
@@ -98,8 +107,7 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   // all go to the worker it is on). Without it they are refused, as unary calls' are.
   void SetUpdateForwarder(UpdateForwarder forward) { forward_ = std::move(forward); }
 
-  // core::ResponseSink.
-  void Deliver(const core::StepRequest& request, absl::StatusOr<core::DenseResult> answer) override;
+  // core::ResponseSink: the answers the responders queued go out now.
   void Flush() override;
 
  private:
@@ -107,20 +115,23 @@ class DataService final : public AsyncRawDataService, public core::ResponseSink 
   static constexpr int kCallsAwaited = 8;  // per method: calls gRPC may hand over at once
   static constexpr int64_t kWindow = 1024;  // stream requests read ahead of the answers taken
 
-  class Caller;
   class Waiter;
   class UnaryCall;
   class StreamCall;
   struct Wake;
 
-  // Admits, validates and reserves the answer's bytes (StepRequest::answer_bytes). Sets `table`
-  // to the table the request names - left empty when no such table is known (its metrics label).
+  // A request ready for the step loop, and the bytes its answer takes on the wire: what its
+  // caller reserves (Reserve) until the answer is sent.
+  struct Admitted {
+    std::unique_ptr<core::StepRequest> step;
+    int64_t answer_bytes = 0;
+  };
+  // Admits and validates. Sets `table` to the table the request names - left empty when no such
+  // table is known (its metrics label).
   template <typename Request>
-  absl::StatusOr<std::unique_ptr<core::StepRequest>> Prepare(const Request& request,
-                                                             std::string& table);
+  absl::StatusOr<Admitted> Prepare(const Request& request, std::string& table);
   template <typename Request>
-  absl::StatusOr<std::unique_ptr<core::StepRequest>> PrepareRaw(const grpc::ByteBuffer& raw,
-                                                                std::string& table);
+  absl::StatusOr<Admitted> PrepareRaw(const grpc::ByteBuffer& raw, std::string& table);
   // Answer bytes held until sent (serving thread); Release gives them back, and lets streams
   // paused over the worker's bound read again once it is below.
   void Reserve(int64_t bytes);
