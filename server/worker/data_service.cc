@@ -241,14 +241,32 @@ class DataService::StreamCall final {
     MaybeEnd();
   }
 
-  // The worker's bound on answers went below its limit: read again, if this stream waits.
+  // The worker's bound on answers went below its limit: read again, if this stream waits. Release
+  // has taken it off service_.paused_ already.
   void Unpause() {
-    if (!waits_for_worker_) return;
-    waits_for_worker_ = false;
+    if (reads_ != Reads::kPausedForWorker) return;
+    reads_ = Reads::kPaused;
     ResumeReading();
   }
 
  private:
+  // Reads and writes run concurrently on a stream: the read side, which is the stream's lifecycle
+  // too, and the write side each have their state.
+  //   Reads: kAccepting -> kReading (Accepted: the first Read is in flight).
+  //     kReading -> kReading | kPaused | kPausedForWorker (ReadDone, then ReadNext: the next Read,
+  //       or held back by the stream's bounds - kPaused - or by the worker's - kPausedForWorker,
+  //       exactly while on service_.paused_, whose Release resumes it).
+  //     kPaused | kPausedForWorker -> the same choice again (ResumeReading after an answer was
+  //       written or given, Unpause).
+  //     kReading | kPaused | kPausedForWorker -> kReadsDone (the client half-closed, the read
+  //       failed, or the service stopped); no Read is in flight from here on.
+  //     kReadsDone -> kFinishing (MaybeEnd: every answer written; Finish), then deleted.
+  //   Writes: kIdle -> kWriting (Respond: one Write in flight) -> kIdle (the queue written).
+  //     kWriting -> kFailed (a write failed, or the service stopped: the queue is dropped, and
+  //       nothing more is written).
+  enum class Reads { kAccepting, kReading, kPaused, kPausedForWorker, kReadsDone, kFinishing };
+  enum class Writes { kIdle, kWriting, kFailed };
+
   void Accepted(bool ok) {
     if (!ok || service_.stopped_) {
       delete this;
@@ -256,14 +274,14 @@ class DataService::StreamCall final {
     }
     new StreamCall(service_);  // the next one
     deadline_ = rpc::DeadlineOf(context_);
-    reading_ = true;
+    SetReads(Reads::kReading);
     stream_.Read(&raw_, static_cast<Tag*>(&read_));
   }
 
+  // In kReading; leaves it through ReadNext, or to kReadsDone.
   void ReadDone(bool ok) {
-    reading_ = false;
     if (!ok || service_.stopped_) {
-      reads_done_ = true;
+      SetReads(Reads::kReadsDone);
       MaybeEnd();
       return;
     }
@@ -374,11 +392,11 @@ class DataService::StreamCall final {
   // control, not buffered.
   void ReadNext() {
     if (service_.stopped_) {
-      reads_done_ = true;
+      SetReads(Reads::kReadsDone);
       return;
     }
     if (forwarding_ >= kForwardWindow) {
-      read_paused_ = true;
+      SetReads(Reads::kPaused);
       return;
     }
     const DataServiceOptions& bounds = service_.options_;
@@ -386,32 +404,41 @@ class DataService::StreamCall final {
         (outstanding_ + static_cast<int64_t>(queue_.size()) >= kWindow ||
          reserved_ >= bounds.max_stream_answer_bytes ||
          service_.answer_bytes_ >= bounds.max_answer_bytes)) {
-      read_paused_ = true;
-      if (service_.answer_bytes_ >= bounds.max_answer_bytes && !waits_for_worker_) {
-        waits_for_worker_ = true;
-        service_.paused_.push_back(this);
-      }
+      SetReads(service_.answer_bytes_ >= bounds.max_answer_bytes ? Reads::kPausedForWorker
+                                                                 : Reads::kPaused);
       return;
     }
-    reading_ = true;
+    SetReads(Reads::kReading);
     stream_.Read(&raw_, static_cast<Tag*>(&read_));
   }
+  // After anything that may lower this stream's bounds: a paused stream reads again, if it may.
   void ResumeReading() {
-    if (!read_paused_) return;
-    read_paused_ = false;
+    if (reads_ != Reads::kPaused && reads_ != Reads::kPausedForWorker) return;
     ReadNext();
+  }
+
+  // Moves the read side to `next`, keeping service_.paused_ to the streams in kPausedForWorker.
+  void SetReads(Reads next) {
+    if (reads_ == next) return;
+    if (reads_ == Reads::kPausedForWorker) LeavePaused();
+    if (next == Reads::kPausedForWorker) service_.paused_.push_back(this);
+    reads_ = next;
+  }
+  void LeavePaused() {
+    std::vector<StreamCall*>& paused = service_.paused_;
+    paused.erase(std::remove(paused.begin(), paused.end(), this), paused.end());
   }
 
   // Writes `response` once those before it are written; `reserved` bytes of the worker's bound
   // are taken back then.
   void Respond(grpc::ByteBuffer response, int64_t reserved) {
-    if (write_failed_ || service_.stopped_) {
+    if (writes_ == Writes::kFailed || service_.stopped_) {
       Unreserve(reserved);
       return;
     }
     queue_.emplace_back(std::move(response), reserved);
-    if (writing_) return;
-    writing_ = true;
+    if (writes_ == Writes::kWriting) return;
+    writes_ = Writes::kWriting;
     stream_.Write(queue_.front().first, static_cast<Tag*>(&written_));
   }
 
@@ -424,34 +451,33 @@ class DataService::StreamCall final {
     Unreserve(queue_.front().second);
     queue_.pop_front();
     if (!ok || service_.stopped_) {
-      write_failed_ = true;
+      writes_ = Writes::kFailed;
       for (const auto& [unsent, reserved] : queue_) Unreserve(reserved);
       queue_.clear();
+    } else if (queue_.empty()) {
+      writes_ = Writes::kIdle;
+    } else {
+      stream_.Write(queue_.front().first, static_cast<Tag*>(&written_));
     }
-    writing_ = !queue_.empty();
-    if (writing_) stream_.Write(queue_.front().first, static_cast<Tag*>(&written_));
     ResumeReading();
     MaybeEnd();
   }
 
   // Finishes once the reads are done and every request is answered and written.
   void MaybeEnd() {
-    if (!reads_done_ || outstanding_ > 0 || writing_ || finishing_) return;
+    if (reads_ != Reads::kReadsDone || outstanding_ > 0 || writes_ == Writes::kWriting) return;
     if (service_.stopped_) {
-      if (!reading_) delete this;
+      delete this;  // no Read in flight: there is none once the reads are done
       return;
     }
-    finishing_ = true;
+    reads_ = Reads::kFinishing;
     stream_.Finish(grpc::Status::OK, static_cast<Tag*>(&finished_));
   }
 
   void FinishDone(bool) { delete this; }
 
   ~StreamCall() {
-    if (waits_for_worker_) {
-      auto& paused = service_.paused_;
-      paused.erase(std::remove(paused.begin(), paused.end(), this), paused.end());
-    }
+    if (reads_ == Reads::kPausedForWorker) LeavePaused();  // never, as it ends after its reads
   }
 
   DataService& service_;
@@ -466,13 +492,8 @@ class DataService::StreamCall final {
   // Answers to write, with the bytes each reserved; [0] is being written.
   std::deque<std::pair<grpc::ByteBuffer, int64_t>> queue_;
   int64_t reserved_ = 0;  // answer bytes this stream holds (requests in steps, answers unsent)
-  bool waits_for_worker_ = false;  // in service_.paused_
-  bool reading_ = false;
-  bool read_paused_ = false;  // kWindow requests in flight: reading resumes below it
-  bool writing_ = false;
-  bool write_failed_ = false;
-  bool reads_done_ = false;
-  bool finishing_ = false;
+  Reads reads_ = Reads::kAccepting;
+  Writes writes_ = Writes::kIdle;
   int outstanding_ = 0;  // requests queued for steps or forwarded, not answered yet
   int forwarding_ = 0;   // updates with the coordinator (Forward)
   // Forwarded updates in flight per stream: each holds its request (up to the 64 MiB a message
