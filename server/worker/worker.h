@@ -1,28 +1,28 @@
-// Worker: one process per device = one rank. Serves the data API as an entry rank (DataService:
-// admits and validates each call at once, queues it for the group's StepLoop, answers it when its
-// step is done), keeps its shards of the tables placed on it (TableLifecycle), and follows the
-// coordinator: heartbeats report its state and bring back the group epoch to join, the members
-// and the tables to hold.
+// Worker: one process per device = one rank, and the wiring of its parts. It serves the data API
+// as an entry rank (DataService: admits and validates each call at once, queues it for the group's
+// StepLoop, answers it when its step is done) and the internal API (InternalService), keeps its
+// shards of the tables placed on it (TableLifecycle holds them, ShardStore makes them and keeps
+// their update logs), forwards a Stream's updates of replicated tables (UpdateForwarder), and
+// follows the coordinator (Membership: heartbeats report its state and bring back the group epoch
+// to join and the tables to hold). Start builds them in order, Drain and Shutdown stop them in
+// order; worker_metrics.h has the series it reports at each scrape.
 //
 // Thread-safety: all public methods are thread-safe. Threads: gRPC's, one that serves the data
-// calls (unary and streams) from a completion queue, the StepLoop's executor, a heartbeat thread,
-// and a reconcile thread that loads/drops tables and forms groups (both can take seconds, so they
-// never delay heartbeats or steps).
+// calls (unary and streams) from a completion queue, the StepLoop's executor, and Membership's
+// heartbeat and reconcile threads.
 #ifndef SHARDSERVE_SERVER_WORKER_WORKER_H_
 #define SHARDSERVE_SERVER_WORKER_WORKER_H_
 
 #include <atomic>
-#include <map>
+#include <cstdint>
 #include <memory>
-#include <set>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/comm/gloo_communicator.h"
+#include "core/comm/rendezvous.h"
 #include "core/kernels/local_kernels.h"
 #include "core/step/step_loop.h"
 #include "grpcpp/server.h"
@@ -30,7 +30,11 @@
 #include "rpc/security.h"
 #include "server/common/metrics.h"
 #include "server/worker/data_service.h"
+#include "server/worker/internal_service.h"
+#include "server/worker/membership.h"
+#include "server/worker/shard_store.h"
 #include "server/worker/table_lifecycle.h"
+#include "server/worker/update_forwarder.h"
 
 namespace shardserve::server {
 
@@ -71,7 +75,8 @@ struct WorkerOptions {
   // A load's data (log and snapshot) that the coordinator's heartbeat replies have named for this
   // long no more - its table dropped, its version unloaded or replaced - is removed (0: at once).
   absl::Duration retired_data_grace = absl::Minutes(10);
-  rpc::SecurityOptions security;  // TLS and access control of its port, and of its coordinator calls
+  // TLS and access control of its port, and of its coordinator calls.
+  rpc::SecurityOptions security;
 };
 
 class Worker {
@@ -96,53 +101,22 @@ class Worker {
   void Wait();
 
  private:
-  class InternalService;
-  class UpdateForwarder;
   explicit Worker(WorkerOptions options);
-  void HeartbeatLoop();
-  void ReconcileLoop();
-  // The series computed at each scrape: the group, the queue, the tables' phases.
-  std::vector<prometheus::MetricFamily> CollectState() const;
-  // Joins group `epoch` of `world` ranks (forms its communicators); false if it could not.
-  bool JoinGroup(uint64_t epoch, int world, core::RendezvousStore& rendezvous);
-  void UpdateHealth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Bytes of tables this worker could still load (-1: not known): --table_memory_bytes left, and
-  // the host memory available for a CPU worker.
-  int64_t MemoryAvailable() const;
-  // Loads `spec`'s shard of this rank, after checking there is room for it.
-  // `max_agreed`: recover its update log up to that agreed position, cutting the rest (a peer's
-  // log ends there).
-  absl::StatusOr<std::shared_ptr<core::ShardedTable>> LoadShard(
-      const v1::TableSpec& spec, int world, uint64_t max_agreed = ~uint64_t{0});
-  // Where the update log of `spec`'s load lives (under --data_dir; empty without one).
-  std::string LogDir(const v1::TableSpec& spec) const;
-  // Shard recovery (WorkerInternal.RecoverShard): reads the same rank's shard of another replica
-  // from `request.source` and makes this rank's load of the table a copy of it, its update log
-  // starting afresh from a snapshot of the copy.
-  absl::StatusOr<v1::internal::RecoverShardResponse> RecoverShard(
-      const v1::internal::RecoverShardRequest& request, absl::Time deadline);
-  // Removes the data of loads that neither `response` (a reply that names every table the group
-  // holds) nor this worker's loads as `request` reported them name, once they have not been named
-  // for retired_data_grace. On the heartbeat thread, at most once a second.
-  void CollectRetiredData(const v1::internal::HeartbeatRequest& request,
-                          const v1::internal::HeartbeatResponse& response);
-  // The heartbeat this worker sends now.
-  v1::internal::HeartbeatRequest HeartbeatNow() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // This rank's transports of group `epoch` on its device (Membership::FormGroup): Gloo, with
+  // NCCL for the results of a GPU worker; the --fail_allreduce drill wraps the ops' collectives.
+  absl::StatusOr<core::StepGroup> FormGroup(uint64_t epoch, int world,
+                                            core::RendezvousStore& rendezvous);
 
   const WorkerOptions options_;
-  const uint64_t incarnation_;
   std::unique_ptr<core::LocalKernels> kernels_;  // CPU, or one GPU
   int cuda_device_ = -1;                         // >= 0 for a GPU worker
   TableLifecycle tables_;
-  // CollectRetiredData's (the heartbeat thread's): when it looks next, and since when each
-  // directory under data_dir has not been named.
-  absl::Time next_collection_ = absl::InfinitePast();
-  std::map<std::string, absl::Time> unnamed_since_;
   Metrics metrics_;  // its endpoint stops first in Shutdown (its scrapes read the loop)
   CallMetrics call_metrics_{metrics_.registry()};
   StepMetrics step_metrics_{metrics_.registry()};
   std::unique_ptr<DataService> data_service_;
   std::unique_ptr<core::StepLoop> loop_;  // after what it reports into: destroyed first
+  std::unique_ptr<ShardStore> shards_;    // loads, update logs, shard recovery's install
   std::shared_ptr<v1::internal::CoordinatorInternal::Stub> coordinator_;
   std::unique_ptr<UpdateForwarder> forwarder_;  // Streams' updates of replicated tables
   rpc::ChannelSecurity channels_;  // how it calls the coordinator and its peers
@@ -153,21 +127,13 @@ class Worker {
   std::unique_ptr<rpc::ServerSecurity> internal_security_;  // with --internal_listen
   std::unique_ptr<grpc::Server> internal_server_;
   int internal_port_ = 0;
-  std::thread heartbeat_thread_;
-  std::thread reconcile_thread_;
+  // Heartbeats, reconciling and health: made once the ports are known.
+  std::unique_ptr<Membership> membership_;
 
   std::atomic<int64_t> allreduces_to_fault_{0};  // options_.fail_allreduce, counting down
 
-  mutable absl::Mutex mu_;
+  absl::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;  // Shutdown began
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;           // the heartbeat and reconcile threads end
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  int world_size_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t target_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t forming_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  bool group_broken_ ABSL_GUARDED_BY(mu_) = false;  // the joined epoch's group failed
-  uint64_t joined_epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  std::set<std::string> health_names_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace shardserve::server
