@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <deque>
-#include <limits>
 #include <map>
 #include <optional>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,155 +13,12 @@
 #include "core/base/status_macros.h"
 #include "core/ops/input_message.h"
 #include "core/ops/sharded_ops.h"
+#include "core/step/log_syncer.h"
+#include "core/step/step_loop_state.h"
 #include "core/step/step_protocol.h"
-#include "core/step/update_message.h"
 #include "core/table/update_log.h"
 
 namespace shardserve::core {
-
-// The group the loop runs with, and what its rounds remember from one to the next.
-struct StepLoop::Group {
-  StepGroup transports;  // channel null: no group
-  // With an observer: the ops' collectives, timed (transports' control and data, wrapped).
-  std::shared_ptr<TimedCollectives> timed_control, timed_data;
-  bool hello_due = false;  // a new group's first round is the hello
-  int turn = -1;  // one_request_per_step: the rank whose request the last busy step ran
-  int idle_rounds = 0;  // consecutive rounds without work
-  absl::Duration idle = absl::ZeroDuration();  // the back-off of groups that do not park cheaply
-  // A group that parks cheaply has no idle rounds: AwaitRound returned, so the next round runs
-  // (a peer may have started it) whether or not this rank has work by then.
-  bool round_due = false;
-  int64_t round = 0;  // agreement rounds of this group so far: alike on every rank
-  // Steps whose update log records wait for every rank's sync (Syncer): their update requests
-  // are answered, and their loads' logs acknowledged, once every rank says it synced past them.
-  struct PendingAck {
-    int64_t round = 0;
-    std::vector<std::unique_ptr<StepRequest>> requests;
-    std::vector<std::pair<std::shared_ptr<ShardedTable>, uint64_t>> logged;  // load, agreed
-  };
-  std::deque<PendingAck> acks;
-
-  bool formed() const { return transports.channel != nullptr; }
-  void Abort() const {
-    transports.channel->Abort().IgnoreError();
-    transports.control->Abort().IgnoreError();
-    transports.data->Abort().IgnoreError();
-  }
-};
-
-// One iteration of the loop: this rank's requests, the tables it runs on, and what the round
-// agreed.
-struct StepLoop::Step {
-  // This rank's requests; null once answered.
-  std::vector<std::unique_ptr<StepRequest>> batch;
-  // The tables this step runs on; released before the loop waits (a dropped table's memory must
-  // not outlive the steps that use it).
-  std::shared_ptr<const TableSet> tables;
-  std::map<WorkKey, std::vector<size_t>> mine;  // this rank's work: indices into `batch`
-  std::optional<Agreement> agreement;
-  // The load each key of the agreed work runs on, in the work's order (the same table version on
-  // every rank).
-  std::vector<std::shared_ptr<ShardedTable>> loads;
-  // For the observer: when the round began, and how long the agreement took.
-  absl::Time round_start;
-  absl::Duration agreement_time;
-  // Tables whose rows this rank may hold renormed or updated unlike its peers, should the step
-  // fail.
-  std::vector<std::shared_ptr<ShardedTable>> renorm_unsure;
-  // This rank's update requests the step applied: answered once every rank has them durably.
-  std::vector<size_t> updated;
-  absl::Status broken;  // the group failed
-
-  std::vector<StepRequest*> Requests(const std::vector<size_t>& indices) const {
-    std::vector<StepRequest*> out;
-    for (size_t i : indices) out.push_back(batch[i].get());
-    return out;
-  }
-};
-
-// Writes and syncs the update logs' records of each round, in order, on a thread of its own, so
-// that steps never wait for the disk (only the answers to updates do).
-class StepLoop::Syncer {
- public:
-  using Records = std::vector<std::pair<std::shared_ptr<ShardedTable>, LogRecords>>;
-
-  // `progress` runs (on the syncer's thread) after each round's records are synced.
-  explicit Syncer(std::function<void()> progress)
-      : progress_(std::move(progress)), thread_([this] {
-          NameThread("wal_syncer");
-          SyncLoop();
-        }) {}
-  ~Syncer() {
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
-    }
-    thread_.join();
-  }
-
-  void Add(int64_t round, Records records) {
-    absl::MutexLock lock(&mu_);
-    jobs_.emplace_back(round, std::move(records));
-  }
-  // Every record of rounds up to this is synced: `last_round` when nothing waits, else the round
-  // before the oldest waiting; -1 once a log could not be synced (it stays so: the group breaks).
-  int64_t Synced(int64_t last_round) const {
-    absl::MutexLock lock(&mu_);
-    if (!failed_.ok()) return -1;
-    return jobs_.empty() ? last_round : jobs_.front().first - 1;
-  }
-  absl::Status failed() const {
-    absl::MutexLock lock(&mu_);
-    return failed_;
-  }
-  bool Idle() const {
-    absl::MutexLock lock(&mu_);
-    return jobs_.empty();
-  }
-  void WaitUntilIdle() {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(+[](std::deque<std::pair<int64_t, Records>>* jobs) {
-      return jobs->empty();
-    }, &jobs_));
-  }
-
- private:
-  // Takes every round waiting, writes each log's records of them in order and syncs each log
-  // once: group commit across rounds, while the disk was busy with the last sync.
-  void SyncLoop() {
-    while (true) {
-      size_t taken = 0;
-      std::map<UpdateLog*, std::vector<const LogRecords*>> by_log;
-      {
-        absl::MutexLock lock(&mu_);
-        auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_ || !jobs_.empty(); };
-        mu_.Await(absl::Condition(&ready));
-        if (jobs_.empty()) return;  // stopped
-        taken = jobs_.size();  // they stay put: only this thread pops
-        for (auto& [round, records] : jobs_) {
-          for (const auto& [table, bytes] : records) by_log[table->log()].push_back(&bytes);
-        }
-      }
-      absl::Status status;
-      for (const auto& [log, records] : by_log) {
-        if (absl::Status s = log->Write(records); !s.ok() && status.ok()) status = s;
-      }
-      {
-        absl::MutexLock lock(&mu_);
-        if (!status.ok() && failed_.ok()) failed_ = status;
-        for (size_t i = 0; i < taken; ++i) jobs_.pop_front();
-      }
-      progress_();
-    }
-  }
-
-  const std::function<void()> progress_;
-  mutable absl::Mutex mu_;
-  std::deque<std::pair<int64_t, Records>> jobs_ ABSL_GUARDED_BY(mu_);
-  absl::Status failed_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
-};
 
 StepLoop::StepLoop(Options options, LocalKernels& kernels, TableSource& tables,
                    ResponseSink& sink)
@@ -176,7 +31,7 @@ void StepLoop::UnparkLocked() {
 }
 
 void StepLoop::Start() {
-  syncer_ = std::make_unique<Syncer>([this] {
+  syncer_ = std::make_unique<LogSyncer>([this] {
     absl::MutexLock lock(&mu_);
     sync_news_ = true;
     UnparkLocked();
@@ -388,8 +243,9 @@ bool StepLoop::TakeNews(Group& group, Step& step) {
     if (pending_group_.channel != nullptr) {
       if (!group.acks.empty()) {
         mu_.Unlock();
-        FailPendingAcks(group, absl::UnavailableError(
-                                   "the group was formed anew before every rank synced the update"));
+        FailPendingAcks(group,
+                        absl::UnavailableError(
+                            "the group was formed anew before every rank synced the update"));
         mu_.Lock();
       }
       group = Group();  // the previous group's transports close here
@@ -674,132 +530,6 @@ void StepLoop::RunOps(Group& group, Step& step) {
   if (group.timed_control != group.timed_data) stats.exchange += group.timed_control->Take();
   stats.compute = std::max(absl::Now() - ops_start - stats.exchange, absl::ZeroDuration());
   observer->StepDone(stats);
-}
-
-// Applies every rank's update calls for one table in rank order (each rank its part of the rows),
-// logging them; this rank's are answered in Commit.
-void StepLoop::RunUpdates(Group& group, Step& step, const WorkKey& key,
-                          std::vector<absl::Span<const char>>& inputs,
-                          const std::shared_ptr<ShardedTable>& table) {
-  const std::vector<int64_t> empty = EmptyUpdateMessage();
-  for (absl::Span<const char>& input : inputs) {
-    if (input.data() == nullptr) input = AsBytes(empty);
-  }
-  auto m = step.mine.find(key);
-  const std::vector<size_t> none;
-  const std::vector<size_t>& indices = m != step.mine.end() ? m->second : none;
-  absl::StatusOr<std::vector<std::vector<UpdateCall>>> calls =
-      DecodeUpdates(table->config(), inputs);
-  if (!calls.ok()) {  // every rank read the same messages: every rank fails them alike
-    for (size_t i : indices) Answer(step.batch[i], calls.status());
-    return;
-  }
-  const int me = group.transports.channel->rank();
-  step.renorm_unsure.push_back(table);  // should the step fail before every rank has them
-  for (int q = 0; q < static_cast<int>(calls->size()); ++q) {
-    const std::vector<UpdateCall>& theirs = (*calls)[q];
-    for (size_t c = 0; c < theirs.size(); ++c) {
-      const bool mine = q == me && c < indices.size();
-      if (const uint64_t expected = theirs[c].expected_seq;
-          expected != 0 && table->seq() + 1 != expected) {
-        // Every rank holds the same sequence: every rank skips it alike.
-        if (mine) {
-          Answer(step.batch[indices[c]],
-                 absl::FailedPreconditionError(absl::StrCat(
-                     "update ", expected, " of table \"", key.table, "\" comes after update ",
-                     table->seq(), " here: it is out of order and was not applied")));
-        }
-        continue;
-      }
-      if (absl::Status applied = ApplyUpdate(*table, theirs[c]); !applied.ok()) {
-        step.broken = absl::UnavailableError(
-            absl::StrCat("rank ", me, " could not apply an update: ", applied.message()));
-        return;
-      }
-      if (!mine) continue;
-      StepRequest& r = *step.batch[indices[c]];
-      r.served_version = table->config().version;
-      r.served_seq = table->seq();
-      step.updated.push_back(indices[c]);
-    }
-  }
-}
-
-// Hands the step's update log records to the syncer, and keeps its update requests until every
-// rank says it synced past this round (Acknowledge): an answered update is on every rank's disk.
-void StepLoop::StartSync(Group& group, Step& step) {
-  Syncer::Records records;
-  Group::PendingAck ack;
-  ack.round = group.round;
-  for (const std::shared_ptr<ShardedTable>& table : step.loads) {
-    UpdateLog* log = table->log();
-    if (log == nullptr || !log->pending()) continue;
-    records.emplace_back(table, log->TakePending());
-    ack.logged.emplace_back(table, table->agreed());
-  }
-  for (size_t i : step.updated) ack.requests.push_back(std::move(step.batch[i]));
-  step.updated.clear();
-  // Tables the step updated stay unsure (should the group fail) until acknowledged.
-  for (const std::shared_ptr<ShardedTable>& table : step.renorm_unsure) {
-    if (std::none_of(ack.logged.begin(), ack.logged.end(),
-                     [&](const auto& l) { return l.first == table; })) {
-      ack.logged.emplace_back(table, table->agreed());
-    }
-  }
-  step.renorm_unsure.clear();
-  if (!records.empty()) syncer_->Add(group.round, std::move(records));
-  if (ack.requests.empty() && ack.logged.empty()) return;
-  group.acks.push_back(std::move(ack));
-  group.round_due = true;  // the next round tells the peers (and this rank) how far each synced
-}
-
-// After a round: answers the updates (and acknowledges the logs) of the rounds every rank has
-// synced past; a rank that could not sync its log breaks the group.
-void StepLoop::Acknowledge(Group& group, Step& step) {
-  const std::vector<int64_t>& synced = step.agreement->synced();
-  int64_t least = std::numeric_limits<int64_t>::max();
-  for (size_t q = 0; q < synced.size(); ++q) {
-    if (synced[q] < 0) {
-      const absl::Status mine = syncer_->failed();
-      step.broken = absl::UnavailableError(absl::StrCat(
-          "rank ", q, " could not sync its update log",
-          mine.ok() ? std::string() : absl::StrCat(": ", mine.message())));
-      return;
-    }
-    least = std::min(least, synced[q]);
-  }
-  bool acknowledged = false;
-  while (!group.acks.empty() && group.acks.front().round <= least) {
-    Group::PendingAck& ack = group.acks.front();
-    for (const auto& [table, agreed] : ack.logged) {
-      if (table->log() != nullptr) table->log()->Acknowledge(agreed);
-    }
-    for (std::unique_ptr<StepRequest>& r : ack.requests) Answer(r, DenseResult{});
-    for (const auto& [table, agreed] : ack.logged) {
-      // Between steps, with no write of its records in flight; a failed snapshot leaves the log
-      // as it is, to be tried again.
-      if (table->log() != nullptr && syncer_->Idle()) {
-        table->log()->MaybeSnapshot(*table).IgnoreError();
-      }
-    }
-    group.acks.pop_front();
-    acknowledged = true;
-  }
-  if (acknowledged) sink_.Flush();
-}
-
-// The group is gone before every rank synced these updates: they are answered `status`, and
-// their tables handed back as unsure (reloaded from the logs, which the coordinator cuts to the
-// shortest before the group serves them).
-void StepLoop::FailPendingAcks(Group& group, const absl::Status& status) {
-  if (group.acks.empty()) return;
-  syncer_->WaitUntilIdle();  // nothing writes the logs while the tables are reloaded
-  for (Group::PendingAck& ack : group.acks) {
-    for (std::unique_ptr<StepRequest>& r : ack.requests) Answer(r, status);
-    for (const auto& [table, agreed] : ack.logged) tables_.DropRenormUnsure(table);
-  }
-  group.acks.clear();
-  sink_.Flush();
 }
 
 // Runs the agreed work with `ops` and answers this rank's requests.

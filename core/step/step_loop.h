@@ -48,6 +48,7 @@
 
 namespace shardserve::core {
 
+class LogSyncer;
 class ShardedOps;
 struct WorkKey;
 
@@ -132,9 +133,9 @@ class StepLoop {
   std::pair<int64_t, int64_t> queued() const;
 
  private:
+  // The state of a group and of one iteration (step_loop_state.h).
   struct Group;
   struct Step;
-  class Syncer;
 
   void Run();
   // The phases of one iteration of Run(), in order.
@@ -169,7 +170,7 @@ class StepLoop {
   ResponseSink& sink_;
   std::thread thread_;
   std::thread park_checker_;  // unparks the loop every Options::park_check
-  std::unique_ptr<Syncer> syncer_;  // the update logs' writes and syncs
+  std::unique_ptr<LogSyncer> syncer_;  // the update logs' writes and syncs
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
