@@ -145,8 +145,10 @@ class StepLoop {
   void Agree(Group& group, Step& step);
   void TakeTurn(Group& group, Step& step);
   bool Idle(Group& group, Step& step);  // true: on to the next iteration
+  // The agreed work (step_loop_work.cc).
   void RunOps(Group& group, Step& step);
   void RunWork(Group& group, Step& step, ShardedOps& ops);
+  // Updates' way through a step (step_loop_updates.cc).
   void RunUpdates(Group& group, Step& step, const WorkKey& key,
                   std::vector<absl::Span<const char>>& inputs,
                   const std::shared_ptr<ShardedTable>& table);

@@ -1,6 +1,6 @@
 // StepLoop's state of a group and of one iteration (Group, Step), which the loop's files share:
-// step_loop.cc (the loop, its rounds and its lookups) and step_loop_updates.cc (updates' way
-// through a step). Only those include it.
+// step_loop.cc (the loop and its rounds), step_loop_work.cc (the agreed work of a step) and
+// step_loop_updates.cc (updates' way through a step). Only those include it.
 #ifndef SHARDSERVE_CORE_STEP_STEP_LOOP_STATE_H_
 #define SHARDSERVE_CORE_STEP_STEP_LOOP_STATE_H_
 
