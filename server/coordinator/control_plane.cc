@@ -97,18 +97,25 @@ absl::Status ControlPlane::LoadRegistry() {
     // Registries written before TableKind had a zero value of its own stored EMBEDDING as 0.
     if (spec.kind() == v1::TABLE_KIND_UNSPECIFIED) spec.set_kind(v1::TABLE_KIND_EMBEDDING);
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
-    tables_[spec.name()] = std::move(spec);
+    tables_[spec.name()].spec = std::move(spec);
   }
+  // A replica's facts belong to its table's record. (A registry holds none of a table it does not
+  // hold: they leave with the table, and SaveRegistry writes only those of registered tables.)
   for (const v1::internal::ReplicaGeneration& r : registry.replica_generations()) {
-    replica_generations_[{r.table(), r.group()}] = r.generation();
     last_generation_ = std::max<uint64_t>(last_generation_, r.generation());
+    if (auto t = tables_.find(r.table()); t != tables_.end()) {
+      t->second.replicas[r.group()].generation = r.generation();
+    }
   }
   for (const v1::internal::StaleReplica& r : registry.stale_replicas()) {
-    stale_[{r.table(), r.group()}] = {r.created(), r.version()};
+    if (auto t = tables_.find(r.table()); t != tables_.end()) {
+      t->second.replicas[r.group()].stale = StaleMark{r.created(), r.version()};
+    }
   }
   for (const v1::TableSpec& spec : registry.kept_versions()) {
-    if (!tables_.count(spec.name())) continue;
-    kept_[spec.name()].push_back(spec);
+    auto t = tables_.find(spec.name());
+    if (t == tables_.end()) continue;
+    t->second.kept.push_back(spec);
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
   }
   return absl::OkStatus();
@@ -116,28 +123,28 @@ absl::Status ControlPlane::LoadRegistry() {
 
 absl::Status ControlPlane::SaveRegistry() {
   if (store_ == nullptr) return absl::OkStatus();
+  // (By table name, then group: the order the registry has always been written in.)
   v1::internal::TableRegistry registry;
-  for (const auto& [name, spec] : tables_) *registry.add_tables() = spec;
   registry.set_last_generation(last_generation_);
-  for (const auto& [replica, generation] : replica_generations_) {
-    v1::internal::ReplicaGeneration* r = registry.add_replica_generations();
-    r->set_table(replica.first);
-    r->set_group(replica.second);
-    r->set_generation(generation);
-  }
-  for (const auto& [name, kept] : kept_) {
-    for (const v1::TableSpec& spec : kept) *registry.add_kept_versions() = spec;
-  }
-  for (const auto& [replica, at] : stale_) {
-    auto t = tables_.find(replica.first);
-    if (t == tables_.end() || t->second.created() != at.first || t->second.version() != at.second) {
-      continue;  // a table dropped, created again or at another version since
+  for (const auto& [name, table] : tables_) {
+    *registry.add_tables() = table.spec;
+    for (const v1::TableSpec& spec : table.kept) *registry.add_kept_versions() = spec;
+    for (const auto& [group, replica] : table.replicas) {
+      if (replica.generation) {
+        v1::internal::ReplicaGeneration* r = registry.add_replica_generations();
+        r->set_table(name);
+        r->set_group(group);
+        r->set_generation(*replica.generation);
+      }
+      // (A mark of an earlier version is kept no more.)
+      if (replica.stale && replica.stale->In(table.spec)) {
+        v1::internal::StaleReplica* r = registry.add_stale_replicas();
+        r->set_table(name);
+        r->set_group(group);
+        r->set_created(replica.stale->created);
+        r->set_version(replica.stale->version);
+      }
     }
-    v1::internal::StaleReplica* r = registry.add_stale_replicas();
-    r->set_table(replica.first);
-    r->set_group(replica.second);
-    r->set_created(at.first);
-    r->set_version(at.second);
   }
   return store_->Save(registry);
 }
@@ -176,8 +183,8 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   {
     absl::MutexLock lock(&mu_);
     auto it = tables_.find(name);
-    registered =
-        it != tables_.end() && SpecDifference(it->second, AsHeld(it->second, stored)).empty();
+    registered = it != tables_.end() &&
+                 SpecDifference(it->second.spec, AsHeld(it->second.spec, stored)).empty();
   }
   if (spec.init_case() == v1::TableSpec::kCheckpoint && !registered) {
     // (Reads the file: not under the lock.) A retry's answer does not depend on the file, which
@@ -187,10 +194,10 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   absl::MutexLock lock(&mu_);
   SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
   if (auto it = tables_.find(name); it != tables_.end()) {
-    const uint64_t generation = it->second.generation();
-    if (!unserved_.count(name) || LoadError(it->second) == nullptr) {
+    const uint64_t generation = it->second.spec.generation();
+    if (!it->second.unserved || LoadError(it->second) == nullptr) {
       // A retry (its answer lost, or its wait over) finds its own table: the same answer again.
-      const std::string differs = SpecDifference(it->second, AsHeld(it->second, stored));
+      const std::string differs = SpecDifference(it->second.spec, AsHeld(it->second.spec, stored));
       if (!differs.empty()) {
         return absl::AlreadyExistsError(absl::StrCat(
             "table \"", name, "\" already exists with another spec (registered -> asked: ",
@@ -223,14 +230,15 @@ absl::StatusOr<v1::TableInfo> ControlPlane::CreateTable(const v1::TableSpec& spe
   stored.set_version(1);
   stored.set_created(stored.generation());  // unique per creation: names its update logs
   const uint64_t generation = stored.generation();
-  tables_[name] = std::move(stored);
+  TableRecord& created = tables_[name];  // (none before: a failed creation was undone above)
+  created.spec = std::move(stored);
   last_generation_ = generation;
   if (absl::Status s = SaveRegistry(); !s.ok()) {
     tables_.erase(name);  // a failed save changes nothing
     last_generation_ = generation - 1;
     return s;
   }
-  unserved_.insert(name);
+  created.unserved = true;
   LOG(INFO) << "coordinator: table \"" << name << "\" created (generation " << generation << ")";
   return AwaitCreation(name, generation, deadline);
 }
@@ -242,20 +250,20 @@ absl::StatusOr<v1::TableInfo> ControlPlane::AwaitCreation(const std::string& nam
   // creation under this name do not count.
   auto ours = [this, &name, generation]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     auto it = tables_.find(name);
-    return it != tables_.end() && it->second.generation() == generation;
+    return it != tables_.end() && it->second.spec.generation() == generation;
   };
   auto load_error = [this, &name, &ours]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return ours() ? LoadError(tables_.at(name)) : nullptr;
   };
   auto done = [this, &name, &ours, &load_error]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return stop_ || !ours() || CreationServing(name) || load_error() != nullptr;
+    return stop_ || !ours() || CreationServing(tables_.at(name)) || load_error() != nullptr;
   };
   clock_.AwaitWithDeadline(mu_, absl::Condition(&done), WaitEnd(deadline));
   ForgetServedCreations();
   if (const absl::Status* error = load_error()) {
     // A table that has served, and that a rank could not load again since (its worker restarted
     // and the checkpoint is gone): no creation failed, it stays as it is, FAILED.
-    if (!unserved_.count(name)) return InfoOf(tables_.at(name));
+    if (!tables_.at(name).unserved) return InfoOf(tables_.at(name));
     // A rank could not load this creation: undo it, so that a failed CreateTable changes nothing.
     const absl::Status status(error->code(), absl::StrCat("table \"", name,
                                                           "\" could not be loaded: ",
@@ -273,19 +281,18 @@ absl::StatusOr<v1::TableInfo> ControlPlane::AwaitCreation(const std::string& nam
 absl::Status ControlPlane::UndoCreation(const std::string& name) {
   auto it = tables_.find(name);
   if (it == tables_.end()) return absl::OkStatus();
-  const v1::TableSpec created = std::move(it->second);
+  TableRecord created = std::move(it->second);
   tables_.erase(it);
   if (absl::Status s = SaveRegistry(); !s.ok()) {
-    tables_[name] = created;  // still registered, as on disk (state FAILED)
+    tables_[name] = std::move(created);  // still registered, as on disk (state FAILED)
     return s;
   }
-  unserved_.erase(name);
   return absl::OkStatus();
 }
 
 void ControlPlane::ForgetServedCreations() {
-  for (auto it = unserved_.begin(); it != unserved_.end();) {
-    it = !tables_.count(*it) || TableServing(*it) ? unserved_.erase(it) : std::next(it);
+  for (auto& [name, table] : tables_) {
+    if (table.unserved && TableServing(table)) table.unserved = false;
   }
 }
 
@@ -316,7 +323,8 @@ absl::StatusOr<v1::TableInfo> ControlPlane::WaitTable(const std::string& name,
   // restart, meanwhile): the wait is for the name to serve.
   auto done = [this, &name]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     auto it = tables_.find(name);
-    return stop_ || it == tables_.end() || TableServing(name) || LoadError(it->second) != nullptr;
+    return stop_ || it == tables_.end() || TableServing(it->second) ||
+           LoadError(it->second) != nullptr;
   };
   const absl::Time until = timeout == absl::InfiniteDuration()
                                ? WaitEnd(deadline)
@@ -338,30 +346,13 @@ absl::StatusOr<v1::DropTableResponse> ControlPlane::DropTable(const std::string&
   if (it == tables_.end()) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
   }
-  v1::TableSpec dropped = std::move(it->second);
+  // Everything known of the table goes with its record: versions, replicas, its stream.
+  TableRecord dropped = std::move(it->second);
   tables_.erase(it);
-  std::vector<v1::TableSpec> kept;
-  if (auto k = kept_.find(name); k != kept_.end()) {
-    kept = std::move(k->second);
-    kept_.erase(k);
-  }
-  std::map<std::pair<std::string, int>, uint64_t> replicas;
-  for (auto r = replica_generations_.begin(); r != replica_generations_.end();) {
-    if (r->first.first == name) {
-      replicas.insert(*r);
-      r = replica_generations_.erase(r);
-    } else {
-      ++r;
-    }
-  }
   if (absl::Status s = SaveRegistry(); !s.ok()) {
     tables_[name] = std::move(dropped);  // a failed save changes nothing
-    replica_generations_.insert(replicas.begin(), replicas.end());
-    if (!kept.empty()) kept_[name] = std::move(kept);
     return s;
   }
-  unserved_.erase(name);
-  ForgetVersions(name);
   LOG(INFO) << "coordinator: table \"" << name << "\" dropped";
   // Until a worker has reported since the drop, it may still serve the table: its last report was
   // built before it applied a reply without it. A report sent since that does not list it was
@@ -400,7 +391,7 @@ absl::StatusOr<std::vector<v1::TableInfo>> ControlPlane::ListTables() const {
   absl::MutexLock lock(&mu_);
   SHARDSERVE_RETURN_IF_ERROR(RefuseWhileLearning());
   std::vector<v1::TableInfo> tables;
-  for (const auto& [name, spec] : tables_) tables.push_back(InfoOf(spec));
+  for (const auto& [name, table] : tables_) tables.push_back(InfoOf(table));
   return tables;
 }
 
@@ -421,7 +412,7 @@ absl::StatusOr<v1::TableSpec> ControlPlane::SpecOf(const std::string& name) cons
   if (it == tables_.end()) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
   }
-  return it->second;
+  return it->second.spec;
 }
 
 v1::ClusterInfo ControlPlane::DescribeCluster() const {
@@ -494,8 +485,8 @@ absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanReads(
       return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
     }
     for (int g = 0; g < options_.groups; ++g) {  // the first replica that serves
-      if (!TableServing(name, g)) continue;
-      spec = SpecFor(it->second, g);
+      if (!TableServing(it->second, g)) continue;
+      spec = it->second.SpecOn(g);
       for (const Member& m : groups_[g].members) {
         addresses.push_back(m.internal_address.empty() ? m.address : m.internal_address);
       }
@@ -508,188 +499,6 @@ absl::StatusOr<std::unique_ptr<TableExport>> ControlPlane::PlanReads(
   // (Outside the lock: this allocates the whole table.)
   return TableExport::Create(spec, options_.world_size, std::move(addresses), path,
                              options_.state_dir);
-}
-
-// --- Table states ---
-
-v1::TableSpec ControlPlane::AsHeld(const v1::TableSpec& registered, v1::TableSpec asked) const {
-  for (int g = 0; g < options_.groups; ++g) {
-    if (PlacedOn(asked, g) && !PlacedOn(registered, g)) return asked;
-  }
-  *asked.mutable_groups() = registered.groups();
-  return asked;
-}
-
-bool ControlPlane::PlacedOn(const v1::TableSpec& spec, int group) {
-  return spec.groups().empty() ||
-         std::find(spec.groups().begin(), spec.groups().end(), group) != spec.groups().end();
-}
-
-bool ControlPlane::Holds(const Member& m, const v1::TableSpec& spec) {
-  if (std::find(m.loaded.begin(), m.loaded.end(), spec.name()) == m.loaded.end()) return false;
-  if (m.loaded_specs.empty()) return true;  // a worker that does not say which spec
-  auto it = m.loaded_specs.find({spec.name(), spec.version()});
-  return it != m.loaded_specs.end() && SameLoad(it->second, spec);
-}
-
-const absl::Status* ControlPlane::LoadError(const v1::TableSpec& spec) const {
-  for (int g = 0; g < options_.groups; ++g) {
-    if (!PlacedOn(spec, g)) continue;
-    const uint64_t generation = SpecFor(spec, g).generation();
-    for (const Member& m : groups_[g].members) {
-      auto it = m.load_errors.find(spec.name());
-      if (it != m.load_errors.end() && it->second.first == generation) return &it->second.second;
-    }
-  }
-  return nullptr;
-}
-
-v1::TableSpec ControlPlane::SpecFor(const v1::TableSpec& spec, int g) const {
-  // A replica that LoadVersion took to the new version already (one at a time).
-  if (auto load = loading_.find(spec.name());
-      load != loading_.end() && load->second.mode == v1::SWAP_MODE_ONE_REPLICA_AT_A_TIME) {
-    const VersionLoad& l = load->second;
-    for (size_t i = 0; i < l.swapped; ++i) {
-      if (l.order[i] == g) return l.spec;
-    }
-  }
-  auto it = replica_generations_.find({spec.name(), g});
-  if (it == replica_generations_.end()) return spec;
-  v1::TableSpec replica = spec;
-  replica.set_generation(it->second);
-  return replica;
-}
-
-bool ControlPlane::TableReady(const std::string& name, int group) const {
-  if (!GroupServing(group)) return false;
-  auto it = tables_.find(name);
-  if (it == tables_.end() || !PlacedOn(it->second, group)) return false;
-  if (StaleLocked(it->second, group)) return false;
-  const v1::TableSpec spec = SpecFor(it->second, group);
-  for (const Member& m : groups_[group].members) {
-    if (!Holds(m, spec)) return false;
-  }
-  return !RollBackTarget(spec, group).has_value();
-}
-
-std::optional<uint64_t> ControlPlane::RollBackTarget(const v1::TableSpec& spec, int group) const {
-  // Only positions of this epoch's members, of loads no step has run on: a departed process's
-  // last report, or a serving load's (steps run between heartbeats), says nothing of its log.
-  const Group& g = groups_[group];
-  uint64_t least = ~uint64_t{0}, most = 0;
-  for (const Member& m : g.members) {
-    auto p = m.positions.find({spec.name(), spec.version()});
-    if (g.epoch == 0 || m.epoch != g.epoch || !Alive(m) || p == m.positions.end() ||
-        !p->second.fresh || !p->second.logged) {
-      return std::nullopt;
-    }
-    least = std::min(least, p->second.lsn);
-    most = std::max(most, p->second.lsn);
-  }
-  if (least == most) return std::nullopt;
-  return least;
-}
-
-bool ControlPlane::TableServing(const std::string& name, int group) const {
-  if (!TableReady(name, group)) return false;
-  for (const Member& m : groups_[group].members) {
-    if (std::find(m.serving.begin(), m.serving.end(), name) == m.serving.end()) return false;
-  }
-  return true;
-}
-
-bool ControlPlane::TableServing(const std::string& name) const {
-  for (int g = 0; g < options_.groups; ++g) {
-    if (TableServing(name, g)) return true;
-  }
-  return false;
-}
-
-bool ControlPlane::CreationServing(const std::string& name) const {
-  auto it = tables_.find(name);
-  if (it == tables_.end()) return false;
-  bool any = false;
-  for (int g = 0; g < options_.groups; ++g) {
-    if (!PlacedOn(it->second, g)) continue;
-    const bool serves = TableServing(name, g);
-    if (GroupServing(g) && !serves) return false;  // a formed group still loads it
-    any = any || serves;
-  }
-  return any;
-}
-
-v1::TableInfo ControlPlane::InfoOf(const v1::TableSpec& spec) const {
-  v1::TableInfo info;
-  *info.mutable_spec() = spec;
-  absl::StatusOr<core::TableConfig> config = ConfigFromSpec(spec, options_.world_size);
-  bool serving = false, drains = false, held_somewhere = false;
-  for (int g = 0; g < options_.groups; ++g) {
-    if (!PlacedOn(spec, g)) continue;
-    const Group& group = groups_[g];
-    const v1::TableSpec held = SpecFor(spec, g);
-    v1::ReplicaInfo* replica = info.add_replicas();
-    replica->set_group(g);
-    replica->set_generation(held.generation());
-    bool loaded_everywhere = true, failed = false, draining = false;
-    for (const Member& m : group.members) {
-      loaded_everywhere = loaded_everywhere && Holds(m, held);
-      draining = draining || m.draining;
-      auto e = m.load_errors.find(spec.name());
-      failed = failed || (e != m.load_errors.end() && e->second.first == held.generation());
-    }
-    const bool replica_serves = TableServing(spec.name(), g);
-    // Next to unload the old version (LoadVersion one replica at a time): clients move away.
-    if (auto load = loading_.find(spec.name());
-        load != loading_.end() && load->second.unload_at != absl::InfiniteFuture() &&
-        load->second.swapped < load->second.order.size() &&
-        load->second.order[load->second.swapped] == g) {
-      draining = true;
-    }
-    replica->set_state(replica_serves && draining ? v1::TABLE_STATE_DRAINING
-                       : replica_serves           ? v1::TABLE_STATE_SERVING
-                       : failed                   ? v1::TABLE_STATE_FAILED
-                       : loaded_everywhere        ? v1::TABLE_STATE_UNAVAILABLE
-                                                  : v1::TABLE_STATE_LOADING);
-    serving = serving || (replica_serves && !draining);
-    drains = drains || (replica_serves && draining);
-    held_somewhere = held_somewhere || loaded_everywhere;
-    if (!config.ok()) continue;
-    core::ShardLayout layout(config->spec,
-                             config->spec.dim() == 0 ? config->num_rows : config->num_cols);
-    for (const core::Placement& p : config->spec.placements()) {
-      v1::ShardInfo* shard = replica->add_shards();
-      shard->set_rank(p.rank);
-      shard->set_device(p.device.ToString());
-      shard->set_address(group.members[p.rank].address);
-      shard->set_offset(layout.OffsetOfRank(p.rank));
-      shard->set_size(layout.SizeOfRank(p.rank));
-    }
-  }
-  // SERVING while any replica serves (the error, if any, says why another could not load it).
-  const absl::Status* error = LoadError(spec);
-  if (error != nullptr) {
-    info.set_error(std::string(error->message()));
-    info.set_error_code(static_cast<int>(error->code()));
-  }
-  info.set_state(serving            ? v1::TABLE_STATE_SERVING
-                 : drains           ? v1::TABLE_STATE_DRAINING
-                 : error != nullptr ? v1::TABLE_STATE_FAILED
-                 : held_somewhere   ? v1::TABLE_STATE_UNAVAILABLE
-                                    : v1::TABLE_STATE_LOADING);
-  // The first serving replica's shards (else the first draining one's, else the first's), for
-  // clients that know no replicas.
-  const v1::ReplicaInfo* first = nullptr;
-  for (const v1::ReplicaInfo& r : info.replicas()) {
-    if (first == nullptr || (r.state() == v1::TABLE_STATE_SERVING &&
-                             first->state() != v1::TABLE_STATE_SERVING) ||
-        (r.state() == v1::TABLE_STATE_DRAINING && first->state() != v1::TABLE_STATE_SERVING &&
-         first->state() != v1::TABLE_STATE_DRAINING)) {
-      first = &r;
-    }
-  }
-  if (first != nullptr) *info.mutable_shards() = first->shards();
-  AddVersions(spec, info);
-  return info;
 }
 
 }  // namespace shardserve::server

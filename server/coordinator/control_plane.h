@@ -14,8 +14,11 @@
 //     FAILED with its error), the waits of CreateTable and WaitTable, export planning
 //     (TableExport), and routing (PickWorker, over the serving groups).
 //
-// control_plane.cc holds the registry, the admin calls and the table states;
-// control_plane_groups.cc the heartbeats, groups, epochs, rendezvous, routing and health.
+// Each table's facts live in one TableRecord (table_record.h). control_plane.cc holds the
+// registry and the admin calls; control_plane_tables.cc the table states (TableInfo);
+// control_plane_groups.cc the heartbeats, groups, epochs, rendezvous, routing and health;
+// control_plane_versions.cc the table versions; control_plane_updates.cc the update streams,
+// stale replicas and recoveries.
 //
 // Time comes from a Clock (a fake in tests): liveness, join grace, the broken-group timer and
 // every wait run on it. Every wait is bounded: an admin call's wait ends a margin before its
@@ -29,9 +32,8 @@
 
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <memory>
-#include <set>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,6 +50,7 @@
 #include "server/coordinator/registry_store.h"
 #include "server/coordinator/rendezvous_host.h"
 #include "server/coordinator/table_export.h"
+#include "server/coordinator/table_record.h"
 
 namespace shardserve::server {
 
@@ -314,40 +317,15 @@ class ControlPlane {
     v1::GroupState logged_state = v1::GROUP_STATE_UNSPECIFIED;  // what the log last said
   };
 
-  // A replicated table's update stream (control_plane_updates.cc), for its serving version.
-  struct UpdateStream {
-    uint64_t created = 0;  // TableSpec.created and .version it is for: another starts afresh
-    uint64_t version = 0;
-    bool known = false;        // `sequence` is known (not after a start, or an all-failed update)
-    absl::Time unknown_since;  // positions reported after this tell it
-    uint64_t sequence = 0;     // the last update given a place
-    uint64_t acknowledged = 0;  // the last one some replica applied
-    int in_flight = 0;
-    bool recovering = false;  // a replica is recovered: no update starts
-  };
-
-  // A LoadVersion under way (control_plane_versions.cc).
-  struct VersionLoad {
-    v1::TableSpec spec;  // the new version, with a generation of its own
-    v1::SwapMode mode = v1::SWAP_MODE_BESIDE;
-    std::vector<int> order;  // the groups holding the table
-    // One at a time: the groups order[0, swapped) hold (or load) the new version instead of the
-    // serving one; order[swapped] unloads it at `unload_at` (InfiniteFuture: not draining yet).
-    size_t swapped = 0;
-    absl::Time unload_at = absl::InfiniteFuture();
-    int keep = 1;
-    bool allow_gap = false;
-    absl::Time started;
-  };
-
   ControlPlane(ControlPlaneOptions options, Clock& clock, std::unique_ptr<RegistryStore> store);
+
   // Moves each LoadVersion on: its failure, the next replica of one at a time, the switch.
   void AdvanceVersions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The table's spec becomes `load`'s (persisted): false (and the load failed, saying why) if the
   // registry cannot be saved.
-  bool SwitchVersion(const std::string& name, const VersionLoad& load)
+  bool SwitchVersion(TableRecord& table, const VersionLoad& load)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailVersion(const std::string& name, const VersionLoad& load, const absl::Status& error)
+  void FailVersion(TableRecord& table, const VersionLoad& load, const absl::Status& error)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why a rank could not load `spec` (that generation), if one could not.
   const absl::Status* VersionLoadError(const v1::TableSpec& spec, const std::vector<int>& groups)
@@ -355,10 +333,8 @@ class ControlPlane {
   // Ranks of `group` that hold `spec`.
   int RanksHolding(const v1::TableSpec& spec, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The table's versions for TableInfo.versions.
-  void AddVersions(const v1::TableSpec& serving, v1::TableInfo& info) const
+  void AddVersions(const TableRecord& table, v1::TableInfo& info) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Forgets the table's versions (it is dropped).
-  void ForgetVersions(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status LoadRegistry();
   // The rendezvous store of the group whose epoch `key` names (else group 0's).
   RendezvousHost& RendezvousOf(const std::string& key) ABSL_LOCKS_EXCLUDED(mu_);
@@ -374,7 +350,7 @@ class ControlPlane {
   // Takes a creation that failed on the workers out of the registry (a failed creation changes
   // nothing): the registry's error if it cannot be saved (then it stays, FAILED).
   absl::Status UndoCreation(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Forgets the creations that now serve (or are gone).
+  // Forgets the creations that now serve.
   void ForgetServedCreations() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SaveRegistry() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // UNAVAILABLE while a coordinator without a registry has not learnt the tables yet.
@@ -401,9 +377,6 @@ class ControlPlane {
   v1::GroupState StateOf(int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Logs each member that went silent and each group whose state changed, once (Tick).
   void LogChanges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The spec group `g` holds the table by: `spec` with the replica's own generation, if it has
-  // one.
-  v1::TableSpec SpecFor(const v1::TableSpec& spec, int g) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Whether `spec` is placed on `group`.
   static bool PlacedOn(const v1::TableSpec& spec, int group);
   // `asked` (a CreateTable's spec for a table registered as `registered`) with the registered
@@ -412,20 +385,19 @@ class ControlPlane {
   v1::TableSpec AsHeld(const v1::TableSpec& registered, v1::TableSpec asked) const;
   // Whether `m` holds the table as `spec` says (loaded from that spec, where the worker says).
   static bool Holds(const Member& m, const v1::TableSpec& spec);
-  // Why a worker could not load the table as its group holds `spec` (null: none could not).
-  const absl::Status* LoadError(const v1::TableSpec& spec) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // The stream of `spec`'s serving version (a new one for another creation or version).
-  UpdateStream& StreamOf(const v1::TableSpec& spec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool StaleLocked(const v1::TableSpec& spec, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Why a worker could not load the table as its group holds it (null: none could not).
+  const absl::Status* LoadError(const TableRecord& table) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The stream of the table's serving version (a new one for another creation or version).
+  UpdateStream& StreamOf(TableRecord& table) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks replicas stale and saves the registry (the marks are undone if it cannot be saved).
-  absl::Status MarkStale(const v1::TableSpec& spec, const std::vector<int>& groups,
+  absl::Status MarkStale(TableRecord& table, const std::vector<int>& groups,
                          const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Learns an unknown stream's position from the replicas' heartbeats: true once known.
-  bool LearnStream(const v1::TableSpec& spec, UpdateStream& stream)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The update sequence every rank of `group` reports for `spec` in heartbeats sent after
+  // Learns the position of the table's unknown stream (as StreamOf left it) from the replicas'
+  // heartbeats: true once known.
+  bool LearnStream(TableRecord& table) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The update sequence every rank of `group` reports for the table in heartbeats sent after
   // `since`, if they agree.
-  std::optional<uint64_t> GroupSequence(const v1::TableSpec& spec, int group, absl::Time since)
+  std::optional<uint64_t> GroupSequence(const TableRecord& table, int group, absl::Time since)
       const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // After a heartbeat of `group`: replicas of replicated tables that do not serve them now and
   // hold them behind the acknowledged updates, or at different updates on different ranks (a
@@ -438,22 +410,22 @@ class ControlPlane {
   // once every rank holds the load at one position again (the log restored, or every rank
   // reloaded alike).
   void CheckLostLogs(int group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Loaded on every rank of formed group `group`: its workers may start accepting calls for it.
   // The position a group's ranks must roll their logs of `spec`'s load back to before the group
   // serves it: set when every rank has joined the group's epoch and reports its load as recovered
   // from its log and untouched since, and the logs end at different places (a crash after some
   // ranks logged a step's updates). Otherwise none.
   std::optional<uint64_t> RollBackTarget(const v1::TableSpec& spec, int group) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  bool TableReady(const std::string& name, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Loaded on every rank of formed group `group`: its workers may start accepting calls for it.
+  bool TableReady(const TableRecord& table, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Ready, and every worker of the group has acknowledged that it accepts calls for it.
-  bool TableServing(const std::string& name, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool TableServing(const TableRecord& table, int group) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Served by any of its replicas.
-  bool TableServing(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool TableServing(const TableRecord& table) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // CreateTable's wait is over: a replica serves, and so does every other replica whose group
   // is formed.
-  bool CreationServing(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  v1::TableInfo InfoOf(const v1::TableSpec& spec) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool CreationServing(const TableRecord& table) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  v1::TableInfo InfoOf(const TableRecord& table) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const ControlPlaneOptions options_;
   Clock& clock_;
@@ -462,39 +434,12 @@ class ControlPlane {
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::map<std::string, v1::TableSpec> tables_ ABSL_GUARDED_BY(mu_);
+  // Every registered table's record, by name (table_record.h): dropping a table erases it.
+  std::map<std::string, TableRecord> tables_ ABSL_GUARDED_BY(mu_);
   uint64_t last_generation_ ABSL_GUARDED_BY(mu_) = 0;  // TableSpec.generation, persisted
-  // Tables created and not served yet (this creation): calls for them are refused as being
-  // created; Reconcile leaves their generation alone; a failure to load them undoes them. (Not
-  // persisted: after a restart, tables not served yet are loaded as any other.)
-  std::set<std::string> unserved_ ABSL_GUARDED_BY(mu_);
-  // Replicas (table, group) given a new generation after a partial renorm, until their group
-  // serves it: no lookup renorms the new loads before, so a worker's restart meanwhile reloads
-  // nothing more.
-  std::set<std::pair<std::string, int>> reloaded_while_down_ ABSL_GUARDED_BY(mu_);
-  // (table, group) -> the replica's own generation (see SpecFor); persisted with the registry.
-  std::map<std::pair<std::string, int>, uint64_t> replica_generations_ ABSL_GUARDED_BY(mu_);
-  // LoadVersions under way, by table (not persisted: a coordinator's restart ends them, and the
-  // workers drop what they loaded of them).
-  std::map<std::string, VersionLoad> loading_ ABSL_GUARDED_BY(mu_);
-  // Older versions kept loaded for pinned calls, newest first (persisted).
-  std::map<std::string, std::vector<v1::TableSpec>> kept_ ABSL_GUARDED_BY(mu_);
-  // The last LoadVersion of each table that failed, as TableInfo.versions shows it.
-  std::map<std::string, v1::VersionInfo> failed_versions_ ABSL_GUARDED_BY(mu_);
-  // How each table's serving version was loaded (mode, load_ms), when LoadVersion loaded it.
-  std::map<std::string, v1::VersionInfo> switched_ ABSL_GUARDED_BY(mu_);
   std::vector<Group> groups_ ABSL_GUARDED_BY(mu_);
-  // Whether each table served when the log last said (LogChanges).
-  std::map<std::string, bool> logged_serving_ ABSL_GUARDED_BY(mu_);
   uint64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // the last epoch given, over all groups
   size_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
-  // Update streams of replicated tables, by table; stale replicas (persisted), by (table, group),
-  // with the (created, version) they are stale in.
-  std::map<std::string, UpdateStream> streams_ ABSL_GUARDED_BY(mu_);
-  std::map<std::pair<std::string, int>, std::pair<uint64_t, uint64_t>> stale_ ABSL_GUARDED_BY(mu_);
-  // Replicas just recovered, by (table, group): each member's heartbeat count from which its
-  // positions tell of the copy (those in flight during the recovery do not).
-  std::map<std::pair<std::string, int>, std::vector<uint64_t>> recovered_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace shardserve::server

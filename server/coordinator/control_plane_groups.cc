@@ -133,22 +133,20 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
       response.add_silent_ranks(r);
     }
   }
-  for (const auto& [name, spec] : tables_) {
+  for (const auto& [name, table] : tables_) {
+    const v1::TableSpec& spec = table.spec;
     if (!PlacedOn(spec, g)) continue;
-    *response.add_tables() = SpecFor(spec, g);
-    if (auto load = loading_.find(name);
-        load != loading_.end() && load->second.mode == v1::SWAP_MODE_BESIDE) {
-      *response.add_other_versions() = load->second.spec;
+    const v1::TableSpec replica = table.SpecOn(g);
+    *response.add_tables() = replica;
+    if (table.loading && table.loading->mode == v1::SWAP_MODE_BESIDE) {
+      *response.add_other_versions() = table.loading->spec;
     }
-    if (auto kept = kept_.find(name); kept != kept_.end()) {
-      for (const v1::TableSpec& old : kept->second) *response.add_other_versions() = old;
-    }
-    if (TableReady(name, g)) response.add_serving_tables(name);
+    for (const v1::TableSpec& old : table.kept) *response.add_other_versions() = old;
+    if (TableReady(table, g)) response.add_serving_tables(name);
     if (Replicated(spec)) response.add_replicated_tables(name);
-    const v1::TableSpec replica = SpecFor(spec, g);
     // (A stale replica is copied whole from another: its logs are not rolled back.)
     if (const std::optional<uint64_t> target =
-            StaleLocked(spec, g) ? std::nullopt : RollBackTarget(replica, g)) {
+            table.StaleOn(g) ? std::nullopt : RollBackTarget(replica, g)) {
       auto mine = m.positions.find({name, replica.version()});
       if (mine != m.positions.end() && mine->second.lsn > *target) {
         LOG(INFO) << absl::StrFormat(
@@ -161,8 +159,8 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
         back->set_lsn(*target);
       }
     }
-    if (unserved_.count(name)) response.add_creating_tables(name);
-    if (const absl::Status* error = LoadError(spec)) {
+    if (table.unserved) response.add_creating_tables(name);
+    if (const absl::Status* error = LoadError(table)) {
       (*response.mutable_load_errors())[name] = std::string(error->message());
     }
   }
@@ -222,7 +220,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::ForwardingMap(const std::string& tab
   if (it != tables_.end()) info = InfoOf(it->second);
   for (int g = 0; g < options_.groups; ++g) {
     const Group& group = groups_[g];
-    if (!group.learning || (it != tables_.end() && !PlacedOn(it->second, g))) continue;
+    if (!group.learning || (it != tables_.end() && !PlacedOn(it->second.spec, g))) continue;
     v1::ReplicaInfo* replica = nullptr;
     for (v1::ReplicaInfo& r : *info.mutable_replicas()) {
       if (r.group() == g) replica = &r;
@@ -255,10 +253,10 @@ ServingState ControlPlane::Serving() const {
     state.groups.push_back(GroupServing(g));
     state.group = state.group || state.groups.back();
   }
-  for (const auto& [name, spec] : tables_) {
-    state.tables[name] = TableServing(name);
+  for (const auto& [name, table] : tables_) {
+    state.tables[name] = TableServing(table);
     for (int g = 0; g < options_.groups; ++g) {
-      if (PlacedOn(spec, g)) state.replicas[{name, g}] = TableServing(name, g);
+      if (PlacedOn(table.spec, g)) state.replicas[{name, g}] = TableServing(table, g);
     }
   }
   return state;
@@ -296,14 +294,11 @@ void ControlPlane::LogChanges() {
     }
   }
   if (AnyLearning()) return;  // the tables are not all known yet
-  for (auto it = logged_serving_.begin(); it != logged_serving_.end();) {
-    it = tables_.count(it->first) ? std::next(it) : logged_serving_.erase(it);
-  }
-  for (const auto& [name, spec] : tables_) {
-    const bool serving = TableServing(name);
-    auto [it, added] = logged_serving_.emplace(name, serving);
-    if (!added && it->second == serving) continue;
-    it->second = serving;
+  for (auto& [name, table] : tables_) {
+    const bool serving = TableServing(table);
+    const bool added = !table.logged_serving.has_value();
+    if (!added && *table.logged_serving == serving) continue;
+    table.logged_serving = serving;
     if (serving) {
       LOG(INFO) << "coordinator: table \"" << name << "\" serves";
     } else if (!added) {
@@ -341,30 +336,24 @@ void ControlPlane::ReloadAfterPartialRenorm(int group, int rank, const v1::Table
   auto it = tables_.find(held.name());
   // Another generation than the rank held: its group's workers load that one anew anyway. While
   // its creation has not served yet, the rank reports again at its next heartbeats.
-  if (it == tables_.end() || SpecFor(it->second, group).generation() != held.generation() ||
-      unserved_.count(held.name())) {
+  if (it == tables_.end() || it->second.SpecOn(group).generation() != held.generation() ||
+      it->second.unserved) {
     return;
   }
-  const std::pair<std::string, int> replica(held.name(), group);
-  const auto before = replica_generations_.find(replica);
-  const std::optional<uint64_t> was =
-      before == replica_generations_.end() ? std::nullopt : std::optional(before->second);
-  replica_generations_[replica] = ++last_generation_;
+  ReplicaRecord& replica = it->second.replicas[group];
+  const std::optional<uint64_t> was = replica.generation;
+  replica.generation = ++last_generation_;
   if (absl::Status s = SaveRegistry(); !s.ok()) {
     // Not reloaded: a coordinator restarted later would bring back the old generation, which some
     // rank may hold still. The rank reports again.
-    if (was) {
-      replica_generations_[replica] = *was;
-    } else {
-      replica_generations_.erase(replica);
-    }
+    replica.generation = was;
     LOG(ERROR) << absl::StrFormat("coordinator: %s", s.ToString().c_str());
     return;
   }
   // Nothing has renormed the new loads yet, whether or not the group still serves the old ones
   // (the rank may say so before any rank reports the group broken): a restart until the group
   // serves them needs no reload of its own.
-  reloaded_while_down_.insert(replica);
+  replica.reloaded_while_down = true;
   LOG(WARNING) << absl::StrFormat(
       "coordinator: table \"%s\" is loaded again on group %d as generation %llu: a step "
       "failed on its rank %d while it renormed rows, which its ranks may now hold "
@@ -425,20 +414,21 @@ void ControlPlane::LearnTables(int g) {
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
     if (auto known = tables_.find(name); known != tables_.end()) {
       // Learnt from another group already: the same table but for a replica's own generation.
+      v1::TableSpec& registered = known->second.spec;
       v1::TableSpec base = spec;
-      base.set_generation(known->second.generation());
-      if (SameLoad(base, known->second)) {
+      base.set_generation(registered.generation());
+      if (SameLoad(base, registered)) {
         // A group that took the table with a replica added later (AddReplica) names more groups.
         for (const int32_t placed : spec.groups()) {
-          if (!PlacedOn(known->second, placed)) known->second.add_groups(placed);
+          if (!PlacedOn(registered, placed)) registered.add_groups(placed);
         }
-        if (spec.generation() != known->second.generation()) {
-          replica_generations_[{name, g}] = spec.generation();
+        if (spec.generation() != registered.generation()) {
+          known->second.replicas[g].generation = spec.generation();
         }
       }
       continue;
     }
-    tables_[name] = spec;
+    tables_[name].spec = spec;
     last_generation_ = std::max<uint64_t>(last_generation_, spec.generation());
     LOG(INFO) << absl::StrFormat(
         "coordinator: learnt table \"%s\" (generation %llu) from group %d's workers", name.c_str(),
@@ -461,11 +451,14 @@ void ControlPlane::Reconcile() {
 
 void ControlPlane::Reconcile(int g) {
   Group& group = groups_[g];
-  // Once a group serves a table reloaded while none did, lookups may renorm its new loads.
-  for (auto it = reloaded_while_down_.begin(); it != reloaded_while_down_.end();) {
-    it = !tables_.count(it->first) || TableReady(it->first, it->second)
-             ? reloaded_while_down_.erase(it)
-             : std::next(it);
+  // Once a replica reloaded while its group did not serve is ready (on any group: this looks at
+  // every one), lookups may renorm its new loads.
+  for (auto& [name, table] : tables_) {
+    for (auto& [replica_group, replica] : table.replicas) {
+      if (replica.reloaded_while_down && TableReady(table, replica_group)) {
+        replica.reloaded_while_down = false;
+      }
+    }
   }
   for (const Member& m : group.members) {
     if (!Alive(m)) return;  // wait for every rank; a dead one comes back with a new incarnation
@@ -503,13 +496,15 @@ void ControlPlane::Reconcile(int g) {
     kept = kept || !restarted;
   }
   bool reloads = false;
-  for (auto& [name, spec] : tables_) {
+  for (auto& [name, table] : tables_) {
+    const v1::TableSpec& spec = table.spec;
+    const ReplicaRecord* replica = table.FindReplica(g);
     if (!(fresh && kept) || !PlacedOn(spec, g) || !spec.has_max_norm() ||
-        spec.sharding().dim() != 1 || unserved_.count(name) ||
-        reloaded_while_down_.count({name, g})) {
+        spec.sharding().dim() != 1 || table.unserved ||
+        (replica != nullptr && replica->reloaded_while_down)) {
       continue;
     }
-    replica_generations_[{name, g}] = ++last_generation_;  // this group's replica alone
+    table.replicas[g].generation = ++last_generation_;  // this group's replica alone
     reloads = true;
   }
   if (reloads) {

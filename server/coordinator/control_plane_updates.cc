@@ -28,8 +28,9 @@ bool ControlPlane::Replicated(const v1::TableSpec& spec) const {
   return placed > 1;
 }
 
-ControlPlane::UpdateStream& ControlPlane::StreamOf(const v1::TableSpec& spec) {
-  UpdateStream& stream = streams_[spec.name()];
+UpdateStream& ControlPlane::StreamOf(TableRecord& table) {
+  const v1::TableSpec& spec = table.spec;
+  UpdateStream& stream = table.stream;
   if (stream.created != spec.created() || stream.version != spec.version()) {
     // Another creation or version: its own stream, from its base. (Updates of the old one still
     // out end without touching it: FinishUpdate checks.)
@@ -41,23 +42,18 @@ ControlPlane::UpdateStream& ControlPlane::StreamOf(const v1::TableSpec& spec) {
   return stream;
 }
 
-bool ControlPlane::StaleLocked(const v1::TableSpec& spec, int group) const {
-  auto it = stale_.find({spec.name(), group});
-  return it != stale_.end() && it->second.first == spec.created() &&
-         it->second.second == spec.version();
-}
-
 bool ControlPlane::Stale(const std::string& name, int group) const {
   absl::MutexLock lock(&mu_);
   auto it = tables_.find(name);
-  return it != tables_.end() && StaleLocked(it->second, group);
+  return it != tables_.end() && it->second.StaleOn(group);
 }
 
-absl::Status ControlPlane::MarkStale(const v1::TableSpec& spec, const std::vector<int>& groups,
+absl::Status ControlPlane::MarkStale(TableRecord& table, const std::vector<int>& groups,
                                      const std::string& why) {
   if (groups.empty()) return absl::OkStatus();
+  const v1::TableSpec& spec = table.spec;
   for (int g : groups) {
-    stale_[{spec.name(), g}] = {spec.created(), spec.version()};
+    table.replicas[g].stale = StaleMark{spec.created(), spec.version()};
     LOG(WARNING) << absl::StrFormat(
         "coordinator: table \"%s\" version %d: group %d's replica is stale (%s); it does not "
         "serve the table until it is recovered",
@@ -68,13 +64,13 @@ absl::Status ControlPlane::MarkStale(const v1::TableSpec& spec, const std::vecto
   return SaveRegistry();
 }
 
-std::optional<uint64_t> ControlPlane::GroupSequence(const v1::TableSpec& spec, int group,
+std::optional<uint64_t> ControlPlane::GroupSequence(const TableRecord& table, int group,
                                                     absl::Time since) const {
-  const v1::TableSpec held = SpecFor(spec, group);
+  const v1::TableSpec held = table.SpecOn(group);
   std::optional<uint64_t> sequence;
   for (const Member& m : groups_[group].members) {
     if (!Alive(m) || m.last_seen <= since) return std::nullopt;
-    auto p = m.positions.find({spec.name(), held.version()});
+    auto p = m.positions.find({table.spec.name(), held.version()});
     if (p == m.positions.end()) return std::nullopt;
     if (sequence && *sequence != p->second.sequence) return std::nullopt;
     sequence = p->second.sequence;
@@ -82,14 +78,16 @@ std::optional<uint64_t> ControlPlane::GroupSequence(const v1::TableSpec& spec, i
   return sequence;
 }
 
-bool ControlPlane::LearnStream(const v1::TableSpec& spec, UpdateStream& stream) {
+bool ControlPlane::LearnStream(TableRecord& table) {
+  const v1::TableSpec& spec = table.spec;
+  UpdateStream& stream = table.stream;
   std::vector<int> placed;
   std::map<int, uint64_t> reported;
   for (int g = 0; g < options_.groups; ++g) {
-    if (!PlacedOn(spec, g) || StaleLocked(spec, g)) continue;
+    if (!PlacedOn(spec, g) || table.StaleOn(g)) continue;
     placed.push_back(g);
-    if (!TableReady(spec.name(), g)) continue;
-    if (std::optional<uint64_t> s = GroupSequence(spec, g, stream.unknown_since)) reported[g] = *s;
+    if (!TableReady(table, g)) continue;
+    if (std::optional<uint64_t> s = GroupSequence(table, g, stream.unknown_since)) reported[g] = *s;
   }
   if (reported.empty()) return false;
   if (reported.size() < placed.size() && clock_.Now() - stream.unknown_since < kLearnWait) {
@@ -102,7 +100,7 @@ bool ControlPlane::LearnStream(const v1::TableSpec& spec, UpdateStream& stream) 
     auto r = reported.find(g);
     if (r == reported.end() || r->second < most) behind.push_back(g);
   }
-  if (!MarkStale(spec, behind, absl::StrCat("its update position was not the most advanced, ",
+  if (!MarkStale(table, behind, absl::StrCat("its update position was not the most advanced, ",
                                             most, ", when the stream's was learnt"))
            .ok()) {
     return false;
@@ -124,25 +122,26 @@ absl::StatusOr<UpdatePlan> ControlPlane::StartUpdate(const std::string& name,
     if (it == tables_.end()) {
       return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
     }
-    const v1::TableSpec spec = it->second;
+    TableRecord& table = it->second;
+    const v1::TableSpec spec = table.spec;
     if (!Replicated(spec)) {
       return absl::FailedPreconditionError(
           absl::StrCat("table \"", name, "\" is on one replica group: its workers take updates"));
     }
-    if (unserved_.count(name)) {
+    if (table.unserved) {
       return absl::FailedPreconditionError(
           absl::StrCat("table \"", name, "\" is still being created"));
     }
-    if (loading_.count(name)) {
+    if (table.loading) {
       return absl::FailedPreconditionError(absl::StrCat(
           "a LoadVersion of table \"", name, "\" is under way: updates resume once it ends"));
     }
-    UpdateStream& stream = StreamOf(spec);
+    UpdateStream& stream = StreamOf(table);
     absl::Status waiting;
     if (stream.recovering) {
       waiting = absl::UnavailableError(absl::StrCat(
           "a replica of table \"", name, "\" is being recovered; its updates waited for it"));
-    } else if (!stream.known && (stream.in_flight > 0 || !LearnStream(spec, stream))) {
+    } else if (!stream.known && (stream.in_flight > 0 || !LearnStream(table))) {
       waiting = absl::UnavailableError(absl::StrCat(
           "the update position of table \"", name,
           "\" is being learnt from its replicas (the coordinator started, or every replica "
@@ -152,10 +151,10 @@ absl::StatusOr<UpdatePlan> ControlPlane::StartUpdate(const std::string& name,
       std::vector<int> down;
       bool settling = false;
       for (int g = 0; g < options_.groups; ++g) {
-        if (!PlacedOn(spec, g) || StaleLocked(spec, g)) continue;
-        if (!TableReady(name, g)) {
+        if (!PlacedOn(spec, g) || table.StaleOn(g)) continue;
+        if (!TableReady(table, g)) {
           down.push_back(g);
-        } else if (!TableServing(name, g)) {
+        } else if (!TableServing(table, g)) {
           settling = true;  // its workers start serving it at their next heartbeat
         } else {
           const Member& m = groups_[g].members[0];
@@ -170,7 +169,7 @@ absl::StatusOr<UpdatePlan> ControlPlane::StartUpdate(const std::string& name,
             "; its updates waited for it"));
       } else {
         SHARDSERVE_RETURN_IF_ERROR(MarkStale(
-            spec, down,
+            table, down,
             absl::StrCat("it did not serve the table when update ", stream.sequence + 1,
                          " came")));
         plan.spec = spec;
@@ -198,12 +197,12 @@ absl::Status ControlPlane::FinishUpdate(const UpdatePlan& plan,
   }
   const bool applied = failed.size() < results.size();
   auto it = tables_.find(plan.spec.name());
-  if (it == tables_.end() || it->second.created() != plan.spec.created() ||
-      it->second.version() != plan.spec.version()) {
+  if (it == tables_.end() || it->second.spec.created() != plan.spec.created() ||
+      it->second.spec.version() != plan.spec.version()) {
     return applied ? absl::OkStatus() : first_error;  // dropped or switched meanwhile
   }
-  const v1::TableSpec& spec = it->second;
-  UpdateStream& stream = StreamOf(spec);
+  TableRecord& table = it->second;
+  UpdateStream& stream = StreamOf(table);
   if (stream.in_flight > 0) --stream.in_flight;
   if (!applied) {
     // Applied by none, or by some that could not say so: the position is learnt again, from
@@ -215,7 +214,7 @@ absl::Status ControlPlane::FinishUpdate(const UpdatePlan& plan,
   if (!stream.known) stream.unknown_since = clock_.Now();
   stream.acknowledged = std::max(stream.acknowledged, plan.sequence);
   if (absl::Status marked = MarkStale(
-          spec, failed,
+          table, failed,
           absl::StrCat("it failed update ", plan.sequence, ": ", first_error.message()));
       !marked.ok()) {
     LOG(ERROR) << "coordinator: the registry could not be saved: " << marked;
@@ -236,7 +235,8 @@ absl::StatusOr<v1::TableInfo> ControlPlane::AddReplica(const std::string& name, 
   if (it == tables_.end()) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
   }
-  v1::TableSpec& spec = it->second;
+  TableRecord& table = it->second;
+  v1::TableSpec& spec = table.spec;
   if (group < 0 || group >= options_.groups) {
     return absl::InvalidArgumentError(
         absl::StrCat("group: ", group, " is out of range [0, ", options_.groups, ")"));
@@ -245,14 +245,13 @@ absl::StatusOr<v1::TableInfo> ControlPlane::AddReplica(const std::string& name, 
     return absl::AlreadyExistsError(
         absl::StrCat("table \"", name, "\" has a replica on group ", group, " already"));
   }
-  if (unserved_.count(name) || loading_.count(name)) {
+  if (table.unserved || table.loading) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "table \"", name, "\" is ", unserved_.count(name) ? "still being created"
-                                                      : "loading a version",
+        "table \"", name, "\" is ", table.unserved ? "still being created" : "loading a version",
         "; add the replica once that is done"));
   }
   // The new replica loads the serving version only: it could not rebuild a kept version's updates.
-  if (kept_.count(name)) {
+  if (!table.kept.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "table \"", name, "\" keeps older versions for pinned calls; unload them "
         "(UnloadVersion) before adding a replica"));
@@ -263,17 +262,18 @@ absl::StatusOr<v1::TableInfo> ControlPlane::AddReplica(const std::string& name, 
   // there makes the coordinator's next one fail FAILED_PRECONDITION (applied nowhere) and the
   // position be learnt again.
   spec.add_groups(group);
-  stale_[{name, group}] = {spec.created(), spec.version()};
+  ReplicaRecord& replica = table.replicas[group];
+  replica.stale = StaleMark{spec.created(), spec.version()};
   if (absl::Status saved = SaveRegistry(); !saved.ok()) {
     spec.mutable_groups()->RemoveLast();  // a failed save changes nothing
-    stale_.erase({name, group});
+    replica.stale.reset();
     return saved;
   }
   LOG(INFO) << absl::StrFormat(
       "coordinator: table \"%s\" version %d: a replica added on group %d; it serves once "
       "recovered from another",
       name, spec.version(), group);
-  return InfoOf(spec);
+  return InfoOf(table);
 }
 
 bool ControlPlane::StaleReplicasTold(const std::vector<StaleNotice>& notices) const {
@@ -289,9 +289,10 @@ bool ControlPlane::StaleReplicasTold(const std::vector<StaleNotice>& notices) co
 
 void ControlPlane::CheckLostLogs(int group) {
   if (groups_[group].learning) return;
-  for (const auto& [name, spec] : tables_) {
-    if (Replicated(spec) || !PlacedOn(spec, group) || loading_.count(name)) continue;
-    const v1::TableSpec held = SpecFor(spec, group);
+  for (auto& [name, table] : tables_) {
+    const v1::TableSpec& spec = table.spec;
+    if (Replicated(spec) || !PlacedOn(spec, group) || table.loading) continue;
+    const v1::TableSpec held = table.SpecOn(group);
     int empty = -1, holder = -1;  // a rank whose log was made anew, and one whose log has records
     uint64_t records = 0;
     bool alike = true;  // every rank reports a logged load, at one position
@@ -319,10 +320,10 @@ void ControlPlane::CheckLostLogs(int group) {
       alike = alike && (!at || *at == position.lsn);
       at = position.lsn;
     }
-    if (!StaleLocked(spec, group)) {
+    if (!table.StaleOn(group)) {
       if (empty < 0 || holder < 0) continue;
       if (absl::Status marked = MarkStale(
-              spec, {group},
+              table, {group},
               absl::StrFormat("rank %d's update log of it is gone - its load started from the base "
                               "with a new log while rank %d's log holds %d records - so the group "
                               "cannot rebuild rank %d's shard; restore the rank's --data_dir and "
@@ -332,7 +333,7 @@ void ControlPlane::CheckLostLogs(int group) {
         LOG(ERROR) << "coordinator: the registry could not be saved: " << marked;
       }
     } else if (alike && at) {
-      stale_.erase({name, group});
+      table.replicas[group].stale.reset();
       LOG(INFO) << absl::StrFormat(
           "coordinator: table \"%s\" version %d: every rank of group %d holds it at record %d "
           "again: it is no longer stale",
@@ -347,50 +348,45 @@ void ControlPlane::CheckLostLogs(int group) {
 std::optional<RecoveryPlan> ControlPlane::StartRecovery() {
   absl::MutexLock lock(&mu_);
   if (stop_ || AnyLearning()) return std::nullopt;
-  for (const auto& [key, at] : stale_) {
-    auto t = tables_.find(key.first);
-    const int g = key.second;
-    if (t == tables_.end() || t->second.created() != at.first || t->second.version() != at.second ||
-        g >= options_.groups) {
-      continue;
-    }
-    const v1::TableSpec& spec = t->second;
-    UpdateStream& stream = StreamOf(spec);
-    int source = -1;
-    for (int s = 0; s < options_.groups && source < 0; ++s) {
-      if (s != g && PlacedOn(spec, s) && !StaleLocked(spec, s) && TableReady(spec.name(), s)) {
-        source = s;
+  for (auto& [name, table] : tables_) {
+    const v1::TableSpec& spec = table.spec;
+    for (const auto& [g, replica] : table.replicas) {
+      if (!replica.stale || !replica.stale->In(spec) || g >= options_.groups) continue;
+      UpdateStream& stream = StreamOf(table);
+      int source = -1;
+      for (int s = 0; s < options_.groups && source < 0; ++s) {
+        if (s != g && PlacedOn(spec, s) && !table.StaleOn(s) && TableReady(table, s)) source = s;
       }
+      const v1::TableSpec held = table.SpecOn(g);
+      bool ready = source >= 0 && !table.loading && GroupServing(g);
+      for (const Member& m : groups_[g].members) ready = ready && Holds(m, held);
+      if (!ready) {
+        stream.recovering = false;
+        continue;
+      }
+      stream.recovering = true;  // no update starts; those in flight end first
+      if (stream.in_flight > 0) return std::nullopt;
+      RecoveryPlan plan;
+      plan.table = spec.name();
+      plan.version = spec.version();
+      plan.group = g;
+      plan.source = source;
+      const uint64_t source_generation = table.SpecOn(source).generation();
+      for (int r = 0; r < options_.world_size; ++r) {
+        const Member& m = groups_[g].members[r];
+        const Member& from = groups_[source].members[r];
+        plan.targets.push_back(m.internal_address.empty() ? m.address : m.internal_address);
+        v1::internal::RecoverShardRequest& request = plan.requests.emplace_back();
+        request.set_table(spec.name());
+        request.set_generation(held.generation());
+        request.set_source(from.internal_address.empty() ? from.address : from.internal_address);
+        request.set_source_generation(source_generation);
+      }
+      LOG(INFO) << absl::StrFormat(
+          "coordinator: table \"%s\" version %d: recovering group %d's replica from group %d's",
+          spec.name(), spec.version(), g, source);
+      return plan;
     }
-    const v1::TableSpec held = SpecFor(spec, g);
-    bool ready = source >= 0 && !loading_.count(spec.name()) && GroupServing(g);
-    for (const Member& m : groups_[g].members) ready = ready && Holds(m, held);
-    if (!ready) {
-      stream.recovering = false;
-      continue;
-    }
-    stream.recovering = true;  // no update starts; those in flight end first
-    if (stream.in_flight > 0) return std::nullopt;
-    RecoveryPlan plan;
-    plan.table = spec.name();
-    plan.version = spec.version();
-    plan.group = g;
-    plan.source = source;
-    const uint64_t source_generation = SpecFor(spec, source).generation();
-    for (int r = 0; r < options_.world_size; ++r) {
-      const Member& m = groups_[g].members[r];
-      const Member& from = groups_[source].members[r];
-      plan.targets.push_back(m.internal_address.empty() ? m.address : m.internal_address);
-      v1::internal::RecoverShardRequest& request = plan.requests.emplace_back();
-      request.set_table(spec.name());
-      request.set_generation(held.generation());
-      request.set_source(from.internal_address.empty() ? from.address : from.internal_address);
-      request.set_source_generation(source_generation);
-    }
-    LOG(INFO) << absl::StrFormat(
-        "coordinator: table \"%s\" version %d: recovering group %d's replica from group %d's",
-        spec.name(), spec.version(), g, source);
-    return plan;
   }
   return std::nullopt;
 }
@@ -400,12 +396,13 @@ void ControlPlane::FinishRecovery(
     const std::vector<v1::internal::RecoverShardResponse>& recovered) {
   absl::MutexLock lock(&mu_);
   auto t = tables_.find(plan.table);
-  if (t == tables_.end() || t->second.version() != plan.version) return;
-  const v1::TableSpec& spec = t->second;
-  UpdateStream& stream = StreamOf(spec);
+  if (t == tables_.end() || t->second.spec.version() != plan.version) return;
+  TableRecord& table = t->second;
+  const v1::TableSpec& spec = table.spec;
+  UpdateStream& stream = StreamOf(table);
   stream.recovering = false;
-  auto stale = stale_.find({plan.table, plan.group});
-  if (stale == stale_.end()) return;
+  auto replica = table.replicas.find(plan.group);
+  if (replica == table.replicas.end() || !replica->second.stale) return;
   absl::Status outcome = status;
   if (outcome.ok()) {
     for (const v1::internal::RecoverShardResponse& r : recovered) {
@@ -426,12 +423,12 @@ void ControlPlane::FinishRecovery(
         plan.table, plan.version, plan.group, outcome.ToString());
     return;
   }
-  stale_.erase(stale);
-  std::vector<uint64_t>& beats = recovered_[{plan.table, plan.group}];
-  beats.clear();
-  for (const Member& m : groups_[plan.group].members) beats.push_back(m.heartbeats + 2);
+  ReplicaRecord& record = replica->second;
+  record.stale.reset();
+  record.recovered.clear();
+  for (const Member& m : groups_[plan.group].members) record.recovered.push_back(m.heartbeats + 2);
   if (absl::Status saved = SaveRegistry(); !saved.ok()) {
-    stale_[{plan.table, plan.group}] = {spec.created(), spec.version()};
+    record.stale = StaleMark{spec.created(), spec.version()};
     LOG(WARNING) << "coordinator: the registry could not be saved: " << saved;
     return;
   }
@@ -443,27 +440,30 @@ void ControlPlane::FinishRecovery(
 
 void ControlPlane::CheckReplicaPositions(int group) {
   if (groups_[group].learning) return;
-  for (const auto& [name, spec] : tables_) {
-    if (!Replicated(spec) || !PlacedOn(spec, group) || StaleLocked(spec, group) ||
-        loading_.count(name)) {
+  for (auto& [name, table] : tables_) {
+    const v1::TableSpec& spec = table.spec;
+    if (!Replicated(spec) || !PlacedOn(spec, group) || table.StaleOn(group) || table.loading) {
       continue;
     }
-    const v1::TableSpec held = SpecFor(spec, group);
-    auto s = streams_.find(name);
+    const v1::TableSpec held = table.SpecOn(group);
+    const UpdateStream& stream = table.stream;  // (as StreamOf left it: maybe another version's)
     const uint64_t acknowledged =
-        s != streams_.end() && s->second.created == spec.created() &&
-                s->second.version == spec.version()
-            ? s->second.acknowledged
+        stream.created == spec.created() && stream.version == spec.version()
+            ? stream.acknowledged
             : 0;
     // Only loads whose worker does not serve the table now (loaded anew, or its group broke):
     // a serving one's position moves between heartbeats, but no update reaches one that does not
     // serve it (StartUpdate).
     std::vector<uint64_t> held_at;
-    auto recovered = recovered_.find({name, group});
+    auto replica = table.replicas.find(group);
+    std::vector<uint64_t>* recovered = replica != table.replicas.end() &&
+                                               !replica->second.recovered.empty()
+                                           ? &replica->second.recovered
+                                           : nullptr;
     bool settled = true;
     for (size_t r = 0; r < groups_[group].members.size(); ++r) {
       const Member& m = groups_[group].members[r];
-      if (recovered != recovered_.end() && m.heartbeats < recovered->second[r]) {
+      if (recovered != nullptr && m.heartbeats < (*recovered)[r]) {
         settled = false;  // it may still report where it was before the copy
         continue;
       }
@@ -474,7 +474,7 @@ void ControlPlane::CheckReplicaPositions(int group) {
       }
       held_at.push_back(p->second.sequence);
     }
-    if (settled && recovered != recovered_.end()) recovered_.erase(recovered);
+    if (settled && recovered != nullptr) recovered->clear();
     const bool behind = std::any_of(held_at.begin(), held_at.end(),
                                     [&](uint64_t s) { return s < acknowledged; });
     const bool apart = std::any_of(held_at.begin(), held_at.end(),
@@ -482,10 +482,10 @@ void ControlPlane::CheckReplicaPositions(int group) {
     if (!behind && !apart) continue;
     bool another = false;  // a replica that holds what this one lacks
     for (int g = 0; g < options_.groups; ++g) {
-      another = another || (g != group && PlacedOn(spec, g) && !StaleLocked(spec, g));
+      another = another || (g != group && PlacedOn(spec, g) && !table.StaleOn(g));
     }
     if (!another) continue;
-    MarkStale(spec, {group},
+    MarkStale(table, {group},
               behind ? "a rank holds it behind the acknowledged updates"
                      : "its ranks hold it at different updates (a rank's update log was lost, "
                        "or a crash cut a step short)")

@@ -54,7 +54,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::LoadVersion(const v1::LoadVersionReq
     if (it == tables_.end()) {
       return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
     }
-    next = it->second;
+    next = it->second.spec;
   }
   if (request.source_case() == v1::LoadVersionRequest::kSeed) {
     next.set_seed(request.seed());
@@ -70,17 +70,17 @@ absl::StatusOr<v1::TableInfo> ControlPlane::LoadVersion(const v1::LoadVersionReq
   if (it == tables_.end()) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
   }
+  TableRecord& table = it->second;
   uint64_t generation = 0;
-  if (auto running = loading_.find(name); running != loading_.end()) {
-    if (!SameSource(running->second.spec, next)) {
+  if (const std::optional<VersionLoad>& running = table.loading) {
+    if (!SameSource(running->spec, next)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "version ", running->second.spec.version(), " of table \"", name,
-          "\" is being loaded (from ", SourceOf(running->second.spec),
-          "); wait until it serves or fails (DescribeTable shows it)"));
+          "version ", running->spec.version(), " of table \"", name, "\" is being loaded (from ",
+          SourceOf(running->spec), "); wait until it serves or fails (DescribeTable shows it)"));
     }
-    generation = running->second.spec.generation();  // a retry: wait for the same load
+    generation = running->spec.generation();  // a retry: wait for the same load
   } else {
-    if (unserved_.count(name)) {
+    if (table.unserved) {
       return absl::FailedPreconditionError(absl::StrCat(
           "table \"", name,
           "\" is being created: a new version replaces a created one; wait for it (WaitTable)"));
@@ -93,7 +93,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::LoadVersion(const v1::LoadVersionReq
     // before it loads: a load that does not fit fails there, never an out-of-memory kill.)
     std::string short_of;
     for (int g = 0; g < options_.groups; ++g) {
-      if (!PlacedOn(it->second, g)) continue;
+      if (!PlacedOn(table.spec, g)) continue;
       load.order.push_back(g);
       for (int r = 0; r < options_.world_size && short_of.empty(); ++r) {
         const Member& m = groups_[g].members[r];
@@ -115,7 +115,7 @@ absl::StatusOr<v1::TableInfo> ControlPlane::LoadVersion(const v1::LoadVersionReq
           ") and only one replica holds it: add memory, or replicas, or pass allow_gap to "
           "unload the serving version first (calls fail until the new one serves)"));
     }
-    next.set_version(it->second.version() + 1);
+    next.set_version(table.spec.version() + 1);
     next.set_generation(++last_generation_);
     generation = next.generation();
     load.spec = next;
@@ -124,32 +124,31 @@ absl::StatusOr<v1::TableInfo> ControlPlane::LoadVersion(const v1::LoadVersionReq
         static_cast<unsigned long long>(next.version()), SourceOf(next).c_str(),
         v1::SwapMode_Name(load.mode).c_str(),
         short_of.empty() ? "" : absl::StrCat(": ", short_of).c_str());
-    failed_versions_.erase(name);
-    loading_[name] = std::move(load);
+    table.failed_version.reset();
+    table.loading = std::move(load);
     AdvanceVersions();
   }
-  // Wait (bounded) until the load has switched or failed.
+  // Wait (bounded) until the load has switched or failed (or the table is dropped).
   auto done = [this, &name, generation]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    auto l = loading_.find(name);
-    return stop_ || l == loading_.end() || l->second.spec.generation() != generation;
+    auto t = tables_.find(name);
+    return stop_ || t == tables_.end() || !t->second.loading ||
+           t->second.loading->spec.generation() != generation;
   };
   const absl::Time until =
       request.timeout_ms() == 0
           ? WaitEnd(deadline)
           : std::min(WaitEnd(deadline), clock_.Now() + absl::Milliseconds(request.timeout_ms()));
   clock_.AwaitWithDeadline(mu_, absl::Condition(&done), until);
-  auto failed = failed_versions_.find(name);
-  if (failed != failed_versions_.end() && failed->second.version() == next.version() &&
-      !loading_.count(name)) {
-    const v1::VersionInfo& f = failed->second;
-    return absl::Status(static_cast<absl::StatusCode>(f.error_code()),
-                        absl::StrCat("version ", f.version(), " of table \"", name,
-                                     "\" could not be loaded (the serving version serves on): ",
-                                     f.error()));
-  }
-  it = tables_.find(name);
+  it = tables_.find(name);  // (the lock was let go meanwhile)
   if (it == tables_.end()) {
     return absl::AbortedError(absl::StrCat("table \"", name, "\" was dropped while loading"));
+  }
+  if (const std::optional<v1::VersionInfo>& f = it->second.failed_version;
+      f && f->version() == next.version() && !it->second.loading) {
+    return absl::Status(static_cast<absl::StatusCode>(f->error_code()),
+                        absl::StrCat("version ", f->version(), " of table \"", name,
+                                     "\" could not be loaded (the serving version serves on): ",
+                                     f->error()));
   }
   return InfoOf(it->second);
 }
@@ -162,20 +161,20 @@ absl::StatusOr<v1::TableInfo> ControlPlane::UnloadVersion(const std::string& nam
   if (it == tables_.end()) {
     return absl::NotFoundError(absl::StrCat("table \"", name, "\" not found"));
   }
-  if (version == it->second.version()) {
+  TableRecord& table = it->second;
+  if (version == table.spec.version()) {
     return absl::FailedPreconditionError(
         absl::StrCat("version ", version, " of table \"", name,
                      "\" is the serving one: load another first, or drop the table"));
   }
-  if (auto l = loading_.find(name); l != loading_.end() && l->second.spec.version() == version) {
+  if (table.loading && table.loading->spec.version() == version) {
     return absl::FailedPreconditionError(
         absl::StrCat("version ", version, " of table \"", name, "\" is being loaded"));
   }
-  std::vector<v1::TableSpec>& kept = kept_[name];
+  std::vector<v1::TableSpec>& kept = table.kept;
   auto old = std::find_if(kept.begin(), kept.end(),
                           [&](const v1::TableSpec& s) { return s.version() == version; });
   if (old == kept.end()) {
-    if (kept.empty()) kept_.erase(name);
     return absl::NotFoundError(
         absl::StrCat("version ", version, " of table \"", name, "\" is not loaded"));
   }
@@ -186,22 +185,16 @@ absl::StatusOr<v1::TableInfo> ControlPlane::UnloadVersion(const std::string& nam
     kept.insert(kept.begin() + at, unloaded);  // a failed save changes nothing
     return s;
   }
-  if (kept.empty()) kept_.erase(name);
   LOG(INFO) << absl::StrFormat("coordinator: table \"%s\": version %llu unloaded", name.c_str(),
                                static_cast<unsigned long long>(version));
-  return InfoOf(it->second);
+  return InfoOf(table);
 }
 
 void ControlPlane::AdvanceVersions() {
   const absl::Time now = clock_.Now();
-  for (auto it = loading_.begin(); it != loading_.end();) {
-    const std::string name = it->first;
-    VersionLoad& load = it->second;
-    auto table = tables_.find(name);
-    if (table == tables_.end()) {  // dropped meanwhile
-      it = loading_.erase(it);
-      continue;
-    }
+  for (auto& [name, table] : tables_) {
+    if (!table.loading) continue;
+    VersionLoad& load = *table.loading;
     if (const absl::Status* error = VersionLoadError(load.spec, load.order)) {
       if (load.mode == v1::SWAP_MODE_BESIDE && absl::IsResourceExhausted(*error) &&
           (load.order.size() > 1 || load.allow_gap)) {
@@ -212,11 +205,10 @@ void ControlPlane::AdvanceVersions() {
             std::string(error->message()).c_str());
         load.mode = v1::SWAP_MODE_ONE_REPLICA_AT_A_TIME;
         load.spec.set_generation(++last_generation_);  // the failed loads are forgotten
-        ++it;
         continue;
       }
-      FailVersion(name, load, *error);
-      it = loading_.erase(it);
+      FailVersion(table, load, *error);
+      table.loading.reset();
       continue;
     }
     bool switch_now = false;
@@ -231,10 +223,7 @@ void ControlPlane::AdvanceVersions() {
       switch_now = any && all;
     } else {
       // The replica swapping now must serve the new version before the next one starts.
-      if (load.swapped > 0 && !TableServing(name, load.order[load.swapped - 1])) {
-        ++it;
-        continue;
-      }
+      if (load.swapped > 0 && !TableServing(table, load.order[load.swapped - 1])) continue;
       if (load.swapped == load.order.size()) {
         switch_now = true;
       } else {
@@ -243,14 +232,13 @@ void ControlPlane::AdvanceVersions() {
           // Listed as DRAINING first, so that clients move to the replicas that serve - unless
           // it does not serve anyway, or none other does (allow_gap).
           bool others = false;
-          for (int o : load.order) others = others || (o != g && TableServing(name, o));
-          load.unload_at =
-              others && TableServing(name, g) ? now + options_.swap_drain : now;
+          for (int o : load.order) others = others || (o != g && TableServing(table, o));
+          load.unload_at = others && TableServing(table, g) ? now + options_.swap_drain : now;
         }
         if (now >= load.unload_at) {
           LOG(INFO) << absl::StrFormat(
               "coordinator: table \"%s\": group %d unloads version %llu and loads %llu",
-              name.c_str(), g, static_cast<unsigned long long>(table->second.version()),
+              name.c_str(), g, static_cast<unsigned long long>(table.spec.version()),
               static_cast<unsigned long long>(load.spec.version()));
           ++load.swapped;
           load.unload_at = absl::InfiniteFuture();
@@ -258,45 +246,35 @@ void ControlPlane::AdvanceVersions() {
       }
     }
     if (switch_now) {
+      // (The load ends before the switch: the replicas it swapped hold the new spec by then.)
       const VersionLoad done = std::move(load);
-      it = loading_.erase(it);
-      SwitchVersion(name, done);
-      continue;
+      table.loading.reset();
+      SwitchVersion(table, done);
     }
-    ++it;
   }
 }
 
-bool ControlPlane::SwitchVersion(const std::string& name, const VersionLoad& load) {
-  v1::TableSpec& serving = tables_.at(name);
-  const v1::TableSpec old = serving;
-  const std::vector<v1::TableSpec> kept_before = kept_[name];
-  std::map<std::pair<std::string, int>, uint64_t> replicas;
-  for (auto r = replica_generations_.begin(); r != replica_generations_.end();) {
-    if (r->first.first == name) {  // the old version's own generations
-      replicas.insert(*r);
-      r = replica_generations_.erase(r);
-    } else {
-      ++r;
-    }
+bool ControlPlane::SwitchVersion(TableRecord& table, const VersionLoad& load) {
+  const std::string name = table.spec.name();
+  const v1::TableSpec old = table.spec;
+  const std::vector<v1::TableSpec> kept_before = table.kept;
+  std::map<int, uint64_t> replicas;  // the old version's own generations
+  for (auto& [group, replica] : table.replicas) {
+    if (!replica.generation) continue;
+    replicas[group] = *replica.generation;
+    replica.generation.reset();
   }
-  serving = load.spec;
-  std::vector<v1::TableSpec>& kept = kept_[name];
-  kept.insert(kept.begin(), old);
-  kept.resize(std::min<size_t>(kept.size(), load.keep - 1));
-  if (kept.empty()) kept_.erase(name);
+  table.spec = load.spec;
+  table.kept.insert(table.kept.begin(), old);
+  table.kept.resize(std::min<size_t>(table.kept.size(), load.keep - 1));
   if (absl::Status s = SaveRegistry(); !s.ok()) {
-    tables_[name] = old;  // a failed save changes nothing
-    replica_generations_.insert(replicas.begin(), replicas.end());
-    if (kept_before.empty()) {
-      kept_.erase(name);
-    } else {
-      kept_[name] = kept_before;
-    }
-    FailVersion(name, load, s);
+    table.spec = old;  // a failed save changes nothing
+    for (const auto& [group, generation] : replicas) table.replicas[group].generation = generation;
+    table.kept = kept_before;
+    FailVersion(table, load, s);
     return false;
   }
-  v1::VersionInfo& info = switched_[name];
+  v1::VersionInfo& info = table.switched.emplace();
   info.set_mode(load.mode);
   info.set_load_ms(absl::ToInt64Milliseconds(clock_.Now() - load.started));
   LOG(INFO) << absl::StrFormat(
@@ -307,10 +285,9 @@ bool ControlPlane::SwitchVersion(const std::string& name, const VersionLoad& loa
   return true;
 }
 
-void ControlPlane::FailVersion(const std::string& name, const VersionLoad& load,
+void ControlPlane::FailVersion(TableRecord& table, const VersionLoad& load,
                                const absl::Status& error) {
-  v1::VersionInfo& info = failed_versions_[name];
-  info.Clear();
+  v1::VersionInfo& info = table.failed_version.emplace();
   info.set_version(load.spec.version());
   info.set_source(SourceOf(load.spec));
   info.set_state(v1::VERSION_STATE_FAILED);
@@ -319,8 +296,8 @@ void ControlPlane::FailVersion(const std::string& name, const VersionLoad& load,
   info.set_error_code(static_cast<int>(error.code()));
   LOG(WARNING) << absl::StrFormat(
       "coordinator: table \"%s\": version %llu could not be loaded, version %llu serves on: %s",
-      name.c_str(), static_cast<unsigned long long>(load.spec.version()),
-      static_cast<unsigned long long>(tables_.at(name).version()), error.ToString().c_str());
+      table.spec.name().c_str(), static_cast<unsigned long long>(load.spec.version()),
+      static_cast<unsigned long long>(table.spec.version()), error.ToString().c_str());
 }
 
 const absl::Status* ControlPlane::VersionLoadError(const v1::TableSpec& spec,
@@ -342,8 +319,8 @@ int ControlPlane::RanksHolding(const v1::TableSpec& spec, int group) const {
   return ranks;
 }
 
-void ControlPlane::AddVersions(const v1::TableSpec& serving, v1::TableInfo& info) const {
-  const std::string& name = serving.name();
+void ControlPlane::AddVersions(const TableRecord& table, v1::TableInfo& info) const {
+  const v1::TableSpec& serving = table.spec;
   std::vector<v1::VersionInfo> versions;
   auto add = [&](const v1::TableSpec& spec, v1::VersionState state, bool serves) {
     v1::VersionInfo v;
@@ -354,49 +331,38 @@ void ControlPlane::AddVersions(const v1::TableSpec& serving, v1::TableInfo& info
       if (!PlacedOn(serving, g)) continue;
       v1::VersionReplica* r = v.add_replicas();
       r->set_group(g);
-      v1::TableSpec held = serves ? SpecFor(serving, g) : spec;
+      v1::TableSpec held = serves ? table.SpecOn(g) : spec;
       if (held.version() != spec.version()) held = spec;  // swapped to the next one already
       r->set_ranks_loaded(RanksHolding(held, g));
-      r->set_serving(TableServing(name, g) && SpecFor(serving, g).version() == spec.version());
+      r->set_serving(TableServing(table, g) && table.SpecOn(g).version() == spec.version());
     }
     return v;
   };
-  if (auto kept = kept_.find(name); kept != kept_.end()) {
-    for (const v1::TableSpec& old : kept->second) {
-      versions.push_back(add(old, v1::VERSION_STATE_KEPT, false));
-    }
+  for (const v1::TableSpec& old : table.kept) {
+    versions.push_back(add(old, v1::VERSION_STATE_KEPT, false));
   }
   v1::VersionInfo now = add(serving, v1::VERSION_STATE_SERVING, true);
-  if (auto s = switched_.find(name); s != switched_.end()) {
-    now.set_mode(s->second.mode());
-    now.set_load_ms(s->second.load_ms());
+  if (table.switched) {
+    now.set_mode(table.switched->mode());
+    now.set_load_ms(table.switched->load_ms());
   }
   versions.push_back(now);
-  if (auto l = loading_.find(name); l != loading_.end()) {
-    v1::VersionInfo next = add(l->second.spec, v1::VERSION_STATE_LOADING, false);
-    next.set_mode(l->second.mode);
+  if (const std::optional<VersionLoad>& load = table.loading) {
+    v1::VersionInfo next = add(load->spec, v1::VERSION_STATE_LOADING, false);
+    next.set_mode(load->mode);
     // One at a time: the replicas swapped already serve the new version.
     for (v1::VersionReplica& r : *next.mutable_replicas()) {
-      r.set_serving(TableServing(name, r.group()) &&
-                    SpecFor(serving, r.group()).version() == l->second.spec.version());
+      r.set_serving(TableServing(table, r.group()) &&
+                    table.SpecOn(r.group()).version() == load->spec.version());
     }
     versions.push_back(next);
   }
-  if (auto f = failed_versions_.find(name); f != failed_versions_.end()) {
-    versions.push_back(f->second);
-  }
+  if (table.failed_version) versions.push_back(*table.failed_version);
   std::sort(versions.begin(), versions.end(),
             [](const v1::VersionInfo& a, const v1::VersionInfo& b) {
               return a.version() < b.version();
             });
   for (v1::VersionInfo& v : versions) *info.add_versions() = std::move(v);
-}
-
-void ControlPlane::ForgetVersions(const std::string& name) {
-  loading_.erase(name);
-  kept_.erase(name);
-  failed_versions_.erase(name);
-  switched_.erase(name);
 }
 
 }  // namespace shardserve::server
