@@ -319,6 +319,26 @@ class ControlPlane {
 
   ControlPlane(ControlPlaneOptions options, Clock& clock, std::unique_ptr<RegistryStore> store);
 
+  // --- A heartbeat's phases (control_plane_groups.cc), in this order ---
+  // Refuses a beat that no rank may send now (out of range, the rank held by another live
+  // process, a process that has left) - first, so that a refused beat changes nothing.
+  absl::Status AdmitBeat(const v1::internal::HeartbeatRequest& request) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Records what the beat says of its member (membership, loads, positions, what it serves, load
+  // errors) - before reconciling, which judges the group by these reports.
+  void RecordBeat(const v1::internal::HeartbeatRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Acts on the group as now reported: partial renorms first (a replica reloaded for one is not
+  // reloaded again by a new epoch), then the group's epoch, replica positions, lost logs (stale
+  // marks that the versions and creations then see), version loads, and creations that now
+  // serve - before the reply, which tells the worker the outcome of all of them.
+  void ReconcileAfterBeat(const v1::internal::HeartbeatRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the member must do now: its group's epoch and members, and each table placed on its
+  // group as reconciled - last, so that it reflects this very beat.
+  v1::internal::HeartbeatResponse BuildReply(int group, int rank) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
   // Moves each LoadVersion on: its failure, the next replica of one at a time, the switch.
   void AdvanceVersions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The table's spec becomes `load`'s (persisted): false (and the load failed, saying why) if the

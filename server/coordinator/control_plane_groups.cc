@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "core/base/status_macros.h"
 #include "core/comm/rendezvous.h"
 #include "glog/logging.h"
 #include "server/common/table_spec.h"
@@ -32,6 +33,13 @@ bool ControlPlane::AnyLearning() const {
 absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     const v1::internal::HeartbeatRequest& request) {
   absl::MutexLock lock(&mu_);
+  SHARDSERVE_RETURN_IF_ERROR(AdmitBeat(request));
+  RecordBeat(request);
+  ReconcileAfterBeat(request);
+  return BuildReply(request.group(), request.rank());
+}
+
+absl::Status ControlPlane::AdmitBeat(const v1::internal::HeartbeatRequest& request) const {
   if (request.group() < 0 || request.group() >= options_.groups) {
     return absl::InvalidArgumentError(absl::StrCat(
         "group: ", request.group(), " is out of range [0, ", options_.groups, ")"));
@@ -42,8 +50,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
                                                    ")"));
   }
   const int g = request.group();
-  Group& group = groups_[g];
-  Member& m = group.members[request.rank()];
+  const Member& m = groups_[g].members[request.rank()];
   if (Alive(m) && m.incarnation != request.incarnation() && m.incarnation != 0) {
     return absl::AlreadyExistsError(absl::StrCat("rank ", request.rank(), " of group ", g,
                                                  " is held by a live worker at ", m.address));
@@ -52,6 +59,12 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
     // A heartbeat of a worker that has left, overtaken by its last: it stays gone.
     return absl::FailedPreconditionError("this worker has left the group");
   }
+  return absl::OkStatus();
+}
+
+void ControlPlane::RecordBeat(const v1::internal::HeartbeatRequest& request) {
+  const int g = request.group();
+  Member& m = groups_[g].members[request.rank()];
   const absl::Time now = clock_.Now();
   if (m.incarnation != request.incarnation() || m.address != request.address()) {
     LOG(INFO) << "coordinator: group " << g << " rank " << request.rank() << " is the worker at "
@@ -100,6 +113,10 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
                            request.rank(), ": ", e.message()));
     m.load_errors[e.table()] = {e.generation(), status};
   }
+}
+
+void ControlPlane::ReconcileAfterBeat(const v1::internal::HeartbeatRequest& request) {
+  const int g = request.group();
   for (const v1::TableSpec& held : request.renorm_unsure()) {
     ReloadAfterPartialRenorm(g, request.rank(), held);
   }
@@ -108,6 +125,11 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   CheckLostLogs(g);
   AdvanceVersions();
   ForgetServedCreations();
+}
+
+v1::internal::HeartbeatResponse ControlPlane::BuildReply(int g, int rank) const {
+  const Group& group = groups_[g];
+  const Member& m = group.members[rank];
   v1::internal::HeartbeatResponse response;
   response.set_world_size(options_.world_size);
   if (group.learning) {
@@ -119,8 +141,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
   // A worker that restarted after the epoch formed is not in it: its peers' rendezvous names the
   // process before, so a join could only wait out gloo's connect timeout (25 s) while the group
   // re-forms without it. Told of no epoch, it waits for the next one, which includes it.
-  const size_t rank = static_cast<size_t>(request.rank());
-  const bool in_epoch = rank < group.epoch_incarnations.size() &&
+  const bool in_epoch = static_cast<size_t>(rank) < group.epoch_incarnations.size() &&
                         group.epoch_incarnations[rank] == m.incarnation;
   response.set_epoch(in_epoch ? group.epoch : 0);
   for (int r = 0; r < options_.world_size; ++r) {
@@ -152,7 +173,7 @@ absl::StatusOr<v1::internal::HeartbeatResponse> ControlPlane::Heartbeat(
         LOG(INFO) << absl::StrFormat(
             "coordinator: group %d rank %d: table \"%s\" version %d: its update log ends at "
             "record %d, a peer's at %d: rolling back to %d",
-            g, request.rank(), name, replica.version(), mine->second.lsn, *target, *target);
+            g, rank, name, replica.version(), mine->second.lsn, *target, *target);
         v1::internal::TablePosition* back = response.add_roll_back();
         back->set_table(name);
         back->set_version(replica.version());
