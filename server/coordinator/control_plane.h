@@ -270,6 +270,9 @@ class ControlPlane {
   uint64_t epoch(int group = 0) const;
   int world_size() const { return options_.world_size; }
   bool learning() const;
+  // The clock its waits run on (options.clock, or the real one), for the waits of the parts
+  // built on it (UpdateSequencer): one time for all of them, a fake one in tests.
+  Clock& clock() const { return clock_; }
 
  private:
   struct Member {

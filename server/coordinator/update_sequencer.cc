@@ -1,5 +1,6 @@
 #include "server/coordinator/update_sequencer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <utility>
 #include <vector>
@@ -31,6 +32,22 @@ const char kApplyUpdate[] = "/shardserve.v1.internal.WorkerInternal/ApplyUpdate"
 
 // One update on its way to the replicas.
 struct UpdateSequencer::Call {
+  explicit Call(UpdateSequencer& sequencer) : under_way(sequencer) {}
+
+  // Counts the call as under way (UpdateSequencer::calls_) until the last of its members is gone:
+  // its ClientContexts hold the workers' channels, which must not be let go last on gRPC's
+  // callback threads (their end would stop those threads from one of them).
+  struct UnderWay {
+    explicit UnderWay(UpdateSequencer& s) : sequencer(s) {
+      absl::MutexLock lock(&sequencer.mu_);
+      ++sequencer.calls_;
+    }
+    ~UnderWay() {
+      absl::MutexLock lock(&sequencer.mu_);
+      --sequencer.calls_;
+    }
+    UpdateSequencer& sequencer;
+  } under_way;  // (first: destroyed last)
   UpdatePlan plan;
   grpc::ByteBuffer update;  // the ReplicatedUpdate, sharing the bytes the client sent
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
@@ -42,7 +59,7 @@ struct UpdateSequencer::Call {
 };
 
 UpdateSequencer::UpdateSequencer(ControlPlane& control, rpc::ChannelSecurity security)
-    : control_(control), security_(std::move(security)) {
+    : control_(control), clock_(control.clock()), security_(std::move(security)) {
   for (int i = 0; i < kThreads; ++i) threads_.emplace_back([this] { Serve(); });
   recovery_ = std::thread([this] { RecoveryLoop(); });
 }
@@ -52,7 +69,7 @@ UpdateSequencer::~UpdateSequencer() {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  for (std::thread& t : threads_) t.join();  // (queued updates are answered first)
+  for (std::thread& t : threads_) t.join();  // (updates under way are answered first)
   recovery_.join();
 }
 
@@ -70,9 +87,11 @@ void UpdateSequencer::Serve() {
     std::function<void()> task;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return !queue_.empty() || (stop_ && calls_ == 0);
+      };
       mu_.Await(absl::Condition(&ready));
-      if (queue_.empty()) return;  // stopping, and nothing left
+      if (queue_.empty()) return;  // stopping, and no update left under way
       task = std::move(queue_.front());
       queue_.pop_front();
     }
@@ -93,7 +112,7 @@ UpdateSequencer::Stubs& UpdateSequencer::StubsFor(const std::string& address) {
 
 void UpdateSequencer::Start(const grpc::ByteBuffer& request, const v1::TableSpec& spec,
                             absl::Time deadline, Done done) {
-  auto call = std::make_shared<Call>();
+  auto call = std::make_shared<Call>(*this);
   call->deadline = deadline;
   call->done = std::move(done);
   v1::UpdateRowsRequest update;
@@ -118,9 +137,10 @@ void UpdateSequencer::Start(const grpc::ByteBuffer& request, const v1::TableSpec
   call->responses.resize(n);
   call->results.resize(n);
   call->pending = n;
+  const absl::Time real_deadline = RealTime(deadline);
   for (size_t i = 0; i < n; ++i) {
     call->contexts.push_back(std::make_unique<grpc::ClientContext>());
-    call->contexts[i]->set_deadline(absl::ToChronoTime(deadline));
+    call->contexts[i]->set_deadline(absl::ToChronoTime(real_deadline));
   }
   for (size_t i = 0; i < n; ++i) {
     grpc::GenericStub& stub = *StubsFor(call->plan.targets[i].address).generic;
@@ -153,10 +173,16 @@ void UpdateSequencer::Answer(Call& call) {
   }
 }
 
+absl::Time UpdateSequencer::RealTime(absl::Time deadline) const {
+  if (deadline == absl::InfiniteFuture()) return deadline;
+  return absl::Now() + (deadline - clock_.Now());
+}
+
 void UpdateSequencer::AnswerOnceTold(Call& call,
                                      const std::vector<ControlPlane::StaleNotice>& notices) {
   while (!control_.StaleReplicasTold(notices)) {
-    if (absl::Now() >= call.deadline) {
+    const absl::Time now = clock_.Now();
+    if (now >= call.deadline) {
       call.done(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                              absl::StrCat("update ", call.plan.sequence, " of table \"",
                                           call.plan.spec.name(),
@@ -165,7 +191,12 @@ void UpdateSequencer::AnswerOnceTold(Call& call,
                 grpc::ByteBuffer());
       return;
     }
-    absl::SleepFor(kToldPoll);
+    // A pause on the clock the replicas' liveness runs on (which a test's fake moves).
+    absl::Mutex pause;
+    absl::MutexLock lock(&pause);
+    static constexpr bool kNever = false;
+    clock_.AwaitWithDeadline(pause, absl::Condition(&kNever),
+                             std::min(call.deadline, now + kToldPoll));
   }
   Answer(call);
 }
