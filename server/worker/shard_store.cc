@@ -20,17 +20,20 @@
 
 namespace shardserve::server {
 
-int64_t ShardStore::MemoryAvailable() const {
-  int64_t room = -1;
+core::HostMemoryRoom ShardStore::Room() const {
+  core::HostMemoryRoom room;
   if (options_.table_memory_bytes > 0) {
-    room = std::max<int64_t>(options_.table_memory_bytes - tables_.HeldBytes(), 0);
+    room.bytes = std::max<int64_t>(options_.table_memory_bytes - tables_.HeldBytes(), 0);
+    room.limit = absl::StrCat("--table_memory_mb ", options_.table_memory_bytes >> 20);
   }
   if (options_.host_memory) {
-    const int64_t host = core::AvailableHostBytes();
-    if (host >= 0) room = room < 0 ? host : std::min(room, host);
+    core::HostMemoryRoom host = core::AvailableHostMemory();
+    if (host.bytes >= 0 && (room.bytes < 0 || host.bytes < room.bytes)) room = std::move(host);
   }
   return room;
 }
+
+int64_t ShardStore::MemoryAvailable() const { return Room().bytes; }
 
 absl::StatusOr<std::shared_ptr<core::ShardedTable>> ShardStore::Load(const v1::TableSpec& spec,
                                                                      int world,
@@ -41,16 +44,12 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> ShardStore::Load(const v1::T
                                             " of table \"", spec.name(), "\" not loaded"));
   }
   const int64_t need = config.ShardBytes(options_.rank);
-  const int64_t room = MemoryAvailable();
-  if (room >= 0 && need > room) {
+  const core::HostMemoryRoom room = Room();
+  if (room.bytes >= 0 && need > room.bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "version ", spec.version(), " of table \"", spec.name(), "\" needs ", need,
-        " bytes for its shard, but only ", room,
-        " are available (tables held: ", tables_.HeldBytes(), " bytes",
-        options_.table_memory_bytes > 0
-            ? absl::StrCat(", --table_memory_mb ", options_.table_memory_bytes >> 20)
-            : std::string(),
-        ")"));
+        " bytes for its shard, but only ", room.bytes, " are available under ", room.limit,
+        " (tables held: ", tables_.HeldBytes(), " bytes)"));
   }
   // At most load_bytes_per_s while the worker holds tables it serves (a worker that holds none,
   // just started, loads at full speed): after each chunk, wait until the bytes so far are due.

@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/base/host_memory.h"
 #include "core/kernels/local_kernels.h"
 #include "core/step/step_loop.h"
 #include "core/table/sharded_table.h"
@@ -50,8 +51,10 @@ class ShardStore {
              core::StepLoop& loop)
       : options_(std::move(options)), kernels_(kernels), tables_(tables), loop_(loop) {}
 
-  // Bytes of tables this worker could still load (-1: not known): table_memory_bytes left, and
-  // the host memory available for a CPU worker.
+  // Bytes of tables this worker could still load (-1: not known), and what bounds them: the least
+  // of table_memory_bytes left and, for a CPU worker, the host memory this process can still have
+  // (its cgroup's limit included: core::AvailableHostMemory).
+  core::HostMemoryRoom Room() const;
   int64_t MemoryAvailable() const;
   // Loads `spec`'s shard of this rank for a group of `world` ranks, after checking there is room
   // for it (RESOURCE_EXHAUSTED if not; INTERNAL for the fail_load drill; else the spec's, the
