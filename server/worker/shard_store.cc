@@ -92,10 +92,21 @@ absl::StatusOr<std::shared_ptr<core::ShardedTable>> ShardStore::Load(const v1::T
   return std::shared_ptr<core::ShardedTable>(std::move(table));
 }
 
+std::string TableDirName(const v1::TableSpec& spec) {
+  // A file name holds 255 bytes at most, and a name may have 256 (and the creation time 20
+  // digits): a longer one keeps its first 200 bytes, then a digest of the whole name (FNV-1a:
+  // stable across builds and hosts, as the directory must be).
+  const std::string created = absl::StrCat(".", spec.created());
+  if (spec.name().size() + created.size() <= 255) return spec.name() + created;
+  uint64_t digest = 14695981039346656037ull;
+  for (unsigned char c : spec.name()) digest = (digest ^ c) * 1099511628211ull;
+  return absl::StrCat(spec.name().substr(0, 200), "~", absl::Hex(digest, absl::kZeroPad16),
+                      created);
+}
+
 std::string ShardStore::LogDir(const v1::TableSpec& spec) const {
   if (options_.data_dir.empty()) return std::string();
-  return absl::StrCat(options_.data_dir, "/", spec.name(), ".", spec.created(), "/v",
-                      spec.version());
+  return absl::StrCat(options_.data_dir, "/", TableDirName(spec), "/v", spec.version());
 }
 
 absl::Status ShardStore::Install(core::ShardedTable& table, const v1::TableSpec& spec,

@@ -26,6 +26,10 @@
 
 namespace shardserve::server {
 
+// The directory of a table's loads under --data_dir: "<name>.<created>", or, for a name too long
+// for a file name, "<its first 200 bytes>~<a digest of it>.<created>".
+std::string TableDirName(const v1::TableSpec& spec);
+
 struct ShardStoreOptions {
   int group = 0;  // for logs
   int rank = 0;
